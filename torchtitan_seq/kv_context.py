@@ -1,0 +1,154 @@
+"""The KV context: each layer's K/V threaded across the subsequences of a microbatch.
+
+A pipeline stage runs a microbatch as k units (subsequences) in order. Unit j
+of microbatch m attends to its own keys/values and to those of units 0..j-1
+of the same microbatch on the same stage. The context keeps, per microbatch and
+per layer, one :class:`KVBlock` per finished unit.
+
+Gradients flow backwards through the blocks without joining the units'
+autograd graphs (joining them would let the backward of unit j walk into, and
+free, the graph of unit j-1):
+
+* a block stores its K/V *detached*;
+* when a later unit's attention runs backward, it adds dL/dK and dL/dV of every
+  block it read into that block's side buffers (:meth:`KVBlock.accumulate`);
+* when the block's own unit runs backward, its attention adds the side buffers
+  to the gradient of its own K/V, once (:meth:`KVBlock.take_grads`).
+
+This is exact when, per microbatch and stage, backwards run last unit first
+(see ``torchtitan_seq.ordering``). It works for full backward and for split
+input/weight backward alike, because the side buffers are filled and consumed
+inside the attention's own backward, which runs in the input-gradient pass.
+
+Lifetime: the context forgets a microbatch once its last unit has run forward
+on the stage; from then on the unit graphs alone keep the blocks alive, and
+they free them as backward runs. :meth:`KVContext.clear` drops everything at
+the end of a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+__all__ = ["Unit", "KVBlock", "KVContext"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One (microbatch, subsequence) unit as a stage runs it.
+
+    Attributes:
+        microbatch: index m of the microbatch in the step.
+        index: index j of the subsequence within the microbatch.
+        offset: position of the unit's first token in the full sequence.
+        length: number of tokens in the unit.
+        num_subsequences: k, the number of units the microbatch is cut into.
+    """
+
+    microbatch: int
+    index: int
+    offset: int
+    length: int
+    num_subsequences: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_subsequences - 1
+
+
+class KVBlock:
+    """K/V of one unit in one layer, with the gradient later units send it.
+
+    ``k`` and ``v`` are detached, shaped (batch, kv_heads, length, head_dim).
+    """
+
+    __slots__ = ("k", "v", "_grad_k", "_grad_v")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k = k.detach()
+        self.v = v.detach()
+        self._grad_k: torch.Tensor | None = None
+        self._grad_v: torch.Tensor | None = None
+
+    def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor) -> None:
+        """Add the gradient that a later unit's attention sends into this block."""
+        if self._grad_k is None:
+            self._grad_k, self._grad_v = grad_k, grad_v
+        else:
+            self._grad_k = self._grad_k + grad_k
+            self._grad_v = self._grad_v + grad_v
+
+    def take_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Hand over (and forget) everything later units sent; ``(None, None)`` if nothing."""
+        grads = self._grad_k, self._grad_v
+        self._grad_k = self._grad_v = None
+        return grads
+
+
+class KVContext:
+    """Per-stage K/V state of the microbatches in flight.
+
+    One context belongs to one pipeline stage (model chunk); the stage binds it
+    to the chunk's attention layers and announces each unit with
+    :meth:`running`. Outside :meth:`running` the layers compute plain
+    full-sequence causal attention.
+    """
+
+    def __init__(self) -> None:
+        self._unit: Unit | None = None
+        # microbatch -> layer id -> blocks of units 0..j-1, in order
+        self._blocks: dict[int, dict[int, list[KVBlock]]] = {}
+
+    @property
+    def unit(self) -> Unit | None:
+        """The unit being run forward, or None outside a unit."""
+        return self._unit
+
+    @contextlib.contextmanager
+    def running(self, unit: Unit) -> Iterator[None]:
+        """Run the forward of ``unit`` inside this context."""
+        if self._unit is not None:
+            raise RuntimeError(f"KVContext: {unit} started while {self._unit} is running")
+        self._unit = unit
+        try:
+            yield
+        finally:
+            self._unit = None
+            if unit.is_last:
+                # The unit graphs keep what backward needs; the context lets go.
+                self._blocks.pop(unit.microbatch, None)
+
+    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list[KVBlock], KVBlock]:
+        """Record the current unit's K/V for ``layer_id``.
+
+        Returns the blocks of the earlier units (the prefix to attend to) and
+        the new block of the current unit.
+        """
+        unit = self._unit
+        if unit is None:
+            raise RuntimeError("KVContext.append called outside a unit")
+        blocks = self._blocks.setdefault(unit.microbatch, {}).setdefault(layer_id, [])
+        if len(blocks) != unit.index:
+            raise RuntimeError(
+                f"layer {layer_id}: subsequence {unit.index} of microbatch {unit.microbatch} "
+                f"ran forward after {len(blocks)} subsequences; forwards must run in "
+                "subsequence order, each once"
+            )
+        prefix = list(blocks)
+        block = KVBlock(k, v)
+        if not unit.is_last:
+            blocks.append(block)
+        return prefix, block
+
+    def clear(self) -> None:
+        """Forget every microbatch (end of step)."""
+        self._unit = None
+        self._blocks.clear()
+
+    def __len__(self) -> int:
+        """Number of microbatches whose K/V the context still holds."""
+        return len(self._blocks)

@@ -1,0 +1,85 @@
+"""The ordering rules that make a sequence schedule exact, and their validator.
+
+Within one microbatch on one stage (k subsequences, unit id = m * k + j):
+
+1. forward: F(m, j) runs after F(m, j - 1), since unit j attends to the K/V
+   of units 0..j-1;
+2. backward: the pass that runs a unit's attention backward (B, or I, or W on
+   the first stage, where torch defers the whole backward to W) runs for
+   (m, j) after it ran for (m, j + 1) and after F(m, k - 1), since unit j + 1
+   sends gradient into the K/V of units 0..j;
+3. loss: on the last stage forwards run in unit-id order, because torch 2.13
+   files each loss under the position at which it was computed.
+
+torch's own ``_validate_schedule`` checks none of these.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+__all__ = ["ScheduleOrderError", "validate_unit_order"]
+
+F = _ComputationType.FORWARD
+B = _ComputationType.FULL_BACKWARD
+I = _ComputationType.BACKWARD_INPUT  # noqa: E741
+W = _ComputationType.BACKWARD_WEIGHT
+
+_BACKWARDS = (B, I, W)
+
+
+class ScheduleOrderError(ValueError):
+    """A schedule breaks one of the ordering rules of this module."""
+
+
+def _compute_actions(actions: list[_Action | None]):
+    for t, a in enumerate(actions):
+        if a is None:
+            continue
+        for s in a.sub_actions if a.sub_actions is not None else (a,):
+            yield t, s
+
+
+def validate_unit_order(
+    order: dict[int, list[_Action | None]], num_subsequences: int, num_stages: int
+) -> None:
+    """Check rules 1-3 on per-rank compute-only action lists.
+
+    Raises :class:`ScheduleOrderError` naming the rule, the rank, the step and
+    the unit.
+    """
+    k = num_subsequences
+    for rank, actions in order.items():
+        done: set[tuple[int, _ComputationType, int]] = set()
+        last_forward: dict[int, int] = {}
+        for t, a in _compute_actions(actions):
+            kind, stage, uid = a.computation_type, a.stage_index, a.microbatch_index
+            if kind not in (F, *_BACKWARDS):
+                continue
+            m, j = divmod(uid, k)
+            where = f"rank {rank} step {t}: {a} (microbatch {m}, subsequence {j}) on stage {stage}"
+            if kind == F:
+                if j > 0 and (stage, F, uid - 1) not in done:
+                    raise ScheduleOrderError(
+                        f"rule 1 (forward in subsequence order): {where} runs before "
+                        f"subsequence {j - 1}"
+                    )
+                if stage == num_stages - 1 and uid != last_forward.get(stage, -1) + 1:
+                    raise ScheduleOrderError(
+                        f"rule 3 (loss order): {where} runs forward on the last stage "
+                        f"after unit {last_forward.get(stage, -1)}; the last stage must "
+                        "run forwards in unit-id order"
+                    )
+                last_forward[stage] = uid
+            else:
+                if (stage, F, m * k + k - 1) not in done:
+                    raise ScheduleOrderError(
+                        f"rule 2 (backward after the microbatch's forwards): {where} runs "
+                        f"before the forward of subsequence {k - 1}"
+                    )
+                if j < k - 1 and (stage, kind, uid + 1) not in done:
+                    raise ScheduleOrderError(
+                        f"rule 2 (backward last-subsequence-first): {where} runs before "
+                        f"its {kind.value} of subsequence {j + 1}"
+                    )
+            done.add((stage, kind, uid))

@@ -1,0 +1,228 @@
+"""Sequence-level pipeline schedules.
+
+Each schedule is a short pure function ``(num_ranks, num_microbatches,
+num_subsequences) -> {rank: [compute actions]}`` over (microbatch, subsequence)
+units, numbered ``unit id = m * k + j``, plus a thin
+``_PipelineScheduleRuntime`` subclass that validates the lists
+(:mod:`torchtitan_seq.ordering`) and hands them to torch's own lowering
+(send/recv, FSDP unshard/reshard, gradient reduction) and executor.
+
+Usage with plain ``torch.distributed.pipelining``::
+
+    lengths = partition_sequence(seq_len, 4, "even")
+    stage = SequencePipelineStage(chunk, rank, world, device, lengths=lengths)
+    schedule = ScheduleSeq1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
+    losses = []
+    schedule.step(tokens, target=labels, losses=losses)  # tokens: (batch, seq_len)
+
+``loss_fn(output, target)`` receives one unit and must return that unit's
+share of the step's loss: the *sum* of its token losses divided by the
+step's token count (see :class:`torchtitan_seq.loss.TokenNormalizedLoss`), so
+that summing units is exact for uneven subsequences. ``losses`` receives one
+loss per microbatch, as with torch's schedules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
+
+from .ordering import B, F, I, W, validate_unit_order
+from .stage import SequencePipelineStage
+
+__all__ = [
+    "seq1f1b_actions",
+    "terapipe_actions",
+    "SequenceSchedule",
+    "ScheduleSeq1F1B",
+    "ScheduleTeraPipe",
+    "SEQUENCE_SCHEDULES",
+]
+
+ActionLists = dict[int, list[_Action | None]]
+
+
+def _unit_orders(num_microbatches: int, k: int) -> tuple[list[int], list[int]]:
+    """Forward order (subsequence order) and backward order (last subsequence first)."""
+    fwd = [m * k + j for m in range(num_microbatches) for j in range(k)]
+    bwd = [m * k + j for m in range(num_microbatches) for j in reversed(range(k))]
+    return fwd, bwd
+
+
+def _one_f_one_b(rank: int, warmup: int, fwd: list[int], bwd: list[int], split_backward: bool) -> list[_Action | None]:
+    """``warmup`` forwards, then alternate backward/forward, then the remaining backwards.
+
+    With ``split_backward`` each backward is an input-gradient pass (I) and the
+    weight-gradient passes (W) follow at the end, in backward order.
+    """
+    back = I if split_backward else B
+    actions: list[_Action | None] = [_Action(rank, F, u) for u in fwd[:warmup]]
+    for u_f, u_b in zip(fwd[warmup:], bwd):
+        actions += [_Action(rank, back, u_b), _Action(rank, F, u_f)]
+    actions += [_Action(rank, back, u) for u in bwd[len(fwd) - warmup:]]
+    if split_backward:
+        actions += [_Action(rank, W, u) for u in bwd]
+    return actions
+
+
+def seq1f1b_actions(
+    num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False
+) -> ActionLists:
+    """Seq1F1B (arXiv 2406.03488): 1F1B over units, one stage per rank.
+
+    Rank r warms up with k + p - 1 - r forwards, so the first backward (the
+    last subsequence of microbatch 0) arrives just as it is needed; then one
+    backward and one forward alternate. Peak in-flight units on rank 0:
+    min(p - 1 + k, N k).
+    """
+    n = num_microbatches * num_subsequences
+    fwd, bwd = _unit_orders(num_microbatches, num_subsequences)
+    return {
+        r: _one_f_one_b(r, min(n, num_subsequences + num_ranks - 1 - r), fwd, bwd, split_backward)
+        for r in range(num_ranks)
+    }
+
+
+def terapipe_actions(
+    num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False
+) -> ActionLists:
+    """TeraPipe (ICML'21): GPipe over units, every forward then every backward, last unit first."""
+    n = num_microbatches * num_subsequences
+    fwd, bwd = _unit_orders(num_microbatches, num_subsequences)
+    return {r: _one_f_one_b(r, n, fwd, bwd, split_backward) for r in range(num_ranks)}
+
+
+class SequenceSchedule(_PipelineScheduleRuntime):
+    """Base of the sequence schedules: runs N microbatches as N k units.
+
+    Args:
+        stages: this rank's :class:`SequencePipelineStage` (or a list of them).
+        n_microbatches: N, microbatches per step (the batch is split on dim 0).
+        loss_fn: per-unit loss, see the module docstring.
+        split_backward: run each backward as an input pass (I) and a weight
+            pass (W) instead of one full backward (B).
+        scale_grads: divide gradients by the number of units; leave False with
+            a token-normalised loss.
+    """
+
+    actions_fn: ClassVar[Callable[..., ActionLists]]
+
+    def __init__(
+        self,
+        stages: SequencePipelineStage | list[SequencePipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        split_backward: bool = False,
+        scale_grads: bool = False,
+    ) -> None:
+        stages = stages if isinstance(stages, list) else [stages]
+        for s in stages:
+            if not isinstance(s, SequencePipelineStage):
+                raise TypeError(
+                    f"{type(self).__name__} needs SequencePipelineStage stages, got {type(s).__name__}"
+                )
+        lengths = stages[0].lengths
+        if any(s.lengths != lengths for s in stages):
+            raise ValueError("all stages of a sequence schedule must cut sequences alike")
+        self.lengths = lengths
+        self.num_subsequences = k = len(lengths)
+        self.num_microbatches = n_microbatches
+        super().__init__(stages, n_microbatches * k, loss_fn=loss_fn, scale_grads=scale_grads)
+        order = self.actions_fn(
+            self.pp_group_size, n_microbatches, k, split_backward=split_backward
+        )
+        validate_unit_order(order, k, self._num_stages)
+        self.pipeline_order = order
+        self._prepare_schedule_with_comms(order)
+
+    def _maybe_get_loss(self, stage, mb_index):
+        loss = super()._maybe_get_loss(stage, mb_index)
+        if loss is not None:
+            # Kept attached, the loss would pin the unit's graph until the step ends.
+            self._internal_losses[mb_index] = loss.detach()
+        return loss
+
+    def _split_units(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
+        """(batch, seq, ...) -> N k tensors (batch / N, L_j, ...), unit-id order."""
+        if t.shape[0] % self.num_microbatches:
+            raise ValueError(
+                f"{name} has batch size {t.shape[0]}, not a multiple of the "
+                f"{self.num_microbatches} microbatches"
+            )
+        if t.shape[1] != sum(self.lengths):
+            raise ValueError(
+                f"{name} has sequence length {t.shape[1]}, but the schedule cuts "
+                f"{sum(self.lengths)} tokens into subsequences {self.lengths}"
+            )
+        return [
+            unit
+            for mb in t.tensor_split(self.num_microbatches, dim=0)
+            for unit in mb.split(self.lengths, dim=1)
+        ]
+
+    def step(
+        self,
+        *args: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        **kwargs: Any,
+    ):
+        """Run one step on a whole batch; see the module docstring.
+
+        args: the first stage's inputs, each (batch, seq_len, ...); empty on
+        other ranks. target: (batch, seq_len) on the rank of the last stage.
+        Returns the last stage's output, (batch, seq_len, ...), if asked for.
+        """
+        if kwargs:
+            raise TypeError(
+                f"sequence schedules take the model inputs positionally, got {sorted(kwargs)}"
+            )
+        if self._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("step() needs gradients enabled; use eval() for inference")
+        n = self._n_microbatches
+        per_arg = [self._split_units(a, f"input {i}") for i, a in enumerate(args)]
+        arg_units = [tuple(units[u] for units in per_arg) for u in range(n)]
+        target_units = self._split_units(target, "target") if target is not None else None
+        for stage in self._stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        unit_losses = [] if losses is not None else None
+        try:
+            self._step_microbatches(arg_units, [{}] * n, target_units, unit_losses, return_outputs)
+        finally:
+            for stage in self._stages:
+                stage.kv_context.clear()
+        k = self.num_subsequences
+        if unit_losses:
+            losses.clear()
+            losses.extend(sum(unit_losses[m * k:(m + 1) * k]) for m in range(self.num_microbatches))
+        for stage in self._stages:
+            if stage.is_last and return_outputs:
+                outs = stage.output_chunks
+                return torch.cat(
+                    [torch.cat(outs[m * k:(m + 1) * k], dim=1) for m in range(self.num_microbatches)]
+                )
+        return None
+
+
+class ScheduleSeq1F1B(SequenceSchedule):
+    """Seq1F1B: 1F1B over (microbatch, subsequence) units; see :func:`seq1f1b_actions`."""
+
+    actions_fn = staticmethod(seq1f1b_actions)
+
+
+class ScheduleTeraPipe(SequenceSchedule):
+    """TeraPipe: GPipe over units; see :func:`terapipe_actions`."""
+
+    actions_fn = staticmethod(terapipe_actions)
+
+
+# Names users select in ``[parallelism] pipeline_parallel_schedule``.
+SEQUENCE_SCHEDULES: dict[str, type[SequenceSchedule]] = {
+    "Seq1F1B": ScheduleSeq1F1B,
+    "TeraPipe": ScheduleTeraPipe,
+}

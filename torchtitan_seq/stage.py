@@ -1,0 +1,122 @@
+"""The pipeline stage of a sequence schedule.
+
+``SequencePipelineStage`` is torch's ``PipelineStage`` for a model chunk that
+runs (microbatch, subsequence) units. torch numbers the units as microbatches,
+``unit id = m * k + j``; the stage
+
+* announces each unit to its :class:`~torchtitan_seq.kv_context.KVContext`
+  while the unit runs forward,
+* sizes every unit's receive buffers (torch sizes them all like unit 0, but
+  subsequences may differ in length),
+* forgets every unit's K/V when a step ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from .attention import AttentionKernel, select_kernel
+from .kv_context import KVContext, Unit
+from .model import bind_kv_context
+
+__all__ = ["SequencePipelineStage"]
+
+
+class SequencePipelineStage(PipelineStage):
+    """A pipeline stage whose microbatches are cut into subsequences.
+
+    Args:
+        submodule: the model chunk; a :class:`~torchtitan_seq.model.SeqTransformer`
+            (after torchtitan's pipeline split).
+        stage_index, num_stages, device, group: as for ``PipelineStage``.
+        lengths: subsequence lengths [L_0, ..., L_{k-1}] of every microbatch.
+        seq_dim: sequence dimension of the stage's inputs and outputs.
+        kernel: block attention kernel; chosen for ``device`` when omitted.
+        **kwargs: passed on to ``PipelineStage``.
+    """
+
+    def __init__(
+        self,
+        submodule: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        *,
+        lengths: list[int],
+        seq_dim: int = 1,
+        kernel: AttentionKernel | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(submodule, stage_index, num_stages, device, **kwargs)
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"subsequence lengths must be positive, got {lengths}")
+        self.lengths = list(lengths)
+        self.offsets = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
+        self.seq_dim = seq_dim
+        self.kv_context = KVContext()
+        bind_kv_context(submodule, self.kv_context, kernel or select_kernel(torch.device(device)))
+
+    @property
+    def num_subsequences(self) -> int:
+        return len(self.lengths)
+
+    def unit(self, unit_id: int) -> Unit:
+        """The (microbatch, subsequence) unit behind torch's microbatch index."""
+        m, j = divmod(unit_id, self.num_subsequences)
+        return Unit(m, j, self.offsets[j], self.lengths[j], self.num_subsequences)
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        with self.kv_context.running(self.unit(fwd_chunk_id)):
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    def clear_runtime_states(self) -> None:
+        super().clear_runtime_states()
+        self.kv_context.clear()
+
+    def _unit_meta(self, meta, length: int):
+        """``meta`` (torch's tensor metadata) with the sequence dimension set to ``length``."""
+        shape = list(meta.shape)
+        shape[self.seq_dim] = length
+        changes: dict[str, Any] = {
+            "shape": torch.Size(shape),
+            "stride": torch.empty(shape, device="meta").stride(),
+        }
+        if getattr(meta, "global_shape", None):
+            global_shape = list(meta.global_shape)
+            global_shape[self.seq_dim] = length
+            changes["global_shape"] = torch.Size(global_shape)
+            changes["global_stride"] = torch.empty(global_shape, device="meta").stride()
+        return dataclasses.replace(meta, **changes)
+
+    def _size_recv_buffers(self, infos_by_unit: dict) -> None:
+        for unit_id, infos in infos_by_unit.items():
+            length = self.lengths[unit_id % self.num_subsequences]
+            for info in infos:
+                if info.is_root_arg or info.tensor_meta is None:
+                    continue
+                if info.tensor_meta.shape[self.seq_dim] == length:
+                    continue
+                info.tensor_meta = self._unit_meta(info.tensor_meta, length)
+                info.buffer = torch.empty(
+                    info.tensor_meta.shape,
+                    dtype=info.tensor_meta.dtype,
+                    device=self.device,
+                    requires_grad=info.buffer.requires_grad,
+                )
+
+    def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
+        # Metadata inference runs the chunk on unit 0 outside any unit: plain
+        # causal attention, nothing cached.
+        out = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward)
+        self._size_recv_buffers(self.args_recv_info)
+        return out
+
+    def _prepare_backward_infra(self, num_microbatches, *args, **kwargs):
+        out = super()._prepare_backward_infra(num_microbatches, *args, **kwargs)
+        self._size_recv_buffers(self.grad_recv_info)
+        return out
