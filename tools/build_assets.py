@@ -25,6 +25,8 @@ import inspect
 import json
 import os
 import pkgutil
+import pydoc
+import pydoc_data.topics
 import re
 import statistics
 import sys
@@ -32,8 +34,6 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
-import pydoc
-import pydoc_data.topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
 ``even``: equal lengths. ``compute``: lengths that give every unit the same
 forward + backward cost under the causal mask. A unit of s tokens after a
-prefix of P tokens costs ``linear * s + attention * (s * P + s**2 / 2)``:
+prefix of P tokens costs ``a * s + b * (s * P + s**2 / 2)`` (:class:`UnitCost`):
 projections, MLP and output layer grow with s, attention with the number of
 (query, key) pairs it scores. Later units have longer prefixes, so they get
 fewer tokens. Lengths are whole multiples of ``multiple`` (at least the TP
@@ -21,11 +21,17 @@ PARTITIONS = ("even", "compute")
 
 @dataclass(frozen=True)
 class UnitCost:
-    """Forward + backward cost of a unit: ``linear * s + attention * (s * P + s^2 / 2)``.
+    """Cost of a unit of ``s`` tokens after a prefix of ``P`` tokens, per pass.
+
+    forward = linear * s + attention * pairs, with pairs = s * P + s^2 / 2 the
+    (query, key) pairs scored under the causal mask; the input-gradient pass
+    (I) costs linear * s + 2.5 * attention * pairs (flash backward recomputes
+    the scores), the weight-gradient pass (W) linear * s. A full backward is
+    I + W.
 
     Attributes:
-        linear: cost per token of everything but attention scores.
-        attention: cost per (query, key) pair scored.
+        linear: forward cost per token of everything but attention scores.
+        attention: forward cost per (query, key) pair.
     """
 
     linear: float
@@ -33,12 +39,11 @@ class UnitCost:
 
     @classmethod
     def from_model_args(cls, args) -> "UnitCost":
-        """FLOPs of a Llama-style model (torchtitan ``TransformerModelArgs``).
+        """Forward FLOPs of a Llama-style model (torchtitan ``TransformerModelArgs``).
 
-        Per layer and token, forward: 2 * (dim * (q + k + v + o widths) + 3 *
-        dim * ffn) matmul FLOPs, and 4 * heads * head_dim per attended key.
-        Backward costs twice the forward for matmuls and about 2.5 times for
-        attention (flash backward recomputes the scores).
+        Per layer and token: 2 * dim * (q, k, v, o widths) + 2 * 3 * dim * ffn
+        matmul FLOPs (the output layer spread over the layers), and
+        4 * heads * head_dim per attended key.
         """
         dim, n_heads = args.dim, args.n_heads
         n_kv = args.n_kv_heads or n_heads
@@ -50,16 +55,30 @@ class UnitCost:
         proj = 2 * dim * head_dim * (2 * n_heads + 2 * n_kv)
         ffn = 2 * 3 * dim * hidden
         output = 2 * dim * args.vocab_size / args.n_layers
-        return cls(linear=3 * (proj + ffn + output), attention=3.5 * 4 * n_heads * head_dim)
+        return cls(linear=proj + ffn + output, attention=4 * n_heads * head_dim)
+
+    @staticmethod
+    def pairs(length: float, prefix: float) -> float:
+        return length * prefix + length * length / 2
+
+    def forward(self, length: float, prefix: float) -> float:
+        return self.linear * length + self.attention * self.pairs(length, prefix)
+
+    def backward_input(self, length: float, prefix: float) -> float:
+        return self.linear * length + 2.5 * self.attention * self.pairs(length, prefix)
+
+    def backward_weight(self, length: float, prefix: float) -> float:
+        return self.linear * length
 
     def __call__(self, length: float, prefix: float) -> float:
-        return self.linear * length + self.attention * (length * prefix + length * length / 2)
+        """Forward + backward cost, what the ``compute`` partition balances."""
+        return 3 * self.linear * length + 3.5 * self.attention * self.pairs(length, prefix)
 
 
 def _balanced_lengths(seq_len: int, k: int, cost: UnitCost) -> list[float]:
     """Real-valued lengths of equal cost, solved unit by unit from the start."""
     target = cost(seq_len, 0) / k
-    a, b = cost.linear, cost.attention
+    a, b = 3 * cost.linear, 3.5 * cost.attention
     lengths, prefix = [], 0.0
     for _ in range(k - 1):
         lin = a + b * prefix

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Train with torchtitan_seq, as torchtitan's run_train.sh does:
+#   ./run_train.sh [torchtitan overrides, e.g. --training.steps 20]
+#   CONFIG_FILE=train_configs/llama3_8b_32k.toml NGPU=8 ./run_train.sh
+# Creates or reuses .venv on first use. Without CUDA it runs on the CPU with
+# gloo and NGPU ranks (default 2); with CUDA it uses NCCL and the GPUs.
+set -euo pipefail
+cd "$(dirname "$0")"
+source tools/setup_env.sh
+
+CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
+if [ ! -f "$CONFIG_FILE" ]; then
+    echo "run_train.sh: CONFIG_FILE=$CONFIG_FILE does not exist" >&2
+    exit 2
+fi
+if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    NGPU=${NGPU:-8}
+else
+    NGPU=${NGPU:-2}
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+# The last pipeline stage owns the loss, but every rank logs it: rank 0 is enough.
+export LOG_RANK=${LOG_RANK:-0}
+
+exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+    --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    -m torchtitan_seq.train --job.config_file "$CONFIG_FILE" "$@"

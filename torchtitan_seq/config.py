@@ -1,0 +1,42 @@
+"""The ``[sequence_pipeline]`` section of a torchtitan job config.
+
+torchtitan merges this module's ``JobConfig`` into its own when a job names it
+(``[job] custom_config_module = "torchtitan_seq.config"``; ``torchtitan_seq.train``
+adds it for you), so every field is settable from TOML and from the command
+line, e.g. ``--sequence_pipeline.num_subsequences 4``.
+"""
+
+
+from dataclasses import dataclass, field
+
+__all__ = ["SequencePipeline", "JobConfig"]
+
+
+@dataclass
+class SequencePipeline:
+    """How sequence schedules cut and run each microbatch.
+
+    Read when ``[parallelism] pipeline_parallel_schedule`` names a sequence
+    schedule (``Seq1F1B``, ``TeraPipe``); ignored by torch's own schedules.
+    """
+
+    num_subsequences: int = 4
+    """k: subsequences each microbatch's sequence is cut into."""
+
+    partition: str = "compute"
+    """'compute' (every unit costs the same forward + backward under the causal
+    mask) or 'even' (equal lengths)."""
+
+    length_multiple: int = 1
+    """Every subsequence length is a multiple of this and of the TP degree."""
+
+    split_backward: bool = False
+    """Run each unit's backward as separate input- and weight-gradient passes."""
+
+    attention_backend: str = "auto"
+    """'auto' (flash-attn on CUDA when installed, SDPA otherwise), 'flash' or 'sdpa'."""
+
+
+@dataclass
+class JobConfig:
+    sequence_pipeline: SequencePipeline = field(default_factory=SequencePipeline)

@@ -1,0 +1,64 @@
+"""Activation memory, measured: the bytes autograd keeps alive for backward.
+
+Every tensor that autograd saves for backward passes through a saved-tensor
+hook; :class:`ActivationMemory` counts each distinct storage once while any
+saved reference to it lives, and keeps the peak. Parameters (and views of
+them) are not activations and are left out. The figure is the same on CPU and
+GPU, so schedules compare across devices and against torch's own schedules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["ActivationMemory"]
+
+
+class ActivationMemory:
+    """Live and peak bytes of saved activations on this process."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        # storage address -> [live saved references, bytes]
+        self._live: dict[int, list[int]] = {}
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self._live[key]
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        entry = self._live.get(key)
+        if entry is None:
+            entry = self._live[key] = [0, storage.nbytes()]
+            self.current += entry[1]
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+        # A detached alias, so the saved object holds no grad_fn (no cycle for
+        # saved outputs); its death marks the release of the saved reference.
+        saved = t.detach()
+        weakref.finalize(saved, self._release, key)
+        return saved
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Count saved activations inside the block; the peak restarts at the current level."""
+        self.peak = self.current
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
