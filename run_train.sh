@@ -22,6 +22,9 @@ fi
 # The last pipeline stage owns the loss, but every rank logs it: rank 0 is enough.
 export LOG_RANK=${LOG_RANK:-0}
 
+# Check the job first: a bad setting gets one line, not a traceback per rank.
+WORLD_SIZE="$NGPU" python -m torchtitan_seq.train --check --job.config_file "$CONFIG_FILE" "$@"
+
 exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m torchtitan_seq.train --job.config_file "$CONFIG_FILE" "$@"

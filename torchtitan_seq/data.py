@@ -11,16 +11,12 @@ the configs below in torchtitan's dataset table::
     DATASETS[VALIDATION_DATASET_NAME] = validation_dataset_config()
 """
 
-from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, load_dataset
 from torchtitan.hf_datasets import DatasetConfig
 
-ASSETS_DIR: Path = Path(__file__).resolve().parent / "assets"
-TOKENIZER_DIR: Path = ASSETS_DIR / "tokenizer"
-TRAIN_FILE: Path = ASSETS_DIR / "text" / "train.jsonl.gz"
-VALIDATION_FILE: Path = ASSETS_DIR / "text" / "validation.jsonl.gz"
+from .assets import ASSETS_DIR, TOKENIZER_DIR, TRAIN_FILE, VALIDATION_FILE  # noqa: F401
 
 DATASET_NAME = "seqpp_text"
 VALIDATION_DATASET_NAME = "seqpp_text_validation"

@@ -64,23 +64,14 @@ def pipeline_sequence_llm(
     parallelize_fn,
     loss_fn,
 ) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
-    """torchtitan's ``pipelining_fn`` contract: (schedule, model parts, has first, has last stage)."""
-    name = job_config.parallelism.pipeline_parallel_schedule
-    check_schedule_name(name)
+    """torchtitan's ``pipelining_fn`` contract: (schedule, model parts, has first, has last stage).
+
+    The job is assumed checked (:func:`torchtitan_seq.trainer.check_job`).
+    """
+    par = job_config.parallelism
+    name = par.pipeline_parallel_schedule
     if name not in SEQUENCE_SCHEDULES:
         return pipeline_llm(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn)
-    if parallel_dims.cp > 1:
-        raise ValueError(
-            f"parallelism.context_parallel_degree = {parallel_dims.cp} cannot be combined with "
-            f"the sequence schedule {name}: both cut the sequence; set it to 1"
-        )
-    par = job_config.parallelism
-    if job_config.training.local_batch_size % par.pipeline_parallel_microbatch_size:
-        raise ValueError(
-            f"training.local_batch_size = {job_config.training.local_batch_size} is not a "
-            f"multiple of parallelism.pipeline_parallel_microbatch_size = "
-            f"{par.pipeline_parallel_microbatch_size}"
-        )
     n_microbatches = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
     lengths = sequence_lengths(job_config, model_args, parallel_dims.tp)
     cfg = job_config.sequence_pipeline

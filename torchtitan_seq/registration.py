@@ -5,8 +5,7 @@
 * the train spec ``llama3_seq``: Llama 3 with chunk-aware attention
   (:class:`~torchtitan_seq.model.SeqTransformer`), our pipelining function
   (sequence schedules by name, torch's otherwise), a token-normalised loss,
-  the shipped tokenizer (``hf_assets_path = "builtin"``) and metrics that
-  include activation memory;
+  and metrics that include activation memory;
 * the shipped datasets ``seqpp_text`` and ``seqpp_text_validation`` in
   torchtitan's dataset table (its documented place for new datasets).
 """
@@ -14,7 +13,6 @@
 from __future__ import annotations
 
 from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.hf_datasets import text_datasets
 from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
 from torchtitan.protocols import train_spec
@@ -25,16 +23,9 @@ from .metrics import build_seq_metrics_processor
 from .model import SeqTransformer, seq_llama3_flavors
 from .pipeline import pipeline_sequence_llm
 
-__all__ = ["MODEL_NAME", "BUILTIN_ASSETS", "register"]
+__all__ = ["MODEL_NAME", "register"]
 
 MODEL_NAME = "llama3_seq"
-BUILTIN_ASSETS = "builtin"
-
-
-def build_tokenizer(job_config) -> HuggingFaceTokenizer:
-    """torchtitan's HF tokenizer; ``hf_assets_path = "builtin"`` means the shipped one."""
-    path = job_config.model.hf_assets_path
-    return HuggingFaceTokenizer(str(data.TOKENIZER_DIR) if path == BUILTIN_ASSETS else path)
 
 
 def build_loss(job_config, **kwargs) -> TokenNormalizedLoss:
@@ -58,7 +49,7 @@ def register() -> None:
             build_optimizers_fn=base.build_optimizers_fn,
             build_lr_schedulers_fn=base.build_lr_schedulers_fn,
             build_dataloader_fn=base.build_dataloader_fn,
-            build_tokenizer_fn=build_tokenizer,
+            build_tokenizer_fn=base.build_tokenizer_fn,
             build_loss_fn=build_loss,
             build_validator_fn=base.build_validator_fn,
             build_metrics_processor_fn=build_seq_metrics_processor,

@@ -8,9 +8,14 @@
 * Every rank logs the real loss (the pipeline stage that owns it shares it),
   not -1.
 * Saved activations are measured per step (:mod:`torchtitan_seq.memory`).
+
+:func:`check_job` rejects a job that cannot run before anything is built.
 """
 
 from __future__ import annotations
+
+import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -20,31 +25,64 @@ from torchtitan.train import Trainer
 from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
 from .metrics import SeqMetricsProcessor
-from .pipeline import check_schedule_name, pipeline_sequence_llm
+from .pipeline import check_schedule_name, pipeline_sequence_llm, sequence_lengths
 from .schedules import SEQUENCE_SCHEDULES
 
 __all__ = ["SeqTrainer"]
 
 
-def check_job(job_config) -> None:
-    """Reject, before anything is built, settings a sequence schedule cannot run with."""
-    name = job_config.parallelism.pipeline_parallel_schedule
+def check_job(job_config, world_size: int) -> None:
+    """Reject, before anything is built, a job that cannot run; each message names the setting.
+
+    Checks the schedule name, the model a sequence schedule needs, the
+    parallel degrees against ``world_size`` processes, and the sequence cut.
+    """
+    par = job_config.parallelism
+    name = par.pipeline_parallel_schedule
     check_schedule_name(name)
-    if name in SEQUENCE_SCHEDULES:
-        spec = get_train_spec(job_config.model.name)
-        if spec.pipelining_fn is not pipeline_sequence_llm:
-            raise ValueError(
-                f"parallelism.pipeline_parallel_schedule = {name!r} needs a model with "
-                f"chunk-aware attention, but model.name = {job_config.model.name!r} has none: "
-                'set [model] name = "llama3_seq"'
-            )
+    degrees = {
+        "data_parallel_replicate_degree": par.data_parallel_replicate_degree,
+        "context_parallel_degree": par.context_parallel_degree,
+        "tensor_parallel_degree": par.tensor_parallel_degree,
+        "pipeline_parallel_degree": par.pipeline_parallel_degree,
+    }
+    fixed = math.prod(degrees.values())
+    shard = par.data_parallel_shard_degree
+    if world_size % fixed or (shard != -1 and fixed * shard != world_size):
+        product = " x ".join(f"{k}={v}" for k, v in {**degrees, "data_parallel_shard_degree": shard}.items())
+        raise ValueError(
+            f"parallelism degrees {product} do not fit {world_size} processes: set them "
+            "(e.g. parallelism.pipeline_parallel_degree) so that their product is the "
+            "process count, or change the process count (NGPU)"
+        )
+    if name not in SEQUENCE_SCHEDULES:
+        return
+    spec = get_train_spec(job_config.model.name)
+    if spec.pipelining_fn is not pipeline_sequence_llm:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule = {name!r} needs a model with "
+            f"chunk-aware attention, but model.name = {job_config.model.name!r} has none: "
+            'set [model] name = "llama3_seq"'
+        )
+    if par.context_parallel_degree > 1:
+        raise ValueError(
+            f"parallelism.context_parallel_degree = {par.context_parallel_degree} cannot be "
+            f"combined with the sequence schedule {name}: both cut the sequence; set it to 1"
+        )
+    if job_config.training.local_batch_size % par.pipeline_parallel_microbatch_size:
+        raise ValueError(
+            f"training.local_batch_size = {job_config.training.local_batch_size} is not a "
+            "multiple of parallelism.pipeline_parallel_microbatch_size = "
+            f"{par.pipeline_parallel_microbatch_size}"
+        )
+    sequence_lengths(job_config, spec.model_args[job_config.model.flavor], par.tensor_parallel_degree)
 
 
 class SeqTrainer(Trainer):
     """torchtitan's ``Trainer`` for sequence pipelines; see the module docstring."""
 
     def __init__(self, job_config):
-        check_job(job_config)
+        check_job(job_config, int(os.environ["WORLD_SIZE"]))
         self.activation_memory = ActivationMemory()
         super().__init__(job_config)
         if isinstance(self.metrics_processor, SeqMetricsProcessor):

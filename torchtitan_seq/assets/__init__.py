@@ -1,0 +1,13 @@
+"""Files shipped with torchtitan_seq so that an installed copy trains offline.
+
+Built by ``tools/build_assets.py`` from the Python standard library's
+documentation: a byte-level BPE tokenizer (2048 ids) in HuggingFace layout,
+and a text corpus of long documents (gzipped JSON lines, key "text").
+"""
+
+from pathlib import Path
+
+ASSETS_DIR: Path = Path(__file__).resolve().parent
+TOKENIZER_DIR: Path = ASSETS_DIR / "tokenizer"
+TRAIN_FILE: Path = ASSETS_DIR / "text" / "train.jsonl.gz"
+VALIDATION_FILE: Path = ASSETS_DIR / "text" / "validation.jsonl.gz"
