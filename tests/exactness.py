@@ -11,7 +11,7 @@ import datetime
 import os
 import socket
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ class Variant:
     mean_loss: bool = False  # negative control: per-unit mean, scale_grads=True
     chunk_order_backward: bool = False  # negative control: bypass rule 2
     no_kv_grad: bool = False  # negative control: drop the K/V side buffers
-    extra: dict = field(default_factory=dict)
+    steps: int = 1  # steps run on the same batch; the last one is compared
 
 
 def model_args(seq_len: int):
@@ -65,6 +65,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
 
     from torchtitan_seq import kv_context, schedules
     from torchtitan_seq.loss import TokenNormalizedLoss
+    from torchtitan_seq.memory import ActivationMemory
     from torchtitan_seq.model import SeqTransformer
     from torchtitan_seq.partition import UnitCost, partition_sequence
     from torchtitan_seq.stage import SequencePipelineStage
@@ -112,13 +113,20 @@ def _run_variant(v: Variant, rank: int) -> dict:
         patches.append(mock.patch.object(kv_context.KVBlock, "accumulate", lambda self, gk, gv: None))
     for p in patches:
         p.start()
+    memory = ActivationMemory()
+    activations_left, peaks = [], []
     try:
         sched = schedules.SEQUENCE_SCHEDULES[v.schedule](
             stage, v.microbatches, loss_fn, split_backward=v.split_backward, scale_grads=scale
         )
-        losses = [] if stage.is_last else None
-        sched.step(*((tokens,) if stage.is_first else ()),
-                   target=labels if stage.is_last else None, losses=losses)
+        for _ in range(v.steps):
+            chunk.zero_grad(set_to_none=True)
+            losses = [] if stage.is_last else None
+            with memory.track():
+                sched.step(*((tokens,) if stage.is_first else ()),
+                           target=labels if stage.is_last else None, losses=losses)
+            activations_left.append(memory.current)
+            peaks.append(memory.peak)
     finally:
         for p in patches:
             p.stop()
@@ -126,7 +134,12 @@ def _run_variant(v: Variant, rank: int) -> dict:
         float((p.grad - ref_grads[n]).abs().max()) if p.grad is not None else float("inf")
         for n, p in chunk.named_parameters()
     )
-    out = {"grad_diff": grad_diff, "kv_left": len(stage.kv_context)}
+    out = {
+        "grad_diff": grad_diff,
+        "kv_left": len(stage.kv_context),
+        "activations_left": max(activations_left),
+        "peaks": peaks,
+    }
     if stage.is_last:
         out["loss_diff"] = abs(float(sum(losses)) - ref_loss.item())
         out["n_losses"] = len(losses)
@@ -184,6 +197,8 @@ def run_variants(variants: list[Variant], tmp_path) -> list[dict]:
             "grad_diff": max((r.get("grad_diff", float("inf")) for r in recs), default=float("inf")),
             "loss_diff": recs[-1].get("loss_diff", float("inf")),
             "kv_left": sum(r.get("kv_left", 0) for r in recs),
+            "activations_left": max(r.get("activations_left", 0) for r in recs),
+            "peaks": [r.get("peaks") for r in recs],
             "n_losses": recs[-1].get("n_losses"),
         })
     return merged

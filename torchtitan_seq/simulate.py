@@ -79,6 +79,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from xml.sax.saxutils import escape
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
@@ -131,7 +132,6 @@ TORCH_SCHEDULES = (
     "DualPipeV",
 )
 _TORCH_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-_COSTS = ("uniform", "transformer")
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ class UnitTimes:
 
 @dataclass(frozen=True)
 class StuckRank:
-    """Where one rank stopped: the action at ``index`` of its ``list_kind`` list."""
+    """Where one rank stopped: the action at ``index`` of its list (see :class:`Deadlock`)."""
 
     rank: int
     index: int
@@ -303,7 +303,7 @@ def _build(config: SimConfig) -> _Built:
         cls = get_schedule_class(config.schedule)
         single = issubclass(cls, PipelineScheduleSingle)
         v = config.stages_per_rank or (1 if single else 2)
-        if single == (v != 1):
+        if (single and v != 1) or (not single and v < 2):
             raise ValueError(
                 f"{config.schedule} runs {'one stage' if single else 'at least 2 stages'} per "
                 f"rank, not {v}"
@@ -312,18 +312,36 @@ def _build(config: SimConfig) -> _Built:
         mapping = generate_stage_to_rank_mapping(p, p * v, style=placement)
         stages = [_MockStage(s, p * v, p) for s, r in mapping.items() if r == 0]
         sched = cls(stages[0] if single else stages, n)
-        # Single-stage schedules put REDUCE_GRAD into pipeline_order; the
-        # runtime's compute-only format (and CSV loader) has compute only.
-        order = {
-            r: [a for a in acts if a is None or a.is_compute_op]
-            for r, acts in sched.pipeline_order.items()
-        }
+        order = _executed_order(sched.pipeline_order) if single else sched.pipeline_order
     else:
         raise ValueError(
             f"unknown schedule {config.schedule!r}: use one of "
             f"{sorted(SEQUENCE_SCHEDULES) + list(TORCH_SCHEDULES)}"
         )
     return _Built(order, v, placement, getattr(cls, "parameter_copies", 1))
+
+
+def _executed_order(ir: ActionLists) -> ActionLists:
+    """What a single-stage torch schedule executes, from its ``_get_pipeline_order``.
+
+    Its own ``_step_microbatches`` runs forwards and backwards each in
+    microbatch order, by counters; the IR gives the interleaving, but in torch
+    2.13 1F1B's IR numbers the last rank's forwards from 1 (1..N), so the
+    microbatches are renumbered by those counters. REDUCE_GRAD is dropped: the
+    compute-only format (and its CSV loader) holds compute actions only.
+    """
+    order: ActionLists = {}
+    for rank, actions in ir.items():
+        count = {F: 0, B: 0}
+        order[rank] = []
+        for a in actions:
+            if a is not None and not a.is_compute_op:
+                continue
+            if a is not None:
+                a = _Action(a.stage_index, a.computation_type, count[a.computation_type])
+                count[a.computation_type] += 1
+            order[rank].append(a)
+    return order
 
 
 def _lower(
@@ -413,35 +431,31 @@ def _run(
     """Run every rank's list in order; the times are final once known, so
     advancing ranks round-robin as far as their inputs allow is exact."""
     # An OVERLAP_F_B runs its sub-actions in sequence, each waiting for its inputs.
-    flat = {
-        r: [(i, leaf) for i, a in acts for leaf in _compute_leaves(a)] for r, acts in steps.items()
-    }
+    flat = {r: [(i, leaf) for i, a in acts for leaf in _compute_leaves(a)] for r, acts in steps.items()}
     finished: dict[_Action, float] = {}
     clock = dict.fromkeys(flat, 0.0)
     pos = dict.fromkeys(flat, 0)
     timeline: dict[int, list[Interval]] = {r: [] for r in flat}
-    blocked: dict[int, tuple[_Action, ...]] = {}
+    waiting: dict[int, tuple[_Action, ...]] = {}
     while True:
         progress = False
         for r, acts in flat.items():
             while pos[r] < len(acts):
-                _, a = acts[pos[r]]
-                start = clock[r]
-                for options, delay in _needs(a, stage_to_rank, num_stages, latency):
-                    times = [finished[o] for o in options if o in finished]
-                    if not times:
-                        blocked[r] = options
-                        break
-                    start = max(start, min(times) + delay)
-                else:
-                    end = start + duration(a) if a.is_compute_op else start
-                    if a.is_compute_op:
-                        timeline[r].append((start, end, a))
-                    finished[a] = clock[r] = end
-                    pos[r] += 1
-                    progress = True
-                    continue
-                break
+                a = acts[pos[r]][1]
+                needs = _needs(a, stage_to_rank, num_stages, latency)
+                missing = next((opts for opts, _ in needs if not any(o in finished for o in opts)), None)
+                if missing is not None:
+                    waiting[r] = missing
+                    break
+                start = max(
+                    [clock[r]] + [min(finished[o] for o in opts if o in finished) + d for opts, d in needs]
+                )
+                end = start + duration(a) if a.is_compute_op else start
+                if a.is_compute_op:
+                    timeline[r].append((start, end, a))
+                finished[a] = clock[r] = end
+                pos[r] += 1
+                progress = True
         if all(pos[r] == len(acts) for r, acts in flat.items()):
             return timeline, None
         if not progress:
@@ -450,7 +464,7 @@ def _run(
                     r,
                     acts[pos[r]][0],
                     str(acts[pos[r]][1]),
-                    " or ".join(f"{o} on rank {stage_to_rank[o.stage_index]}" for o in blocked[r]),
+                    " or ".join(f"{o} on rank {stage_to_rank[o.stage_index]}" for o in waiting[r]),
                 )
                 for r, acts in flat.items()
                 if pos[r] < len(acts)
@@ -477,9 +491,7 @@ def unit_times(config: SimConfig, lengths: list[int]) -> UnitTimes:
             return tuple(pass_cost(length, p) / norm for length, p in zip(lengths, prefixes))
 
         inp, wgt = per_unit(cost.backward_input), per_unit(cost.backward_weight)
-        return UnitTimes(
-            F=per_unit(cost.forward), B=tuple(i + w for i, w in zip(inp, wgt)), I=inp, W=wgt
-        )
+        return UnitTimes(F=per_unit(cost.forward), B=tuple(i + w for i, w in zip(inp, wgt)), I=inp, W=wgt)
     return _load_times(Path(config.cost), len(lengths))
 
 
@@ -576,7 +588,9 @@ def simulate_order(
         kind: None if ts is None else tuple(t / v for t in ts)
         for kind, ts in ((F, times.F), (B, times.B), (I, times.I), (W, times.W))
     }
-    used = {leaf.computation_type for acts in order.values() for a in acts if a for leaf in _compute_leaves(a)}
+    used = {
+        leaf.computation_type for acts in order.values() for a in acts if a for leaf in _compute_leaves(a)
+    }
     missing = sorted(kind.value for kind in used if scaled[kind] is None)
     if missing:
         raise ValueError(f"{schedule} runs {missing} passes, but the cost {cost!r} has no times for them")
@@ -667,10 +681,7 @@ def chrome_trace(result: SimResult) -> dict:
 
 
 # tab10: distinct hues for microbatches; subsequences shade them dark to light.
-_PALETTE = (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
-)
+_PALETTE = "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 #17becf".split()
 _HATCH = {  # pattern tiles (6 x 6) that mark backward passes
     B: '<path d="M0,6 L6,0 M-1,1 L1,-1 M5,7 L7,5" stroke="#000" stroke-opacity="0.55" stroke-width="1.2"/>',
     I: '<path d="M0,0 L6,6 M5,-1 L7,1 M-1,5 L1,7" stroke="#000" stroke-opacity="0.55" stroke-width="1.2"/>',
@@ -679,11 +690,13 @@ _HATCH = {  # pattern tiles (6 x 6) that mark backward passes
 _PASS_NAMES = {F: "forward", B: "backward (B)", I: "input grad (I)", W: "weight grad (W)"}
 
 
-def _colour(m: int, j: int, k: int) -> str:
+def _colour(m: int, j: int, k: int) -> tuple[str, str]:
+    """Fill of unit (m, j) and a text colour readable on it."""
     h, lightness, s = colorsys.rgb_to_hls(*(int(_PALETTE[m % 10][i : i + 2], 16) / 255 for i in (1, 3, 5)))
     if k > 1:
-        lightness = 0.30 + 0.45 * j / (k - 1)
-    return "#" + "".join(f"{round(c * 255):02x}" for c in colorsys.hls_to_rgb(h, lightness, s))
+        lightness = 0.33 + 0.45 * j / (k - 1)
+    fill = "#" + "".join(f"{round(c * 255):02x}" for c in colorsys.hls_to_rgb(h, lightness, s))
+    return fill, "#000" if lightness > 0.6 else "#fff"
 
 
 def _tick_step(span: float, target: int = 10) -> float:
@@ -710,9 +723,12 @@ def render_svg(result: SimResult, width: int = 1100) -> str:
     plot_w = width - left - right
     p, k = result.pp, result.subsequences
     span = result.makespan or 1.0
-    x = lambda t: left + t * plot_w / span  # noqa: E731
+
+    def x(t: float) -> float:
+        return left + t * plot_w / span
+
     rows_bottom = top + p * (row_h + gap)
-    legend_y = rows_bottom + 34
+    legend_y = rows_bottom + 50
     height = legend_y + 24 + 18 * ((result.microbatches + 9) // 10)
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -724,22 +740,28 @@ def render_svg(result: SimResult, width: int = 1100) -> str:
         ),
         "</defs>",
         f'<rect width="{width}" height="{height}" fill="#fff"/>',
-        f'<text x="{left}" y="18" font-size="13" font-weight="bold">{_escape(_title(result))}</text>',
+        f'<text x="{left}" y="18" font-size="13" font-weight="bold">{escape(_title(result))}</text>',
     ]
     if result.deadlock:
-        out.append(f'<text x="{left}" y="34" font-size="11" fill="#c00">{_escape(result.deadlock.describe())}</text>')
+        out.append(
+            f'<text x="{left}" y="34" font-size="11" fill="#c00">{escape(result.deadlock.describe())}</text>'
+        )
     for r in range(p):
         y = top + r * (row_h + gap)
         out.append(f'<rect x="{left}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f3f3f3"/>')
-        out.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4:.1f}" font-size="12" text-anchor="end">rank {r}</text>')
+        out.append(
+            f'<text x="{left - 8}" y="{y + row_h / 2 + 4:.1f}" font-size="12" text-anchor="end">rank {r}</text>'
+        )
         for start, end, a in result.timeline.get(r, []):
             m, j = divmod(a.microbatch_index, k)
             x0, x1 = x(start), x(end)
             kind = a.computation_type
-            tip = f"{_PASS_NAMES[kind]} stage {a.stage_index} microbatch {m} subsequence {j} [{start:.4g}, {end:.4g}]"
+            tip = f"{_PASS_NAMES[kind]} stage {a.stage_index} microbatch {m} subsequence {j}"
+            tip += f" [{start:.4g}, {end:.4g}]"
             box = f'x="{x0:.2f}" y="{y}" width="{x1 - x0:.2f}" height="{row_h}"'
+            fill, ink = _colour(m, j, k)
             out.append(
-                f'<rect {box} fill="{_colour(m, j, k)}" stroke="#fff" stroke-width="0.6"><title>{tip}</title></rect>'
+                f'<rect {box} fill="{fill}" stroke="#fff" stroke-width="0.6"><title>{tip}</title></rect>'
             )
             if kind in _HATCH:
                 out.append(f'<rect {box} fill="url(#hatch-{kind.value})" pointer-events="none"/>')
@@ -747,13 +769,17 @@ def render_svg(result: SimResult, width: int = 1100) -> str:
             if x1 - x0 >= 7 * len(label) + 4:
                 out.append(
                     f'<text x="{(x0 + x1) / 2:.2f}" y="{y + row_h / 2 + 4:.1f}" font-size="10" '
-                    f'text-anchor="middle" fill="#fff" pointer-events="none">{label}</text>'
+                    f'text-anchor="middle" fill="{ink}" pointer-events="none">{label}</text>'
                 )
     step = _tick_step(span)
     ticks = [i * step for i in range(int(span / step + 1e-9) + 1)]
     for t in ticks:
-        out.append(f'<line x1="{x(t):.2f}" y1="{rows_bottom - gap}" x2="{x(t):.2f}" y2="{rows_bottom}" stroke="#444"/>')
-        out.append(f'<text x="{x(t):.2f}" y="{rows_bottom + 12}" font-size="10" text-anchor="middle">{t:.4g}</text>')
+        out.append(
+            f'<line x1="{x(t):.2f}" y1="{rows_bottom - gap}" x2="{x(t):.2f}" y2="{rows_bottom}" stroke="#444"/>'
+        )
+        out.append(
+            f'<text x="{x(t):.2f}" y="{rows_bottom + 12}" font-size="10" text-anchor="middle">{t:.4g}</text>'
+        )
     out.append(
         f'<text x="{left + plot_w}" y="{rows_bottom + 26}" font-size="10" text-anchor="end">'
         "time (forwards of one microbatch on 1/p of the layers)</text>"
@@ -767,19 +793,17 @@ def render_svg(result: SimResult, width: int = 1100) -> str:
             out.append(f'<rect {box} fill="url(#hatch-{kind.value})"/>')
         out.append(f'<text x="{lx + 26}" y="{legend_y}" font-size="11">{name}</text>')
         lx += 34 + 7 * len(name)
-    out.append(f'<text x="{lx + 10}" y="{legend_y}" font-size="11">label m.j: microbatch m, subsequence j</text>')
+    labels = "label m.j: microbatch m, subsequence j" if k > 1 else "label: microbatch"
+    out.append(f'<text x="{lx + 10}" y="{legend_y}" font-size="11">{labels} (hover: stage, times)</text>')
     for m in range(result.microbatches):
         mx = left + (m % 10) * 100
         my = legend_y + 14 + 18 * (m // 10)
         for j in range(k):
-            out.append(f'<rect x="{mx + j * 40 / k:.2f}" y="{my}" width="{40 / k:.2f}" height="12" fill="{_colour(m, j, k)}"/>')
+            box = f'x="{mx + j * 40 / k:.2f}" y="{my}" width="{40 / k:.2f}" height="12"'
+            out.append(f'<rect {box} fill="{_colour(m, j, k)[0]}"/>')
         out.append(f'<text x="{mx + 44}" y="{my + 10}" font-size="11">mb {m}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 # --------------------------------------------------------------------------
@@ -790,7 +814,10 @@ def standard_configs() -> list[SimConfig]:
     """The shapes of ``schedules/``: every sequence schedule and four of torch's
     at p=4, N=8 (k=4 for sequence schedules), plus Seq1F1B at N=4."""
     seq = [SimConfig(name, pp=4, microbatches=8, subsequences=4) for name in SEQUENCE_SCHEDULES]
-    torch_ = [SimConfig(name, pp=4, microbatches=8) for name in ("1F1B", "Interleaved1F1B", "GPipe", "ZBVZeroBubble")]
+    torch_ = [
+        SimConfig(name, pp=4, microbatches=8)
+        for name in ("1F1B", "Interleaved1F1B", "GPipe", "ZBVZeroBubble")
+    ]
     return seq + torch_ + [SimConfig("Seq1F1B", pp=4, microbatches=4, subsequences=4)]
 
 
@@ -847,8 +874,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--subsequences", type=int, default=1, help="k, subsequences per microbatch")
     ap.add_argument("--stages-per-rank", type=int, help="V (default: the schedule's own)")
     ap.add_argument("--split-backward", action="store_true", help="sequence schedules: I and W instead of B")
-    ap.add_argument("--cost", default="uniform", help="uniform, transformer, or a JSON file of measured times")
-    ap.add_argument("--flavor", default="debugmodel", help="model flavor (transformer cost, compute partition)")
+    ap.add_argument(
+        "--cost", default="uniform", help="uniform, transformer, or a JSON file of measured times"
+    )
+    ap.add_argument(
+        "--flavor", default="debugmodel", help="model flavor (transformer cost, compute partition)"
+    )
     ap.add_argument("--seq-len", type=int, default=2048, help="S, tokens per sequence")
     ap.add_argument("--partition", default="even", choices=PARTITIONS)
     ap.add_argument("--comm-latency", type=float, default=0.0, help="SEND to usable data, in time units")
@@ -869,8 +900,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.schedule is None or args.pp is None or args.microbatches is None:
         ap.error("--schedule, --pp and --microbatches are required (or --regenerate DIR)")
-    if args.cost not in _COSTS and not Path(args.cost).is_file():
-        ap.error(f"--cost {args.cost}: not one of {list(_COSTS)} nor an existing file")
     config = SimConfig(
         schedule=args.schedule,
         pp=args.pp,

@@ -1,0 +1,58 @@
+"""Seq1F1B (and TeraPipe) against the single-process full-sequence reference, on gloo ranks."""
+
+import itertools
+
+import pytest
+from exactness import TOL, Variant, run_variants
+
+EXACT = [
+    Variant(f"k{k}-{part}-{'IW' if split else 'B'}", k=k, partition=part, split_backward=split)
+    for k, part, split in itertools.product((1, 2, 3, 4), ("even", "compute"), (False, True))
+] + [
+    Variant("terapipe-k3-compute", schedule="TeraPipe", k=3, partition="compute"),
+    Variant("terapipe-k4-even-IW", schedule="TeraPipe", k=4, split_backward=True),
+]
+# Each negative control removes one mechanism and must break exactness.
+NEGATIVE = [
+    Variant("NEG backward in subsequence order", k=4, chunk_order_backward=True),
+    Variant("NEG per-unit mean loss, uneven units", k=3, partition="compute", mean_loss=True),
+    Variant("NEG K/V gradient not handed to earlier units", k=4, no_kv_grad=True),
+]
+
+
+def _with_pp(variants, pp):
+    return [Variant(**{**v.__dict__, "pp": pp, "name": f"pp{pp}-{v.name}"}) for v in variants]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"pp{p}")
+def results(request, tmp_path_factory):
+    pp = request.param
+    variants = _with_pp(EXACT, pp) + _with_pp(NEGATIVE, pp)
+    return {r["name"]: r for r in run_variants(variants, tmp_path_factory.mktemp(f"pp{pp}"))}
+
+
+def test_exact_against_full_sequence(results):
+    for name, r in results.items():
+        if "NEG" in name:
+            continue
+        assert r["error"] is None, f"{name}:\n{r['error']}"
+        assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, (name, r)
+        assert r["n_losses"] == 2, name  # one loss per microbatch, as torch's schedules
+        assert r["kv_left"] == 0 and r["activations_left"] == 0, (name, r)
+
+
+def test_negative_controls_fail(results):
+    for name, r in results.items():
+        if "NEG" not in name:
+            continue
+        assert r["error"] is None, f"{name}:\n{r['error']}"
+        assert max(r["grad_diff"], r["loss_diff"]) > 100 * TOL, (name, r)
+
+
+def test_state_and_memory_do_not_grow(tmp_path):
+    """30 steps: nothing left in the KV context or alive for backward after any step."""
+    (r,) = run_variants([Variant("30 steps", k=3, partition="compute", steps=30)], tmp_path)
+    assert r["error"] is None, r["error"]
+    assert r["kv_left"] == 0 and r["activations_left"] == 0
+    for rank_peaks in r["peaks"]:
+        assert len(set(rank_peaks)) == 1, rank_peaks

@@ -1,0 +1,291 @@
+"""The schedule simulator: closed forms, a deadlock/ordering sweep, outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
+
+from torchtitan_seq import simulate as sim
+from torchtitan_seq.ordering import B, F, ScheduleOrderError, validate_unit_order
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, seq1f1b_actions
+
+REPO = Path(__file__).resolve().parents[1]
+# Divisible by every k tested, so even subsequences are exactly S / k long.
+SEQ_LEN = 840
+
+
+def _run(schedule: str, p: int, n: int, k: int = 1, **kw) -> sim.SimResult:
+    return sim.simulate(sim.SimConfig(schedule, p, n, k, seq_len=SEQ_LEN, **kw))
+
+
+# --- closed forms under uniform costs ---------------------------------------
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_1f1b_closed_forms(p):
+    # torch's Schedule1F1B refuses N < p.
+    for n in range(p, 17):
+        r = _run("1F1B", p, n)
+        assert r.deadlock is None
+        assert r.bubble_ratio == pytest.approx((p - 1) / (n + p - 1), abs=1e-9), n
+        assert r.peak_activations[0] == pytest.approx(min(p, n), abs=1e-9), n
+
+
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "TeraPipe"])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_sequence_closed_forms(schedule, p):
+    for n in range(1, 17):
+        for k in range(1, 9):
+            r = _run(schedule, p, n, k)
+            shape = f"p={p} N={n} k={k}"
+            assert r.deadlock is None, shape
+            assert r.bubble_ratio == pytest.approx((p - 1) / (n * k + p - 1), abs=1e-9), shape
+            if schedule == "Seq1F1B":
+                assert r.peak_activations[0] == pytest.approx(min(p - 1 + k, n * k) / k, abs=1e-9), shape
+
+
+def test_torch_reference_figures():
+    """Interleaved 1F1B against the NOTES table; GPipe and TeraPipe keep every forward."""
+    r = _run("Interleaved1F1B", 4, 8)
+    assert r.stages_per_rank == 2
+    assert r.bubble_ratio == pytest.approx(3 / (2 * 8 + 3), abs=1e-9)
+    assert r.peak_activations[0] == pytest.approx((1 + 3 / 8) * 4, abs=1e-9)
+    assert _run("GPipe", 4, 8).peak_activations == pytest.approx([8] * 4)
+    assert _run("TeraPipe", 4, 8, 4).peak_activations == pytest.approx([8] * 4)
+
+
+# --- every sequence schedule, every small shape ------------------------------
+
+
+def test_sweep_no_deadlock_no_ordering_violation():
+    """p <= 8, N <= 16, k <= 8, split backward both ways for p <= 4.
+
+    simulate() validates the unit order (raising ScheduleOrderError) and runs
+    torch's lowering, so a pass here means both hold.
+    """
+    for name in SEQUENCE_SCHEDULES:
+        for p in range(1, 9):
+            for split in (False, True) if p <= 4 else (False,):
+                for n in range(1, 17):
+                    for k in range(1, 9):
+                        r = _run(name, p, n, k, split_backward=split)
+                        assert r.deadlock is None, (name, p, n, k, split, r.deadlock)
+                        assert r.makespan > 0
+
+
+# --- the validator and the deadlock detector ---------------------------------
+
+
+def _first_subsequence_first(order):
+    """Reorder each rank's backwards to run subsequence 0 first (wrong)."""
+    out = {}
+    for rank, actions in order.items():
+        backs = iter(
+            sorted((a for a in actions if a.computation_type == B), key=lambda a: a.microbatch_index)
+        )
+        out[rank] = [next(backs) if a.computation_type == B else a for a in actions]
+    return out
+
+
+def test_validator_rejects_first_subsequence_first_backward():
+    bad = _first_subsequence_first(seq1f1b_actions(2, 1, 4))
+    with pytest.raises(ScheduleOrderError, match=r"rule 2 .*microbatch 0, subsequence 0"):
+        validate_unit_order(bad, 4, 2)
+
+
+def test_simulate_rejects_a_misordered_schedule_by_name(monkeypatch):
+    class Misordered:
+        actions_fn = staticmethod(
+            lambda p, n, k, **kw: _first_subsequence_first(seq1f1b_actions(p, n, k, **kw))
+        )
+
+    monkeypatch.setitem(SEQUENCE_SCHEDULES, "Misordered", Misordered)
+    with pytest.raises(ScheduleOrderError, match="rule 2"):
+        _run("Misordered", 2, 2, 4)
+
+
+def test_deadlock_is_reported_not_hung():
+    # Rank 0 waits for the gradient of unit 0 before sending the input of
+    # unit 1, which rank 1 needs before it runs the backward of unit 0.
+    dead = {
+        0: [_Action(0, F, 0), _Action(0, B, 0), _Action(0, F, 1), _Action(0, B, 1)],
+        1: [_Action(1, F, 0), _Action(1, F, 1), _Action(1, B, 1), _Action(1, B, 0)],
+    }
+    r = sim.simulate_order(dead, lengths=[1], times=sim.UnitTimes(F=(1.0,), B=(2.0,)), microbatches=2)
+    assert r.deadlock is not None
+    stuck = {(s.rank, s.index, s.action) for s in r.deadlock.stuck}
+    assert stuck == {(0, 1, "0B0"), (1, 1, "1F1")}
+    assert "no rank can progress" in r.summary()["deadlock"]
+    assert [a for _, _, a in r.timeline[0]] == [_Action(0, F, 0)]
+
+
+# --- placement, lowering and plug-in of new schedules ------------------------
+
+
+def _looped_bfs_units(p, n, k, *, split_backward=False, stages_per_rank=1):
+    """A V-stage, loop-placed sequence schedule: every forward of a stage, then backwards."""
+    assert not split_backward
+    fwd = [m * k + j for m in range(n) for j in range(k)]
+    bwd = [m * k + j for m in range(n) for j in reversed(range(k))]
+    stages = lambda r: [r + i * p for i in range(stages_per_rank)]  # noqa: E731
+    return {
+        r: [_Action(s, F, u) for s in stages(r) for u in fwd]
+        + [_Action(s, B, u) for s in reversed(stages(r)) for u in bwd]
+        for r in range(p)
+    }
+
+
+def test_multi_stage_sequence_schedule_plugs_in(monkeypatch):
+    class LoopedUnits:
+        actions_fn = staticmethod(_looped_bfs_units)
+        stages_per_rank = 2
+
+    class WronglyPlaced(LoopedUnits):
+        stage_placement = "v"
+
+    monkeypatch.setitem(SEQUENCE_SCHEDULES, "LoopedUnits", LoopedUnits)
+    monkeypatch.setitem(SEQUENCE_SCHEDULES, "WronglyPlaced", WronglyPlaced)
+    r = _run("LoopedUnits", 4, 2, 2)
+    assert r.deadlock is None and r.stages_per_rank == 2
+    # Each stage holds half a rank's layers: a unit weighs (1/k) / V.
+    assert r.peak_activations == pytest.approx([2 * 2 * 2 * 0.25] * 4)
+    assert _run("LoopedUnits", 4, 2, 2, stages_per_rank=4).stages_per_rank == 4
+    with pytest.raises(ValueError, match="stage_placement 'v'"):
+        _run("WronglyPlaced", 4, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "name", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+)
+def test_lowering_is_the_runtimes(name):
+    """Our lowering of torch's runtime schedules equals their pipeline_order_with_comms."""
+    r = _run(name, 4, 8)
+    assert r.deadlock is None
+    cls = get_schedule_class(name)
+    placement = "v" if name in ("ZBVZeroBubble", "DualPipeV") else "loop"
+    stages = [sim._MockStage(s, 8, 4) for s in ((0, 7) if placement == "v" else (0, 4))]
+    assert r.lowered == cls(stages, 8).pipeline_order_with_comms
+
+
+def test_overlap_sub_actions_run_in_sequence():
+    r = _run("DualPipeV", 4, 8)
+    for intervals in r.timeline.values():
+        for (_, end, _), (start, _, _) in zip(intervals, intervals[1:]):
+            assert start >= end - 1e-12
+    leaves = [sub for acts in r.compute_order.values() for a in acts if a for sub in (a.sub_actions or (a,))]
+    assert sum(len(iv) for iv in r.timeline.values()) == len(leaves)
+
+
+# --- costs --------------------------------------------------------------------
+
+
+def test_cost_file_and_latency(tmp_path):
+    path = tmp_path / "times.json"
+    path.write_text(json.dumps({"F": [1.0, 3.0], "I": [2.0, 5.0], "W": [1.0, 1.0], "device": "cpu"}))
+    r = _run("Seq1F1B", 1, 1, 2, cost=str(path))
+    assert r.makespan == pytest.approx(1 + 3 + 3 + 6)  # B = I + W
+    split = _run("Seq1F1B", 1, 1, 2, cost=str(path), split_backward=True)
+    assert split.makespan == pytest.approx(1 + 3 + 5 + 2 + 1 + 1)
+    path.write_text(json.dumps({"F": [1.0, 3.0], "B": [2.0, 5.0]}))
+    with pytest.raises(ValueError, match="no times"):
+        _run("Seq1F1B", 1, 1, 2, cost=str(path), split_backward=True)
+    # GPipe, p=2, N=1: F, latency, F, B, latency, B.
+    assert _run("GPipe", 2, 1, comm_latency=0.5).makespan == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
+
+
+def test_transformer_cost_and_compute_partition():
+    even = sim.simulate(sim.SimConfig("Seq1F1B", 2, 2, 4, cost="transformer", seq_len=4096))
+    times = sim.unit_times(sim.SimConfig("Seq1F1B", 2, 2, 4, cost="transformer", seq_len=4096), even.lengths)
+    assert list(times.F) == sorted(times.F)  # later units attend to longer prefixes
+    assert times.B == pytest.approx([i + w for i, w in zip(times.I, times.W)])
+    balanced = sim.simulate(
+        sim.SimConfig("Seq1F1B", 2, 2, 4, cost="transformer", seq_len=4096, partition="compute")
+    )
+    assert balanced.lengths[0] > balanced.lengths[-1]
+    assert balanced.makespan < even.makespan
+
+
+# --- outputs --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,k", [("Seq1F1B", 4), ("1F1B", 1), ("DualPipeV", 1)])
+def test_csv_round_trip(tmp_path, name, k):
+    r = _run(name, 4, 8, k)
+    path = tmp_path / "order.csv"
+    path.write_text(sim.compute_csv(r), newline="")
+    with open(path, newline="") as f:
+        parsed = {rank: [_Action.from_str(s) for s in row] for rank, row in enumerate(csv.reader(f))}
+    assert parsed == r.compute_order
+    # What torchtitan's pipeline_parallel_schedule_csv does with it, on rank 0's stages.
+    v = r.stages_per_rank
+    placement = "v" if name == "DualPipeV" else "loop"
+    stages = [s for s, rank in generate_stage_to_rank_mapping(4, 4 * v, placement).items() if rank == 0]
+    runtime = _PipelineScheduleRuntime([sim._MockStage(s, 4 * v, 4) for s in stages], 8 * k)
+    runtime._load_csv(str(path))
+    assert runtime.pipeline_order == r.compute_order
+    assert runtime.pipeline_order_with_comms == r.lowered
+    dumped = tmp_path / "dumped.csv"
+    runtime._dump_csv(str(dumped), format="compute_only")
+    assert dumped.read_bytes() == path.read_bytes()
+
+
+def test_svg_trace_and_cli(tmp_path, capsys):
+    svg, trace = tmp_path / "t.svg", tmp_path / "t.json"
+    rc = sim.main(
+        [
+            "--schedule",
+            "Seq1F1B",
+            "--pp",
+            "4",
+            "--microbatches",
+            "4",
+            "--subsequences",
+            "4",
+            "--json",
+            "--svg",
+            str(svg),
+            "--trace",
+            str(trace),
+        ]
+    )
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    for key in (
+        "schedule",
+        "pp",
+        "microbatches",
+        "subsequences",
+        "stages_per_rank",
+        "bubble_ratio",
+        "makespan",
+        "peak_activations",
+        "parameter_copies",
+        "deadlock",
+    ):
+        assert key in summary
+    assert summary["deadlock"] is False
+    text = svg.read_text()
+    assert text.startswith("<svg") and text.count("<rect") > 4 * 32 and "url(#hatch-B)" in text
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1, 2, 3}
+    assert sum(e["ph"] == "X" for e in events) == 4 * 32
+
+
+def test_schedules_folder_is_fresh(tmp_path):
+    sim.regenerate(tmp_path)
+    committed = REPO / "schedules"
+    fresh = sorted(p.name for p in tmp_path.iterdir())
+    assert fresh == sorted(
+        p.name for p in committed.iterdir()
+    ), "run: python -m torchtitan_seq.simulate --regenerate schedules"
+    for name in fresh:
+        assert (tmp_path / name).read_bytes() == (committed / name).read_bytes(), name

@@ -1,0 +1,71 @@
+"""Training through torchtitan with ./run_train.sh (2 CPU ranks, gloo)."""
+
+import pytest
+from titan import assert_trained, run_train
+
+SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4")
+
+
+@pytest.mark.slow
+def test_seq1f1b_logs_the_losses_of_1f1b(tmp_path):
+    seq = run_train(*SMALL, "--training.steps", "10", dump_folder=tmp_path / "seq")
+    ref = run_train(*SMALL, "--training.steps", "10", "--parallelism.pipeline_parallel_schedule", "1F1B",
+                    dump_folder=tmp_path / "ref")
+    assert_trained(seq, 10)
+    assert_trained(ref, 10)
+    assert max(abs(a - b) for a, b in zip(seq.losses, ref.losses)) <= 1e-3, (seq.losses, ref.losses)
+    assert seq.losses[-1] < seq.losses[0] - 0.5  # it learns
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "GPipe", "TeraPipe"])
+def test_other_schedules_train(schedule, tmp_path):
+    run = run_train(*SMALL, "--training.steps", "2", "--parallelism.pipeline_parallel_schedule", schedule,
+                    dump_folder=tmp_path)
+    assert_trained(run, 2)
+
+
+@pytest.mark.slow
+def test_seq1f1b_holds_fewer_activations_than_1f1b(tmp_path):
+    """seq 2048, 4 microbatches, k=4, rank 0 (measured saved-activation peaks)."""
+    common = ("--training.steps", "1", "--training.seq_len", "2048", "--training.local_batch_size", "4")
+    one_f_one_b = run_train(*common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "a")
+    compute = run_train(*common, dump_folder=tmp_path / "b")
+    even = run_train(*common, "--sequence_pipeline.partition", "even", dump_folder=tmp_path / "c")
+    for run in (one_f_one_b, compute, even):
+        assert_trained(run, 1)
+    base = one_f_one_b.activations_mib[0][0]
+    assert compute.activations_mib[0][0] <= 0.8 * base, (compute.activations_mib, base)
+    assert even.activations_mib[0][0] <= 0.7 * base, (even.activations_mib, base)
+
+
+@pytest.mark.slow
+def test_tensorboard_events_hold_the_metrics(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = run_train(*SMALL, "--training.steps", "2", "--metrics.enable_tensorboard", dump_folder=tmp_path)
+    assert_trained(run, 2)
+    events = list(tmp_path.glob("tb/**/events.out.tfevents.*"))
+    assert events, run.output[-3000:]
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss_metrics/global_avg_loss", "throughput(tps)", "memory/peak_activation_bytes/rank0",
+            "memory/peak_activation_bytes/rank1"} <= tags, tags
+
+
+@pytest.mark.parametrize(
+    "args,env,needle",
+    [
+        (("--parallelism.pipeline_parallel_schedule", "Bogus"), {}, "parallelism.pipeline_parallel_schedule = 'Bogus'"),
+        ((), {"CONFIG_FILE": "missing.toml"}, "CONFIG_FILE=missing.toml does not exist"),
+        ((), {"NGPU": "3"}, "do not fit 3 processes"),
+        (("--sequence_pipeline.num_subsequences", "4096"), {}, "sequence_pipeline.num_subsequences = 4096"),
+        (("--model.name", "llama3"), {}, 'set [model] name = "llama3_seq"'),
+    ],
+)
+def test_bad_input_fails_fast_with_one_message(args, env, needle, tmp_path):
+    run = run_train(*args, dump_folder=tmp_path, env=env, timeout=60)
+    assert run.returncode == 2, run.output[-3000:]
+    lines = [line for line in run.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], run.output[-3000:]
