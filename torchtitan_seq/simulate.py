@@ -8,7 +8,9 @@ DualPipeV's OVERLAP_F_B): for a sequence schedule of
 checked with :func:`~torchtitan_seq.ordering.validate_unit_order`; for one of
 torch's (``1F1B``, ``Interleaved1F1B``, ``GPipe``, ``LoopedBFS``,
 ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``) by instantiating
-torch's class on mock stages and reading its ``pipeline_order``. The lists are
+torch's class on mock stages and reading its ``pipeline_order`` (1F1B and
+GPipe run their own loop: their IR is renumbered the way that loop counts
+microbatches, see ``_executed_order``). The lists are
 then lowered exactly as ``_PipelineScheduleRuntime._prepare_schedule_with_comms``
 does (torch's ``_validate_schedule`` infers the stage -> rank placement, then
 ``_add_unshard_reshard``, ``_add_reduce_grad``, ``_add_send_recv``), and the
@@ -65,6 +67,9 @@ Usage::
     python -m torchtitan_seq.simulate --schedule Seq1F1B --pp 4 --microbatches 4 \\
         --subsequences 4 --svg seq1f1b.svg --json
     python -m torchtitan_seq.simulate --regenerate schedules
+
+The command exits with 1 on a deadlock and 2 on a schedule or shape it
+rejects (an ordering violation, an unsupported N, an unknown name).
 """
 
 from __future__ import annotations
