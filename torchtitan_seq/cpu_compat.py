@@ -6,7 +6,9 @@ on the CPU with gloo, and does nothing at all when CUDA is present:
 * device detection falls back to "cpu" (torchtitan falls back to "cuda");
 * ``torch.cpu`` gains the memory API torchtitan's memory monitor calls, with
   the process's peak resident set size as the peak memory;
-* ``barrier(device_ids=["cpu"])`` drops the device ids gloo rejects.
+* ``barrier(device_ids=["cpu"])`` drops the device ids gloo rejects;
+* FSDP2 reduces gradients with plain sums (:func:`fsdp_for_gloo`), since gloo
+  has no PREMUL_SUM.
 
 Attention needs nothing here: the sequence model and torchtitan's Llama 3
 debug flavors use SDPA, which has a CPU backward. torch's and torchtitan's
@@ -22,8 +24,10 @@ import types
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["apply", "peak_rss_bytes"]
+__all__ = ["apply", "fsdp_for_gloo", "peak_rss_bytes"]
 
 
 def peak_rss_bytes() -> int:
@@ -83,3 +87,13 @@ def apply() -> bool:
     if not getattr(dist.barrier, "__torchtitan_seq_cpu__", False):
         dist.barrier = _barrier_without_cpu_ids(dist.barrier)
     return True
+
+
+def fsdp_for_gloo(model_parts: list[nn.Module]) -> None:
+    """Make FSDP2 modules reduce with SUM (then divide) instead of PREMUL_SUM, on the CPU."""
+    if torch.cuda.is_available():
+        return
+    for part in model_parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)

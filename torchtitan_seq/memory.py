@@ -28,28 +28,41 @@ class ActivationMemory:
         # storage address -> [live saved references, bytes]
         self._live: dict[int, list[int]] = {}
 
-    def _release(self, key: int) -> None:
-        entry = self._live[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.current -= entry[1]
-            del self._live[key]
+    @staticmethod
+    def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+        """The storages behind ``t``; a wrapper subclass (DTensor) owns its inner tensors'."""
+        if not isinstance(t, torch.Tensor):
+            return []
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            attrs, _ = t.__tensor_flatten__()
+            return [s for a in attrs for s in ActivationMemory._storages(getattr(t, a))]
+        return [t.untyped_storage()]
+
+    def _release(self, keys: list[int]) -> None:
+        for key in keys:
+            entry = self._live[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.current -= entry[1]
+                del self._live[key]
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
             return t
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        entry = self._live.get(key)
-        if entry is None:
-            entry = self._live[key] = [0, storage.nbytes()]
-            self.current += entry[1]
-            self.peak = max(self.peak, self.current)
-        entry[0] += 1
+        keys = []
+        for storage in self._storages(t):
+            key = storage.data_ptr()
+            entry = self._live.get(key)
+            if entry is None:
+                entry = self._live[key] = [0, storage.nbytes()]
+                self.current += entry[1]
+            entry[0] += 1
+            keys.append(key)
+        self.peak = max(self.peak, self.current)
         # A detached alias, so the saved object holds no grad_fn (no cycle for
         # saved outputs); its death marks the release of the saved reference.
         saved = t.detach()
-        weakref.finalize(saved, self._release, key)
+        weakref.finalize(saved, self._release, keys)
         return saved
 
     @staticmethod

@@ -41,11 +41,11 @@ class SeqTransformer(Transformer):
         attention_masks=None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens: (B, L) ids on the first stage, else (B, L, dim) activations."""
+        """tokens: (B, L) ids on the first stage, else (B, L, dim) activations (L / tp with SP)."""
         unit = self.kv_context.unit if self.kv_context is not None else None
         if unit is not None and positions is None:
-            if tokens.shape[1] != unit.length:
-                raise RuntimeError(f"unit {unit} received {tokens.shape[1]} tokens")
+            # (Under sequence parallelism a stage's input holds only its shard of
+            # the unit; RoPE is applied after the gather, to the whole unit.)
             positions = torch.arange(
                 unit.offset, unit.offset + unit.length, device=tokens.device
             ).unsqueeze(0)

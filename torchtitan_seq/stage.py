@@ -79,18 +79,20 @@ class SequencePipelineStage(PipelineStage):
         self.kv_context.clear()
 
     def _unit_meta(self, meta, length: int):
-        """``meta`` (torch's tensor metadata) with the sequence dimension set to ``length``."""
-        shape = list(meta.shape)
-        shape[self.seq_dim] = length
-        changes: dict[str, Any] = {
-            "shape": torch.Size(shape),
-            "stride": torch.empty(shape, device="meta").stride(),
-        }
-        if getattr(meta, "global_shape", None):
-            global_shape = list(meta.global_shape)
-            global_shape[self.seq_dim] = length
-            changes["global_shape"] = torch.Size(global_shape)
-            changes["global_stride"] = torch.empty(global_shape, device="meta").stride()
+        """``meta``, torch's metadata of unit 0's tensor, resized to a unit of ``length`` tokens.
+
+        Shapes scale with the unit's length, so a tensor whose sequence is
+        sharded (tensor parallelism's sequence parallel) keeps its fraction.
+        """
+        changes: dict[str, Any] = {}
+        for prefix in ("", "global_"):
+            shape = getattr(meta, f"{prefix}shape", None)
+            if not shape:
+                continue
+            shape = list(shape)
+            shape[self.seq_dim] = shape[self.seq_dim] * length // self.lengths[0]
+            changes[f"{prefix}shape"] = torch.Size(shape)
+            changes[f"{prefix}stride"] = torch.empty(shape, device="meta").stride()
         return dataclasses.replace(meta, **changes)
 
     def _size_recv_buffers(self, infos_by_unit: dict) -> None:
@@ -98,8 +100,6 @@ class SequencePipelineStage(PipelineStage):
             length = self.lengths[unit_id % self.num_subsequences]
             for info in infos:
                 if info.is_root_arg or info.tensor_meta is None:
-                    continue
-                if info.tensor_meta.shape[self.seq_dim] == length:
                     continue
                 info.tensor_meta = self._unit_meta(info.tensor_meta, length)
                 info.buffer = torch.empty(

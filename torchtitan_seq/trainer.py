@@ -19,9 +19,11 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.train import Trainer
 
+from . import cpu_compat
 from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
 from .metrics import SeqMetricsProcessor
@@ -85,6 +87,7 @@ class SeqTrainer(Trainer):
         check_job(job_config, int(os.environ["WORLD_SIZE"]))
         self.activation_memory = ActivationMemory()
         super().__init__(job_config)
+        cpu_compat.fsdp_for_gloo(self.model_parts)
         if isinstance(self.metrics_processor, SeqMetricsProcessor):
             self.metrics_processor.activation_memory = self.activation_memory
 
@@ -104,6 +107,8 @@ class SeqTrainer(Trainer):
                     global_valid_tokens=torch.ones((), device=self.device),
                 )
         # One pipeline rank owns the loss; the others held -1 and now learn it.
-        loss = loss.reshape(()) if self.pp_has_last_stage else torch.zeros((), device=self.device)
+        if isinstance(loss, DTensor):  # loss parallel under TP
+            loss = loss.full_tensor()
+        loss = loss.detach().reshape(()) if self.pp_has_last_stage else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
         return loss
