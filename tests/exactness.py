@@ -2,7 +2,8 @@
 
 Each variant builds a tiny Llama 3 (GQA, fp32), computes the reference loss and
 gradients on the whole sequence in one process, then trains the same weights
-under a schedule on ``pp`` gloo ranks and reports the largest differences.
+under a schedule on ``pp`` gloo ranks (v model chunks each for a multi-stage
+schedule, placed as torchtitan places them) and reports the largest differences.
 """
 
 from __future__ import annotations
@@ -34,13 +35,28 @@ class Variant:
     chunk_order_backward: bool = False  # negative control: bypass rule 2
     no_kv_grad: bool = False  # negative control: drop the K/V side buffers
     steps: int = 1  # steps run on the same batch; the last one is compared
+    layers: int = 4  # of the tiny model: pp * v stages need enough of them
+    ac: str = "none"  # torchtitan activation checkpointing: none, full, selective:<layers|op>
+    dp_shard: int = 1  # FSDP2 degree, through torchtitan's parallelize_llama
+    tp: int = 1  # tensor-parallel degree, likewise
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_shard * self.tp
+
+    @property
+    def stages_per_rank(self) -> int:
+        from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+
+        return SEQUENCE_SCHEDULES[self.schedule].stages_per_rank
+    no_recompute_replay: bool = False  # negative control: recomputation ignores the recorded prefix
 
 
-def model_args(seq_len: int):
+def model_args(seq_len: int, n_layers: int = 4):
     from torchtitan.models.llama3 import TransformerModelArgs
 
     return TransformerModelArgs(
-        dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
+        dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
         max_seq_len=seq_len, rope_theta=10000,
     )
 
@@ -53,15 +69,57 @@ def _free_port() -> int:
     return port
 
 
-def _run_variant(v: Variant, rank: int) -> dict:
-    from unittest import mock
+def dp_rank_of(rank: int, v: Variant) -> int:
+    """Data-parallel coordinate of ``rank`` in torchtitan's mesh order (pp, dp_shard, tp)."""
+    return rank // v.tp % v.dp_shard
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torchtitan.components.loss import cross_entropy_loss
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _pipeline_chunks(whole, args, v: Variant):
+    """This rank's chunks of ``whole``, [(stage index, chunk)], parallelised as torchtitan does it."""
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.pipeline_parallel import (
         generate_llm_fqn_per_model_part,
         pipeline_module_split,
     )
+    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+
+    from torchtitan_seq.cpu_compat import fsdp_for_gloo
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=v.dp_shard, cp=1, tp=v.tp, pp=v.pp, ep=1, etp=1,
+                        world_size=v.world)
+    dims.build_mesh()
+    pp_mesh = dims.get_mesh("pp")
+    names = generate_llm_fqn_per_model_part(v.pp * v.stages_per_rank, args.n_layers, 1, 1)
+    # Loop placement, as torchtitan gives every schedule of ours.
+    torch_stages, chunks = pipeline_module_split(
+        whole, pp_mesh, "Interleaved1F1B", torch.device("cpu"), names
+    )
+    job = JobConfig()
+    job.training.seq_len = v.seq_len
+    job.parallelism.pipeline_parallel_degree = v.pp
+    job.parallelism.data_parallel_shard_degree = v.dp_shard
+    job.parallelism.tensor_parallel_degree = v.tp
+    job.parallelism.disable_loss_parallel = True
+    job.compile.enable = False
+    job.training.mixed_precision_param = "float32"  # torchtitan's FSDP default is bf16
+    mode, _, option = v.ac.partition(":")
+    job.activation_checkpoint.mode = mode
+    job.activation_checkpoint.selective_ac_option = option or "2"
+    chunks = [parallelize_llama(chunk, dims, job) for chunk in chunks]
+    fsdp_for_gloo(chunks)
+    indexed = [(s.stage_index, chunk) for s, chunk in zip(torch_stages, chunks)]
+    return indexed, pp_mesh, dp_rank_of(dist.get_rank(), v)
+
+
+def _run_variant(v: Variant, rank: int) -> dict:
+    from unittest import mock
+
+    from torchtitan.components.loss import cross_entropy_loss
 
     from torchtitan_seq import kv_context, schedules
     from torchtitan_seq.loss import TokenNormalizedLoss
@@ -70,7 +128,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
     from torchtitan_seq.partition import UnitCost, partition_sequence
     from torchtitan_seq.stage import SequencePipelineStage
 
-    args = model_args(v.seq_len)
+    args = model_args(v.seq_len, v.layers)
     torch.manual_seed(0)
     whole = SeqTransformer(args)
     with torch.no_grad():
@@ -80,22 +138,30 @@ def _run_variant(v: Variant, rank: int) -> dict:
     tokens = torch.randint(0, args.vocab_size, (batch, v.seq_len), generator=g)
     labels = torch.randint(0, args.vocab_size, (batch, v.seq_len), generator=g)
 
-    ref_loss = cross_entropy_loss(whole(tokens), labels) / labels.numel()
+    logits = whole(tokens)
+    ref_loss = cross_entropy_loss(logits, labels) / labels.numel()
     ref_loss.backward()
-    ref_loss = ref_loss.detach()
+    # Each data-parallel rank trains on its slice of the batch and reports its share.
+    local = slice(None)
+    if v.dp_shard > 1:
+        n = batch // v.dp_shard
+        local = slice(dp_rank_of(rank, v) * n, (dp_rank_of(rank, v) + 1) * n)
+    ref_loss = (cross_entropy_loss(logits[local], labels[local]) / labels.numel()).detach()
     ref_grads = {n: p.grad.clone() for n, p in whole.named_parameters()}
     whole.zero_grad(set_to_none=True)
 
-    mesh = init_device_mesh("cpu", (v.pp,), mesh_dim_names=("pp",))
-    names = generate_llm_fqn_per_model_part(v.pp, args.n_layers, 1, 1)
-    _, chunks = pipeline_module_split(whole, mesh, "1F1B", torch.device("cpu"), names)
-    chunk = chunks[0]
+    chunks, pp_mesh, dp_rank = _pipeline_chunks(whole, args, v)
     lengths = partition_sequence(
         v.seq_len, v.k, v.partition, cost=UnitCost.from_model_args(args)
     )
-    stage = SequencePipelineStage(
-        chunk, rank, v.pp, torch.device("cpu"), lengths=lengths, group=mesh.get_group()
-    )
+    stages = [
+        SequencePipelineStage(
+            chunk, index, v.pp * v.stages_per_rank, torch.device("cpu"), lengths=lengths,
+            group=pp_mesh.get_group(),
+        )
+        for index, chunk in chunks
+    ]
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     if v.mean_loss:
         loss_fn, scale = (lambda p, t: cross_entropy_loss(p, t) / t.numel()), True
     else:
@@ -104,11 +170,17 @@ def _run_variant(v: Variant, rank: int) -> dict:
         scale = False
     patches = []
     if v.chunk_order_backward:
-        def chunk_order(p, n, k, split_backward=False):
-            order = schedules.seq1f1b_actions(p, n, k, split_backward=split_backward)
-            return {r: _chunk_order_backwards(acts) for r, acts in order.items()}
-        patches.append(mock.patch.object(schedules.ScheduleSeq1F1B, "actions_fn", staticmethod(chunk_order)))
+        schedule_cls = schedules.SEQUENCE_SCHEDULES[v.schedule]
+        actions_fn = schedule_cls.actions_fn
+
+        def chunk_order(*args, **kwargs):
+            return {r: _chunk_order_backwards(acts) for r, acts in actions_fn(*args, **kwargs).items()}
+        patches.append(mock.patch.object(schedule_cls, "actions_fn", staticmethod(chunk_order)))
         patches.append(mock.patch.object(schedules, "validate_unit_order", lambda *a: None))
+    if v.no_recompute_replay:
+        recorded = kv_context.KVContext.recorded
+        patches.append(mock.patch.object(
+            kv_context.KVContext, "recorded", lambda self, layer: ([], recorded(self, layer)[1])))
     if v.no_kv_grad:
         patches.append(mock.patch.object(kv_context.KVBlock, "accumulate", lambda self, gk, gv: None))
     for p in patches:
@@ -117,52 +189,58 @@ def _run_variant(v: Variant, rank: int) -> dict:
     activations_left, peaks = [], []
     try:
         sched = schedules.SEQUENCE_SCHEDULES[v.schedule](
-            stage, v.microbatches, loss_fn, split_backward=v.split_backward, scale_grads=scale
+            stages, v.microbatches, loss_fn, split_backward=v.split_backward, scale_grads=scale
         )
         for _ in range(v.steps):
-            chunk.zero_grad(set_to_none=True)
-            losses = [] if stage.is_last else None
+            for _, chunk in chunks:
+                chunk.zero_grad(set_to_none=True)
+            losses = [] if last else None
             with memory.track():
-                sched.step(*((tokens,) if stage.is_first else ()),
-                           target=labels if stage.is_last else None, losses=losses)
+                sched.step(*((tokens[local],) if first else ()),
+                           target=labels[local] if last else None, losses=losses)
             activations_left.append(memory.current)
             peaks.append(memory.peak)
     finally:
         for p in patches:
             p.stop()
     grad_diff = max(
-        float((p.grad - ref_grads[n]).abs().max()) if p.grad is not None else float("inf")
+        float((_full(p.grad) - ref_grads[n.replace("_checkpoint_wrapped_module.", "")]).abs().max())
+        if p.grad is not None else float("inf")
+        for _, chunk in chunks
         for n, p in chunk.named_parameters()
     )
     out = {
         "grad_diff": grad_diff,
-        "kv_left": len(stage.kv_context),
+        "kv_left": sum(len(s.kv_context) for s in stages),
         "activations_left": max(activations_left),
         "peaks": peaks,
     }
-    if stage.is_last:
+    if last:
         out["loss_diff"] = abs(float(sum(losses)) - ref_loss.item())
         out["n_losses"] = len(losses)
     return out
 
 
 def _chunk_order_backwards(actions):
-    """The same actions with every backward kind run in subsequence order (rule 2 broken)."""
+    """The same actions with every backward kind run in subsequence order on each stage (rule 2 broken)."""
     from torchtitan_seq.ordering import F
 
     queues = {}
     for a in actions:
         if a.computation_type != F:
-            queues.setdefault(a.computation_type, []).append(a.microbatch_index)
-    queues = {kind: iter(sorted(ids)) for kind, ids in queues.items()}
+            queues.setdefault((a.stage_index, a.computation_type), []).append(a.microbatch_index)
+    queues = {key: iter(sorted(ids)) for key, ids in queues.items()}
     return [
-        a if a.computation_type == F else a._replace(microbatch_index=next(queues[a.computation_type]))
+        a if a.computation_type == F
+        else a._replace(microbatch_index=next(queues[a.stage_index, a.computation_type]))
         for a in actions
     ]
 
 
 def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: str) -> None:
     import json
+
+    import torchtitan_seq  # noqa: F401  (CPU compatibility before torchtitan is imported)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -180,25 +258,25 @@ def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: 
 
 
 def run_variants(variants: list[Variant], tmp_path) -> list[dict]:
-    """Run ``variants`` (all with the same pp) and merge the per-rank reports."""
+    """Run ``variants`` (all on the same number of ranks) and merge the per-rank reports."""
     import json
 
-    pp = variants[0].pp
-    assert all(v.pp == pp for v in variants)
-    mp.spawn(_worker, args=(pp, _free_port(), variants, str(tmp_path)), nprocs=pp, join=True)
-    per_rank = [json.load(open(os.path.join(tmp_path, f"rank{r}.json"))) for r in range(pp)]
+    world = variants[0].world
+    assert all(v.world == world for v in variants)
+    mp.spawn(_worker, args=(world, _free_port(), variants, str(tmp_path)), nprocs=world, join=True)
+    per_rank = [json.load(open(os.path.join(tmp_path, f"rank{r}.json"))) for r in range(world)]
     merged = []
     for i, v in enumerate(variants):
-        recs = [per_rank[r][i] for r in range(pp)]
+        recs = [per_rank[r][i] for r in range(world)]
         errors = [r["error"] for r in recs if "error" in r]
         merged.append({
             "name": v.name,
             "error": errors[0] if errors else None,
             "grad_diff": max((r.get("grad_diff", float("inf")) for r in recs), default=float("inf")),
-            "loss_diff": recs[-1].get("loss_diff", float("inf")),
+            "loss_diff": max((r["loss_diff"] for r in recs if "loss_diff" in r), default=float("inf")),
             "kv_left": sum(r.get("kv_left", 0) for r in recs),
             "activations_left": max(r.get("activations_left", 0) for r in recs),
             "peaks": [r.get("peaks") for r in recs],
-            "n_losses": recs[-1].get("n_losses"),
+            "n_losses": next((r["n_losses"] for r in recs if "n_losses" in r), None),
         })
     return merged

@@ -36,15 +36,15 @@ def test_units_equal_full_sequence(lengths):
     weight = torch.randn(2, 24, 64)  # a loss that weighs every logit differently
 
     (ref(tokens) * weight).sum().backward()
-    outs, offset = [], 0
-    for j, length in enumerate(lengths):
-        with context.running(Unit(0, j, offset, length, len(lengths))):
-            outs.append(seq(tokens[:, offset:offset + length]))
-        offset += length
-    assert len(context) == 0  # let go after the last unit's forward
-    for j in reversed(range(len(lengths))):  # last subsequence first
-        start = sum(lengths[:j])
-        (outs[j] * weight[:, start:start + lengths[j]]).sum().backward()
+    units = [Unit(0, j, sum(lengths[:j]), n, len(lengths)) for j, n in enumerate(lengths)]
+    outs = []
+    for u in units:
+        with context.running(u):
+            outs.append(seq(tokens[:, u.offset:u.offset + u.length]))
+    for u in reversed(units):  # last subsequence first
+        with context.backward(u):
+            (outs[u.index] * weight[:, u.offset:u.offset + u.length]).sum().backward()
+    assert len(context) == 0  # nothing kept once every unit's backward ran
 
     ref_out = ref(tokens)
     torch.testing.assert_close(torch.cat(outs, 1), ref_out, rtol=0, atol=1e-5)

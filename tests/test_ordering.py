@@ -8,9 +8,11 @@ from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, _Action
 
 @pytest.mark.parametrize("name", sorted(SEQUENCE_SCHEDULES))
 def test_shipped_schedules_follow_the_rules(name):
-    fn = SEQUENCE_SCHEDULES[name].actions_fn
+    cls = SEQUENCE_SCHEDULES[name]
+    v = cls.stages_per_rank
+    options = {"stages_per_rank": v} if v > 1 else {}
     for p, n, k, split in itertools.product((1, 2, 4), (1, 2, 5), (1, 2, 3, 4), (False, True)):
-        validate_unit_order(fn(p, n, k, split_backward=split), k, p)
+        validate_unit_order(cls.actions_fn(p, n, k, split_backward=split, **options), k, p * v)
 
 
 def _one_rank(actions):

@@ -1,3 +1,6 @@
+import itertools
+import time
+
 import pytest
 
 from torchtitan_seq.model import seq_llama3_flavors
@@ -7,7 +10,7 @@ DEBUG = UnitCost.from_model_args(seq_llama3_flavors["debugmodel"])
 
 
 @pytest.mark.parametrize("seq_len,k,multiple", [(2048, 4, 64), (2048, 3, 1), (30, 4, 1), (4096, 8, 128), (64, 1, 16)])
-@pytest.mark.parametrize("method", ["even", "compute"])
+@pytest.mark.parametrize("method", ["even", "compute", "latency"])
 def test_lengths_cover_the_sequence(seq_len, k, multiple, method):
     lengths = partition_sequence(seq_len, k, method, multiple=multiple, cost=DEBUG)
     assert sum(lengths) == seq_len and len(lengths) == k
@@ -35,6 +38,67 @@ def test_compute_partition_matches_published_and_measured_splits():
     assert partition_sequence(2048, 4, "compute", multiple=64, cost=DEBUG) == [704, 512, 448, 384]
 
 
+def _unit_costs(lengths, cost):
+    return [cost(length, sum(lengths[:j])) for j, length in enumerate(lengths)]
+
+
+def terapipe_latency(lengths, cost, num_stages):
+    """TeraPipe's objective: sum of unit times + (K - 1) * the longest, K pipeline stages."""
+    times = _unit_costs(lengths, cost)
+    return sum(times) + (num_stages - 1) * max(times)
+
+
+EIGHT_B = UnitCost.from_model_args(seq_llama3_flavors["8B"])
+
+
+@pytest.mark.parametrize(
+    "seq_len,k,multiple",
+    [(2048, 4, 64), (512, 4, 16), (512, 4, 32), (16384, 4, 128), (32768, 8, 128), (4096, 3, 1), (30, 4, 1)],
+)
+@pytest.mark.parametrize("cost", [DEBUG, EIGHT_B], ids=["debug", "8B"])
+def test_latency_partition_is_no_worse_than_even_and_compute(seq_len, k, multiple, cost):
+    lat, even, comp = (
+        partition_sequence(seq_len, k, method, multiple=multiple, cost=cost)
+        for method in ("latency", "even", "compute")
+    )
+    for stages in (2, 4, 8):
+        best = terapipe_latency(lat, cost, stages)
+        assert best <= terapipe_latency(even, cost, stages) * (1 + 1e-12)
+        assert best <= terapipe_latency(comp, cost, stages) * (1 + 1e-12)
+
+
+def test_latency_partition_can_beat_rounded_compute_partition():
+    # Rounding the compute cut points to 32 tokens unbalances it; the latency cut is optimal on the grid.
+    assert partition_sequence(512, 4, "compute", multiple=32, cost=DEBUG) == [128, 160, 96, 128]
+    lat = partition_sequence(512, 4, "latency", multiple=32, cost=DEBUG)
+    assert max(_unit_costs(lat, DEBUG)) < max(_unit_costs([128, 160, 96, 128], DEBUG))
+
+
+@pytest.mark.parametrize("seq_len,k,multiple", [(96, 4, 8), (64, 3, 4), (40, 5, 2)])
+@pytest.mark.parametrize(
+    "cost", [DEBUG, EIGHT_B, UnitCost(linear=1.0, attention=0.5)], ids=["debug", "8B", "toy"]
+)
+def test_latency_partition_is_optimal_on_the_grid(seq_len, k, multiple, cost):
+    """Against every cut into k units of whole multiples (brute force)."""
+    lat = partition_sequence(seq_len, k, "latency", multiple=multiple, cost=cost)
+    blocks = seq_len // multiple
+    for cuts in itertools.combinations(range(1, blocks), k - 1):
+        bounds = (0, *cuts, blocks)
+        lengths = [(b - a) * multiple for a, b in zip(bounds, bounds[1:])]
+        for stages in (2, 4):
+            other = terapipe_latency(lengths, cost, stages)
+            assert terapipe_latency(lat, cost, stages) <= other * (1 + 1e-12)
+
+
+def test_latency_partition_is_fast():
+    """128k tokens on a 128-token grid (1024 blocks), k up to 16."""
+    for k in (8, 16):
+        start = time.perf_counter()
+        lengths = partition_sequence(131072, k, "latency", multiple=128, cost=EIGHT_B)
+        assert time.perf_counter() - start < 1.0
+        assert sum(lengths) == 131072 and all(length % 128 == 0 for length in lengths)
+
+
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
@@ -43,8 +107,15 @@ def test_compute_partition_matches_published_and_measured_splits():
         (dict(seq_len=100, num_subsequences=2, multiple=64), "not a multiple of 64"),
         (dict(seq_len=128, num_subsequences=4, multiple=64), "length_multiple"),
         (dict(seq_len=64, num_subsequences=2, method="latency?"), "partition = 'latency?'"),
+        (dict(seq_len=64, num_subsequences=8, method="latency", multiple=16), "num_subsequences = 8"),
     ],
 )
 def test_bad_input_names_the_setting(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace("?", r"\?")):
         partition_sequence(**kwargs, cost=DEBUG)
+
+
+@pytest.mark.parametrize("method", ["compute", "latency"])
+def test_cost_model_is_required(method):
+    with pytest.raises(ValueError, match=f"the '{method}' partition needs a UnitCost"):
+        partition_sequence(64, 2, method)

@@ -215,7 +215,10 @@ def unit_attention(
     q: (B, Hq, L, D) post-RoPE; k, v: (B, Hkv, L, D) post-RoPE, before GQA
     expansion. Returns (B, Hq, L, D).
     """
-    prefix, block = context.append(layer_id, k, v)
+    if context.recomputing:
+        prefix, block = context.recorded(layer_id)
+    else:
+        prefix, block = context.append(layer_id, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _UnitAttention.apply(q, k, v, block, prefix, kernel, scale)
 
@@ -223,7 +226,7 @@ def unit_attention(
 class SequenceAttention(nn.Module):
     """Drop-in for torchtitan's ``ScaledDotProductAttentionWrapper``.
 
-    Outside a unit (no context bound, or no unit running) it computes exactly
+    Outside a unit (no context bound, no unit running or recomputed) it computes exactly
     what torchtitan's Llama 3 computes: causal SDPA over the whole sequence.
     Inside a unit it runs :func:`unit_attention`. The context and the kernel
     are set by :meth:`bind`, not at construction, because torchtitan deep-copies
@@ -250,7 +253,7 @@ class SequenceAttention(nn.Module):
         is_causal: bool = True,
     ) -> torch.Tensor:
         context = self.kv_context
-        if context is None or context.unit is None:
+        if context is None or (context.unit is None and not context.recomputing):
             return F.scaled_dot_product_attention(
                 q, k, v, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa
             )

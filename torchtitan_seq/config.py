@@ -17,7 +17,7 @@ class SequencePipeline:
     """How sequence schedules cut and run each microbatch.
 
     Read when ``[parallelism] pipeline_parallel_schedule`` names a sequence
-    schedule (``Seq1F1B``, ``TeraPipe``); ignored by torch's own schedules.
+    schedule (``Seq1F1B``, ``InterleavedSeq1F1B``, ``TeraPipe``); ignored by torch's own schedules.
     """
 
     num_subsequences: int = 4
@@ -25,7 +25,9 @@ class SequencePipeline:
 
     partition: str = "compute"
     """'compute' (every unit costs the same forward + backward under the causal
-    mask) or 'even' (equal lengths)."""
+    mask), 'even' (equal lengths) or 'latency' (TeraPipe's slicing: the cut on the
+    length_multiple grid whose costliest unit costs least, which minimises the
+    pipeline latency sum(t) + (K-1)·max(t) under the cost model)."""
 
     length_multiple: int = 1
     """Every subsequence length is a multiple of this and of the TP degree."""

@@ -24,6 +24,12 @@ Lifetime: the context forgets a microbatch once its last unit has run forward
 on the stage; from then on the unit graphs alone keep the blocks alive, and
 they free them as backward runs. :meth:`KVContext.clear` drops everything at
 the end of a step.
+
+Activation checkpointing re-runs a unit's forward inside its backward. The
+stage announces that backward (:meth:`KVContext.backward`), and the attention
+then reads the blocks the unit's first forward used (:meth:`KVContext.recorded`)
+instead of appending again, so recomputation reproduces the same tensors and
+never touches the context's state.
 """
 
 from __future__ import annotations
@@ -100,13 +106,22 @@ class KVContext:
 
     def __init__(self) -> None:
         self._unit: Unit | None = None
+        self._backward_unit: Unit | None = None
         # microbatch -> layer id -> blocks of units 0..j-1, in order
         self._blocks: dict[int, dict[int, list[KVBlock]]] = {}
+        # (microbatch, subsequence) -> layer id -> (prefix, block) of its forward,
+        # kept until the unit's backward is over, for recomputation
+        self._records: dict[tuple[int, int], dict[int, tuple[list[KVBlock], KVBlock]]] = {}
 
     @property
     def unit(self) -> Unit | None:
         """The unit being run forward, or None outside a unit."""
         return self._unit
+
+    @property
+    def recomputing(self) -> bool:
+        """Whether a forward now is a recomputation inside a unit's backward."""
+        return self._unit is None and self._backward_unit is not None
 
     @contextlib.contextmanager
     def running(self, unit: Unit) -> Iterator[None]:
@@ -121,6 +136,27 @@ class KVContext:
             if unit.is_last:
                 # The unit graphs keep what backward needs; the context lets go.
                 self._blocks.pop(unit.microbatch, None)
+
+    @contextlib.contextmanager
+    def backward(self, unit: Unit, last_pass: bool = True) -> Iterator[None]:
+        """Run a backward pass of ``unit``; ``last_pass``: the unit's backward ends with it."""
+        self._backward_unit = unit
+        try:
+            yield
+        finally:
+            self._backward_unit = None
+            if last_pass:
+                self._records.pop((unit.microbatch, unit.index), None)
+
+    def recorded(self, layer_id: int) -> tuple[list[KVBlock], KVBlock]:
+        """The prefix and block that ``layer_id`` used in the forward of the unit in backward."""
+        unit = self._backward_unit
+        try:
+            return self._records[(unit.microbatch, unit.index)][layer_id]
+        except (KeyError, TypeError):
+            raise RuntimeError(
+                f"layer {layer_id} recomputed outside the backward of a unit it ran forward"
+            ) from None
 
     def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list[KVBlock], KVBlock]:
         """Record the current unit's K/V for ``layer_id``.
@@ -142,13 +178,15 @@ class KVContext:
         block = KVBlock(k, v)
         if not unit.is_last:
             blocks.append(block)
+        self._records.setdefault((unit.microbatch, unit.index), {})[layer_id] = (prefix, block)
         return prefix, block
 
     def clear(self) -> None:
         """Forget every microbatch (end of step)."""
-        self._unit = None
+        self._unit = self._backward_unit = None
         self._blocks.clear()
+        self._records.clear()
 
     def __len__(self) -> int:
-        """Number of microbatches whose K/V the context still holds."""
-        return len(self._blocks)
+        """Number of microbatches and units whose K/V the context still holds."""
+        return len(self._blocks) + len(self._records)

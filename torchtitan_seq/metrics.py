@@ -3,25 +3,35 @@
 Per logged step, every rank's peak activation bytes (measured by
 :class:`~torchtitan_seq.memory.ActivationMemory`) join torchtitan's metrics:
 in TensorBoard as ``memory/peak_activation_bytes/rank{r}`` and on the
-console as one line after torchtitan's step line.
+console as one line after torchtitan's step line (MiB, then exact bytes).
+So does every rank's measured bubble ratio of the step
+(:mod:`torchtitan_seq.timeline`), as ``pipeline/bubble_ratio/rank{r}``. On
+the steps torchtitan's profiler traces, or every N steps with
+``TORCHTITAN_SEQ_TIMELINE_FREQ=N`` (:func:`~torchtitan_seq.timeline.export_due`),
+the step's pipeline timeline is written as a Chrome trace in torchtitan's
+profiling folder (``iteration_{step}/pipeline_timeline.json``) and as the
+TensorBoard image ``pipeline/timeline``.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
 from torchtitan.tools.logging import logger
 
+from . import timeline
 from .memory import ActivationMemory
+from .schedules import SEQUENCE_SCHEDULES
 
 __all__ = ["SeqMetricsProcessor", "build_seq_metrics_processor"]
 
 
 class SeqMetricsProcessor(MetricsProcessor):
-    """torchtitan's ``MetricsProcessor`` that also reports activation memory per rank."""
+    """torchtitan's ``MetricsProcessor`` that also reports activation memory and bubble ratios per rank."""
 
     activation_memory: ActivationMemory | None = None
 
@@ -43,13 +53,30 @@ class SeqMetricsProcessor(MetricsProcessor):
         extra_metrics: dict[str, Any] | None = None,
     ):
         peaks = self._gather_activation_peaks()
+        bubbles = timeline.gather_bubble_ratios(self.device_memory_monitor.device)
         metrics = dict(extra_metrics or {})
         metrics.update({f"memory/peak_activation_bytes/rank{r}": b for r, b in enumerate(peaks)})
+        metrics.update({f"pipeline/bubble_ratio/rank{r}": x for r, x in enumerate(bubbles)})
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=metrics)
         mib = ", ".join(f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(peaks))
-        logger.info(f"step: {step:2}  peak activations (MiB): {mib}")
+        line = f"step: {step:2}  peak activations (MiB): {mib}  bytes: {', '.join(map(str, peaks))}"
+        if bubbles:
+            line += "  bubble ratio: " + ", ".join(f"rank{r} {x:.4f}" for r, x in enumerate(bubbles))
+        logger.info(line)
+        if timeline.export_due(step, self.job_config.profiling):
+            self._export_timeline(step)
+
+    def _export_timeline(self, step: int) -> None:
+        name = self.job_config.parallelism.pipeline_parallel_schedule
+        k = self.job_config.sequence_pipeline.num_subsequences if name in SEQUENCE_SCHEDULES else 1
+        loggers = getattr(self.logger, "_loggers", [])  # torchtitan's LoggerContainer
+        writers = [lg.writer for lg in loggers if isinstance(lg, TensorBoardLogger)]
+        folder = Path(self.job_config.job.dump_folder) / self.job_config.profiling.save_traces_folder
+        timeline.export_timeline(step, name, k, folder, writers)
 
 
 def build_seq_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):
-    """torchtitan's ``build_metrics_processor_fn`` contract."""
-    return SeqMetricsProcessor(job_config, parallel_dims, tag)
+    """torchtitan's ``build_metrics_processor_fn`` contract; starts timing pipeline actions."""
+    processor = SeqMetricsProcessor(job_config, parallel_dims, tag)
+    timeline.RECORDER.enable(processor.device_memory_monitor.device)
+    return processor

@@ -1,9 +1,11 @@
 """Building a sequence pipeline inside torchtitan (the ``pipelining_fn`` of our train spec).
 
 For a sequence schedule it splits the model with torchtitan's own
-``pipeline_module_split``, applies torchtitan's SPMD parallelisms per chunk,
-cuts the sequence (:func:`~torchtitan_seq.partition.partition_sequence`) and
-wraps each chunk in a :class:`~torchtitan_seq.stage.SequencePipelineStage`.
+``pipeline_module_split`` into v chunks per rank (loop placement: rank r holds
+stages r, r + p, ...; v = 1 for single-stage schedules), applies torchtitan's
+SPMD parallelisms per chunk, cuts the sequence
+(:func:`~torchtitan_seq.partition.partition_sequence`) and wraps each chunk in
+a :class:`~torchtitan_seq.stage.SequencePipelineStage`.
 Any other schedule name goes to torchtitan's ``pipeline_llm`` unchanged.
 """
 
@@ -26,7 +28,7 @@ from .partition import UnitCost, partition_sequence
 from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 from .stage import SequencePipelineStage
 
-__all__ = ["check_schedule_name", "sequence_lengths", "pipeline_sequence_llm"]
+__all__ = ["check_schedule_name", "sequence_lengths", "stages_per_rank", "pipeline_sequence_llm"]
 
 
 def check_schedule_name(name: str) -> None:
@@ -53,6 +55,40 @@ def sequence_lengths(job_config, model_args, tp_degree: int) -> list[int]:
         multiple=math.lcm(cfg.length_multiple, tp_degree),
         cost=UnitCost.from_model_args(model_args),
     )
+
+
+def stages_per_rank(job_config, model_args, pp_degree: int) -> int:
+    """v, the sequence schedule's model chunks per rank, chosen as torchtitan's ``pipeline_llm`` does.
+
+    With ``parallelism.pipeline_parallel_layers_per_stage`` set, the model is
+    cut into ceil((layers + first- and last-stage weights) / layers per stage)
+    stages; otherwise a single-stage schedule gets 1 stage per rank and a
+    multi-stage one 2. (torchtitan 0.2.2 computes this inside ``pipeline_llm``,
+    with no function to call.)
+    """
+    par = job_config.parallelism
+    name = par.pipeline_parallel_schedule
+    default = SEQUENCE_SCHEDULES[name].stages_per_rank
+    per_stage = par.pipeline_parallel_layers_per_stage
+    if per_stage is None:
+        return default
+    num_stages = math.ceil(
+        (
+            model_args.n_layers
+            + par.pipeline_parallel_first_stage_less_layers
+            + par.pipeline_parallel_last_stage_less_layers
+        )
+        / per_stage
+    )
+    v = num_stages // pp_degree
+    if num_stages % pp_degree or (v > 1) != (default > 1):
+        need = "at least 2 stages" if default > 1 else "exactly 1 stage"
+        raise ValueError(
+            f"parallelism.pipeline_parallel_layers_per_stage = {per_stage} cuts the "
+            f"{model_args.n_layers} layers into {num_stages} stages, but {name} needs {need} "
+            f"on each of the {pp_degree} pipeline ranks: change it (or leave it unset)"
+        )
+    return v
 
 
 def pipeline_sequence_llm(
@@ -82,14 +118,15 @@ def pipeline_sequence_llm(
 
     pp_mesh = parallel_dims.get_mesh("pp")
     names = par.module_fqns_per_model_part or generate_llm_fqn_per_model_part(
-        parallel_dims.pp,
+        parallel_dims.pp * stages_per_rank(job_config, model_args, parallel_dims.pp),
         model_args.n_layers,
         par.pipeline_parallel_first_stage_less_layers,
         par.pipeline_parallel_last_stage_less_layers,
     )
-    # torchtitan's split does the module surgery; its stages are torch's and are
-    # replaced below by sequence stages over the same chunks.
-    torch_stages, model_parts = pipeline_module_split(model, pp_mesh, "1F1B", device, names)
+    # torchtitan's split does the module surgery and reads only the stage
+    # placement from the schedule name (loop, for any stage count); its stages
+    # are torch's and are replaced below by sequence stages over the same chunks.
+    torch_stages, model_parts = pipeline_module_split(model, pp_mesh, "Interleaved1F1B", device, names)
     kernel = select_kernel(torch.device(device), cfg.attention_backend)
     stages = []
     for i, (torch_stage, part) in enumerate(zip(torch_stages, model_parts)):

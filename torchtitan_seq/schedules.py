@@ -2,7 +2,8 @@
 
 Each schedule is a short pure function ``(num_ranks, num_microbatches,
 num_subsequences) -> {rank: [compute actions]}`` over (microbatch, subsequence)
-units, numbered ``unit id = m * k + j``, plus a thin
+units, numbered ``unit id = m * k + j`` (a multi-stage schedule's also takes
+``stages_per_rank``), plus a thin
 ``_PipelineScheduleRuntime`` subclass that validates the lists
 (:mod:`torchtitan_seq.ordering`) and hands them to torch's own lowering
 (send/recv, FSDP unshard/reshard, gradient reduction) and executor.
@@ -35,35 +36,55 @@ from .stage import SequencePipelineStage
 __all__ = [
     "seq1f1b_actions",
     "terapipe_actions",
+    "interleaved_seq1f1b_actions",
     "SequenceSchedule",
     "ScheduleSeq1F1B",
     "ScheduleTeraPipe",
+    "ScheduleInterleavedSeq1F1B",
     "SEQUENCE_SCHEDULES",
 ]
 
 ActionLists = dict[int, list[_Action | None]]
 
 
-def _unit_orders(num_microbatches: int, k: int) -> tuple[list[int], list[int]]:
-    """Forward order (subsequence order) and backward order (last subsequence first)."""
-    fwd = [m * k + j for m in range(num_microbatches) for j in range(k)]
-    bwd = [m * k + j for m in range(num_microbatches) for j in reversed(range(k))]
+Slot = tuple[int, int]
+"""(stage index, unit id): one unit on one stage."""
+
+
+def _unit_orders(microbatches: range, k: int) -> tuple[list[int], list[int]]:
+    """Units of ``microbatches`` in forward order (subsequence order) and in backward
+    order (last subsequence first)."""
+    fwd = [m * k + j for m in microbatches for j in range(k)]
+    bwd = [m * k + j for m in microbatches for j in reversed(range(k))]
     return fwd, bwd
 
 
-def _one_f_one_b(rank: int, warmup: int, fwd: list[int], bwd: list[int], split_backward: bool) -> list[_Action | None]:
-    """``warmup`` forwards, then alternate backward/forward, then the remaining backwards.
+def _one_f_one_b(warmup: int, fwd: list[Slot], bwd: list[Slot], split_backward: bool) -> list[_Action | None]:
+    """One rank's list: ``warmup`` forwards, then alternate backward/forward, then the remaining backwards.
 
-    With ``split_backward`` each backward is an input-gradient pass (I) and the
-    weight-gradient passes (W) follow at the end, in backward order.
+    ``fwd`` and ``bwd`` are the rank's slots in the order they run forward and
+    backward. With ``split_backward`` each backward is an input-gradient pass
+    (I) and the weight-gradient passes (W) follow at the end, in backward order.
     """
     back = I if split_backward else B
-    actions: list[_Action | None] = [_Action(rank, F, u) for u in fwd[:warmup]]
-    for u_f, u_b in zip(fwd[warmup:], bwd):
-        actions += [_Action(rank, back, u_b), _Action(rank, F, u_f)]
-    actions += [_Action(rank, back, u) for u in bwd[len(fwd) - warmup:]]
+    actions: list[_Action | None] = [_Action(s, F, u) for s, u in fwd[:warmup]]
+    for (s_f, u_f), (s_b, u_b) in zip(fwd[warmup:], bwd):
+        actions += [_Action(s_b, back, u_b), _Action(s_f, F, u_f)]
+    actions += [_Action(s, back, u) for s, u in bwd[len(fwd) - warmup:]]
     if split_backward:
-        actions += [_Action(rank, W, u) for u in bwd]
+        actions += [_Action(s, W, u) for s, u in bwd]
+    return actions
+
+
+def _single_stage(
+    num_ranks: int, num_microbatches: int, k: int, warmup: Callable[[int], int], split_backward: bool
+) -> ActionLists:
+    """Stage r on rank r, all units in order; ``warmup(r)`` forwards before rank r's first backward."""
+    fwd, bwd = _unit_orders(range(num_microbatches), k)
+    actions: ActionLists = {}
+    for r in range(num_ranks):
+        slots = [(r, u) for u in fwd], [(r, u) for u in bwd]
+        actions[r] = _one_f_one_b(min(len(fwd), warmup(r)), *slots, split_backward)
     return actions
 
 
@@ -77,12 +98,8 @@ def seq1f1b_actions(
     backward and one forward alternate. Peak in-flight units on rank 0:
     min(p - 1 + k, N k).
     """
-    n = num_microbatches * num_subsequences
-    fwd, bwd = _unit_orders(num_microbatches, num_subsequences)
-    return {
-        r: _one_f_one_b(r, min(n, num_subsequences + num_ranks - 1 - r), fwd, bwd, split_backward)
-        for r in range(num_ranks)
-    }
+    k = num_subsequences
+    return _single_stage(num_ranks, num_microbatches, k, lambda r: k + num_ranks - 1 - r, split_backward)
 
 
 def terapipe_actions(
@@ -90,15 +107,73 @@ def terapipe_actions(
 ) -> ActionLists:
     """TeraPipe (ICML'21): GPipe over units, every forward then every backward, last unit first."""
     n = num_microbatches * num_subsequences
-    fwd, bwd = _unit_orders(num_microbatches, num_subsequences)
-    return {r: _one_f_one_b(r, n, fwd, bwd, split_backward) for r in range(num_ranks)}
+    return _single_stage(num_ranks, num_microbatches, num_subsequences, lambda r: n, split_backward)
+
+
+def _rounds(num_ranks: int, num_microbatches: int, k: int) -> list[range]:
+    """The microbatches of each round of the interleaved schedule.
+
+    Rounds hold p microbatches. A remainder of N mod p microbatches is a
+    final, shorter round when it holds at least p units, enough to keep
+    the pipeline busy while the ranks pass a round's units down their chunks;
+    a smaller one would stall the pipeline (for k = 1 it can even deadlock
+    torch's send/recv lowering), so it is spread over the earlier rounds, one
+    extra microbatch each, first rounds first (torch's Interleaved1F1B likewise
+    makes N // p rounds, but only when they come out equal). The first round is
+    always the largest: the warm-up is sized by it.
+    """
+    p, n = num_ranks, num_microbatches
+    full, rest = divmod(n, p)
+    if full == 0 or rest * k >= p:
+        sizes = [p] * full + ([rest] if rest else [])
+    else:
+        sizes = [n // full + (i < n % full) for i in range(full)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [range(s, s + size) for s, size in zip(starts, sizes)]
+
+
+def interleaved_seq1f1b_actions(
+    num_ranks: int,
+    num_microbatches: int,
+    num_subsequences: int,
+    *,
+    split_backward: bool = False,
+    stages_per_rank: int = 2,
+) -> ActionLists:
+    """Seq1F1B-I: interleaved 1F1B over units, v = ``stages_per_rank`` chunks per rank.
+
+    Loop placement: rank r holds stages r, r + p, ..., r + (v - 1) p. Work
+    rotates over the chunks in rounds of p microbatches (p k units, see
+    :func:`_rounds`): forward runs a round's units through chunk 0, then chunk
+    1, ..., backward through chunk v - 1 down to chunk 0, last subsequence
+    first. The released Seq1F1B-I rotates in rounds of p *units*, which
+    deadlocks or breaks the backward order unless k divides p.
+
+    Rank r warms up with (v - 1) R k + k + 2 (p - 1 - r) forwards (R: the
+    first round's microbatches): up to its forward of the last chunk's first
+    backward unit (microbatch 0, subsequence k - 1), plus the time that unit
+    takes to reach the last rank and its backward to come back. Peak in-flight
+    units on rank 0: that warm-up, at most v N k. Bubble ratio under uniform
+    costs: (p - 1) / (v N k + p - 1) when p divides N.
+    """
+    p, k, v = num_ranks, num_subsequences, stages_per_rank
+    rounds = _rounds(p, num_microbatches, k)
+    orders = [_unit_orders(mbs, k) for mbs in rounds]
+    actions: ActionLists = {}
+    for r in range(p):
+        fwd = [(c * p + r, u) for f, _ in orders for c in range(v) for u in f]
+        bwd = [(c * p + r, u) for _, b in orders for c in reversed(range(v)) for u in b]
+        warmup = (v - 1) * len(rounds[0]) * k + 2 * (p - 1 - r) + k
+        actions[r] = _one_f_one_b(min(len(fwd), warmup), fwd, bwd, split_backward)
+    return actions
 
 
 class SequenceSchedule(_PipelineScheduleRuntime):
     """Base of the sequence schedules: runs N microbatches as N k units.
 
     Args:
-        stages: this rank's :class:`SequencePipelineStage` (or a list of them).
+        stages: this rank's :class:`SequencePipelineStage`, or a list of them:
+            one for a single-stage schedule, v for a multi-stage one.
         n_microbatches: N, microbatches per step (the batch is split on dim 0).
         loss_fn: per-unit loss, see the module docstring.
         split_backward: run each backward as an input pass (I) and a weight
@@ -108,6 +183,11 @@ class SequenceSchedule(_PipelineScheduleRuntime):
     """
 
     actions_fn: ClassVar[Callable[..., ActionLists]]
+    stages_per_rank: ClassVar[int] = 1
+    """1 for a single-stage schedule; a multi-stage one's default v (its
+    ``actions_fn`` takes ``stages_per_rank``, set from ``len(stages)`` at run time)."""
+    stage_placement: ClassVar[str] = "loop"
+    """Stage -> rank placement (``generate_stage_to_rank_mapping`` style)."""
 
     def __init__(
         self,
@@ -124,6 +204,9 @@ class SequenceSchedule(_PipelineScheduleRuntime):
                 raise TypeError(
                     f"{type(self).__name__} needs SequencePipelineStage stages, got {type(s).__name__}"
                 )
+        multi_stage = self.stages_per_rank > 1
+        if not multi_stage and len(stages) != 1:
+            raise ValueError(f"{type(self).__name__} runs one stage per rank, got {len(stages)}")
         lengths = stages[0].lengths
         if any(s.lengths != lengths for s in stages):
             raise ValueError("all stages of a sequence schedule must cut sequences alike")
@@ -131,8 +214,9 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         self.num_subsequences = k = len(lengths)
         self.num_microbatches = n_microbatches
         super().__init__(stages, n_microbatches * k, loss_fn=loss_fn, scale_grads=scale_grads)
+        extra = {"stages_per_rank": len(stages)} if multi_stage else {}
         order = self.actions_fn(
-            self.pp_group_size, n_microbatches, k, split_backward=split_backward
+            self.pp_group_size, n_microbatches, k, split_backward=split_backward, **extra
         )
         validate_unit_order(order, k, self._num_stages)
         self.pipeline_order = order
@@ -221,8 +305,17 @@ class ScheduleTeraPipe(SequenceSchedule):
     actions_fn = staticmethod(terapipe_actions)
 
 
+class ScheduleInterleavedSeq1F1B(SequenceSchedule):
+    """Seq1F1B-I: interleaved 1F1B over units, v stages per rank in loop placement;
+    see :func:`interleaved_seq1f1b_actions`."""
+
+    actions_fn = staticmethod(interleaved_seq1f1b_actions)
+    stages_per_rank = 2
+
+
 # Names users select in ``[parallelism] pipeline_parallel_schedule``.
 SEQUENCE_SCHEDULES: dict[str, type[SequenceSchedule]] = {
     "Seq1F1B": ScheduleSeq1F1B,
     "TeraPipe": ScheduleTeraPipe,
+    "InterleavedSeq1F1B": ScheduleInterleavedSeq1F1B,
 }

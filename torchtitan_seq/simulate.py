@@ -527,7 +527,7 @@ def _model_cost(flavor: str) -> UnitCost:
 
 
 def _lengths(config: SimConfig) -> list[int]:
-    cost = _model_cost(config.flavor) if config.partition == "compute" else None
+    cost = _model_cost(config.flavor) if config.partition != "even" else None
     return partition_sequence(config.seq_len, config.subsequences, config.partition, cost=cost)
 
 

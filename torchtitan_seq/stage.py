@@ -5,10 +5,11 @@ runs (microbatch, subsequence) units. torch numbers the units as microbatches,
 ``unit id = m * k + j``; the stage
 
 * announces each unit to its :class:`~torchtitan_seq.kv_context.KVContext`
-  while the unit runs forward,
+  while the unit runs forward and backward,
 * sizes every unit's receive buffers (torch sizes them all like unit 0, but
   subsequences may differ in length),
-* forgets every unit's K/V when a step ends.
+* forgets every unit's K/V when a step ends,
+* times each pass for :data:`torchtitan_seq.timeline.RECORDER`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from torch.distributed.pipelining import PipelineStage
 from .attention import AttentionKernel, select_kernel
 from .kv_context import KVContext, Unit
 from .model import bind_kv_context
+from .ordering import B, F, I, W
+from .timeline import RECORDER
 
 __all__ = ["SequencePipelineStage"]
 
@@ -71,12 +74,24 @@ class SequencePipelineStage(PipelineStage):
         return Unit(m, j, self.offsets[j], self.lengths[j], self.num_subsequences)
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        with self.kv_context.running(self.unit(fwd_chunk_id)):
+        timed = RECORDER.action(self.stage_index, F, fwd_chunk_id)
+        with timed, self.kv_context.running(self.unit(fwd_chunk_id)):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        timed = RECORDER.action(self.stage_index, B if full_backward else I, bwd_chunk_id)
+        with timed, self.kv_context.backward(self.unit(bwd_chunk_id), last_pass=full_backward):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        timed = RECORDER.action(self.stage_index, W, bwd_chunk_id)
+        with timed, self.kv_context.backward(self.unit(bwd_chunk_id)):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     def clear_runtime_states(self) -> None:
         super().clear_runtime_states()
         self.kv_context.clear()
+        RECORDER.start_step()  # torch's schedules clear the stages as a step begins
 
     def _unit_meta(self, meta, length: int):
         """``meta``, torch's metadata of unit 0's tensor, resized to a unit of ``length`` tokens.

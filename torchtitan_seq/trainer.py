@@ -27,7 +27,7 @@ from . import cpu_compat
 from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
 from .metrics import SeqMetricsProcessor
-from .pipeline import check_schedule_name, pipeline_sequence_llm, sequence_lengths
+from .pipeline import check_schedule_name, pipeline_sequence_llm, sequence_lengths, stages_per_rank
 from .schedules import SEQUENCE_SCHEDULES
 
 __all__ = ["SeqTrainer"]
@@ -77,7 +77,16 @@ def check_job(job_config, world_size: int) -> None:
             "multiple of parallelism.pipeline_parallel_microbatch_size = "
             f"{par.pipeline_parallel_microbatch_size}"
         )
-    sequence_lengths(job_config, spec.model_args[job_config.model.flavor], par.tensor_parallel_degree)
+    ac = job_config.activation_checkpoint
+    if job_config.sequence_pipeline.split_backward and ac.mode == "selective" and ac.selective_ac_option == "op":
+        raise ValueError(
+            "sequence_pipeline.split_backward = true cannot run with activation_checkpoint.mode = "
+            "'selective' and selective_ac_option = 'op' (torch's op-level SAC allows one backward "
+            "per region): use another AC option or a full backward"
+        )
+    model_args = spec.model_args[job_config.model.flavor]
+    stages_per_rank(job_config, model_args, par.pipeline_parallel_degree)
+    sequence_lengths(job_config, model_args, par.tensor_parallel_degree)
 
 
 class SeqTrainer(Trainer):

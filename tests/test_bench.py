@@ -1,0 +1,141 @@
+"""The benchmark (log parsing, variants, calibration, CLI) and the per-action timeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from titan import assert_trained, run_train
+from torch.distributed.pipelining.schedules import _Action
+
+from torchtitan_seq import bench, timeline
+from torchtitan_seq.ordering import B, F
+from torchtitan_seq.simulate import chrome_trace
+
+LOG = """\
+[rank0]:[titan] 2026-01-02 10:00:00,000 - root - INFO - Sequence pipeline Seq1F1B: 4 microbatches x 2 subsequences, 'even' partition, lengths [128, 128]
+[rank0]:[titan] 2026-01-02 10:00:01,000 - root - INFO - Training starts at step 1
+[rank0]:[titan] 2026-01-02 10:00:03,500 - root - INFO - step:  1  loss:  8.10000  grad_norm:  1.0  memory:  0.82GiB(3.49%)  tps: 428  tflops: 0.03  mfu: 0.01%
+[rank0]:[titan] 2026-01-02 10:00:03,501 - root - INFO - step:  1  peak activations (MiB): rank0 2.0, rank1 1.0  bytes: 2097152, 1048576  bubble ratio: rank0 0.2500, rank1 0.1250
+[rank0]:[titan] 2026-01-02 10:00:04,750 - root - INFO - step:  2  loss:  7.90000  grad_norm:  1.7  memory:  0.85GiB(3.61%)  tps: 1,380  tflops: 0.03  mfu: 0.01%
+[rank0]:[titan] 2026-01-02 10:00:04,751 - root - INFO - step:  2  peak activations (MiB): rank0 2.0, rank1 1.0  bytes: 2097152, 1048577
+"""
+
+
+def test_parse_log_reads_steps_times_bytes_bubbles_and_lengths():
+    run = bench.parse_log(0, LOG)
+    assert run.losses == [8.1, 7.9]
+    assert run.tps == [428, 1380]
+    assert run.step_times_s == pytest.approx([2.5, 1.25])
+    assert run.activations_mib == [[2.0, 1.0], [2.0, 1.0]]
+    assert run.activation_bytes == [[2097152, 1048576], [2097152, 1048577]]
+    assert run.bubble_ratios == [[0.25, 0.125], []]  # step 2: stages not timed
+    assert run.lengths == [128, 128]
+
+
+def test_parse_variants():
+    v = bench.parse_variants("1F1B, Seq1F1B,Seq1F1B:8,TeraPipe:2:even", 4, "compute")
+    assert v == [
+        bench.Variant("1F1B"),
+        bench.Variant("Seq1F1B", 4, "compute"),
+        bench.Variant("Seq1F1B", 8, "compute"),
+        bench.Variant("TeraPipe", 2, "even"),
+    ]
+    assert v[2].label == "Seq1F1B k=8 compute" and v[0].label == "1F1B"
+    for bad in ("1F1B:4", "Seq1F1B:4:bogus", "Seq1F1B:4:even:x"):
+        with pytest.raises(ValueError):
+            bench.parse_variants(bad, 4, "compute")
+
+
+def test_recorder_times_actions_of_the_latest_step_only():
+    rec = timeline.StepTimeline()
+    with rec.action(0, F, 0):  # not enabled: nothing kept
+        pass
+    assert rec.intervals() == []
+    rec.enable("cpu")
+    rec.start_step()
+    with rec.action(0, F, 0):
+        pass
+    rec.start_step()
+    with rec.action(0, F, 1):
+        pass
+    with rec.action(0, B, 1):
+        pass
+    ivs = rec.intervals()
+    assert [a for _, _, a in ivs] == [_Action(0, F, 1), _Action(0, B, 1)]
+    assert 0 <= ivs[0][0] <= ivs[0][1] <= ivs[1][0] <= ivs[1][1]
+
+
+def test_measured_timeline_goes_through_the_simulator_writers():
+    timelines = {
+        0: [(0.0, 1.0, _Action(0, F, 0)), (1.0, 2.0, _Action(0, F, 1)), (4.0, 6.0, _Action(0, B, 1)),
+            (6.0, 8.0, _Action(0, B, 0))],
+        1: [(1.0, 2.0, _Action(1, F, 0)), (2.0, 3.0, _Action(1, F, 1)), (3.0, 4.0, _Action(1, B, 1)),
+            (4.0, 5.0, _Action(1, B, 0))],
+    }
+    assert timeline.bubble_ratios([6.0, 4.0], [8.0, 5.0]) == [0.25, 0.5]
+    result = timeline.measured_result(timelines, "Seq1F1B", 2)
+    assert (result.pp, result.microbatches, result.subsequences, result.makespan) == (2, 1, 2, 8.0)
+    assert result.bubble_ratio == pytest.approx(0.375)
+    events = [e for e in chrome_trace(result)["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 8 and events[2]["args"] == {"stage": 0, "microbatch": 0, "subsequence": 1}
+    pytest.importorskip("matplotlib")
+    assert timeline.timeline_figure(result).axes
+
+
+def test_calibration_writes_a_cost_file_the_simulator_reads(tmp_path):
+    cost = bench.calibrate(256, [128, 64, 64], 2, units=True, repeats=1)
+    assert all(len(cost[p]) == 3 and min(cost[p]) > 0 for p in "FBIW")
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(cost))
+    record = bench.Record(
+        schedule="Seq1F1B", label="Seq1F1B k=3 even", seq_len=256, num_subsequences=3, partition="even",
+        lengths=[128, 64, 64], pp=2, microbatches=2, steps_measured=1, step_times_s=[1.0], step_time_s=1.0,
+        tokens_per_s=512.0, peak_activation_bytes=[1, 1], bubble_ratio=None,
+    )
+    # Rank 0 alone runs F and B of every unit of both microbatches.
+    assert bench.predicted_step_time(record, path) >= 2 * (sum(cost["F"]) + sum(cost["B"]))
+
+
+@pytest.mark.slow
+def test_bench_cli_smoke(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan_seq.bench", "--seq-lens", "256", "--steps", "3", "--rounds", "1",
+         "--schedules", "1F1B,Seq1F1B", "--calibrate", "--repeats", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = json.loads((out / "bench.json").read_text())
+    assert [(r["schedule"], r["num_subsequences"], r["partition"]) for r in records] == [
+        ("1F1B", 1, None), ("Seq1F1B", 4, "compute")
+    ]
+    for r in records:
+        assert r["seq_len"] == 256 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+        assert len(r["peak_activation_bytes"]) == 2 and min(r["peak_activation_bytes"]) > 0
+        assert r["tokens_per_s_ratio"] > 0 and r["peak_activation_ratio"] > 0
+        assert r["predicted_step_time_s"] > 0 and (out / r["cost_file"]).is_file()
+    assert records[0]["bubble_ratio"] is None and len(records[1]["bubble_ratio"]) == 2
+    assert records[1]["partition"] == "compute" and sum(records[1]["lengths"]) == 256
+    assert (out / "bench.md").is_file() and (out / "bench.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_bubble_ratios_and_the_timeline(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = run_train("--training.seq_len", "512", "--training.steps", "2", "--metrics.enable_tensorboard",
+                    dump_folder=tmp_path, env={timeline.FREQ_ENV: "2"})
+    assert_trained(run, 2)
+    assert all(len(b) == 2 and all(0 <= x < 1 for x in b) for b in run.bubble_ratios), run.bubble_ratios
+    events = list(tmp_path.glob("tb/**/events.out.tfevents.*"))
+    assert events, run.output[-3000:]
+    acc = EventAccumulator(str(events[0].parent), size_guidance={"images": 4})
+    acc.Reload()
+    assert {"pipeline/bubble_ratio/rank0", "pipeline/bubble_ratio/rank1"} <= set(acc.Tags()["scalars"])
+    trace = json.loads((tmp_path / "profile_trace" / "iteration_2" / timeline.TRACE_FILE).read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    pytest.importorskip("matplotlib")
+    assert acc.Tags()["images"] == [timeline.FIGURE_TAG]

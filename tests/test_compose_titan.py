@@ -1,0 +1,158 @@
+"""Sequence schedules composed with torchtitan's FSDP2, TP, activation checkpointing and DCP,
+run as a user runs them: ./run_train.sh on CPU ranks (gloo).
+
+tests/test_compose.py checks the same compositions against a single-process
+reference on a tiny model; these check them end to end through torchtitan's
+trainer, mesh, checkpointer and data loader, on the Llama 3 debug model.
+"""
+
+from pathlib import Path
+
+import pytest
+from titan import assert_trained, run_train
+
+STEPS = 10
+# lr_scheduler.total_steps fixes the LR schedule (warm-up 2, then decay over
+# 80% of 10 steps) whatever training.steps is: without it torchtitan derives
+# the decay from training.steps, and a 5-step run would decay from step 4 on.
+SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4",
+         "--lr_scheduler.total_steps", str(STEPS))
+TINY = ("--training.seq_len", "256", "--training.local_batch_size", "4",
+        "--lr_scheduler.total_steps", str(STEPS))
+TOL_SCHEDULES = 1e-3  # Seq1F1B against 1F1B: same maths, different summation order
+TOL_RESUME = 1e-5  # a resumed run against the uninterrupted one
+LOSS = "loss_metrics/global_avg_loss"
+
+
+def max_diff(a, b) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def tensorboard_losses(dump_folder: Path) -> dict[int, float]:
+    """step -> loss (fp32) from every TensorBoard event file under ``dump_folder``.
+
+    The log prints losses to 5 decimals, as coarse as the resume tolerance;
+    TensorBoard keeps the float32 the trainer computed.
+    """
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    losses = {}
+    for path in sorted(dump_folder.glob("tb/**/events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.tag == LOSS:
+                    losses[event.step] = value.tensor.float_val[0] if value.HasField("tensor") else value.simple_value
+    return losses
+
+
+# ---------------------------------------------------------------------------
+# 1. Meshes: PP x FSDP2, PP x TP, PP x FSDP2 x TP
+
+
+MESHES = {
+    # name: (processes, degrees, size, steps)
+    "pp2-fsdp2": (4, {"dp_shard": 2, "tp": 1}, SMALL, STEPS),
+    "pp2-tp2": (4, {"dp_shard": 1, "tp": 2}, SMALL, STEPS),
+    # 8 ranks on a 2-core machine: the tiny size keeps it to about 3 minutes.
+    "pp2-fsdp2-tp2": (8, {"dp_shard": 2, "tp": 2}, TINY, STEPS),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_seq1f1b_logs_the_losses_of_1f1b_on_the_same_mesh(mesh, tmp_path):
+    ngpu, degrees, size, steps = MESHES[mesh]
+    common = (
+        *size, "--training.steps", str(steps),
+        "--parallelism.data_parallel_shard_degree", str(degrees["dp_shard"]),
+        "--parallelism.tensor_parallel_degree", str(degrees["tp"]),
+    )
+    env = {"NGPU": str(ngpu)}
+    seq = run_train(*common, dump_folder=tmp_path / "seq", env=env)
+    ref = run_train(*common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "ref", env=env)
+    assert_trained(seq, steps)
+    assert_trained(ref, steps)
+    layout = f"pp=2, dp_replicate=1, dp_shard={degrees['dp_shard']}, cp=1, tp={degrees['tp']}"
+    for run in (seq, ref):
+        assert f"Building device mesh with parallelism: {layout}" in run.output, run.output[-3000:]
+    assert "Sequence pipeline Seq1F1B: 4 microbatches x 4 subsequences" in seq.output
+    assert max_diff(seq.losses, ref.losses) <= TOL_SCHEDULES, (seq.losses, ref.losses)
+    assert min(seq.losses[-3:]) < seq.losses[0] - 0.5  # it learns
+
+
+# ---------------------------------------------------------------------------
+# 2 and 3 share one run: Seq1F1B on pp=2, no activation checkpointing, 10
+# steps, a DCP checkpoint every 5 steps.
+
+CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.folder", "ckpt",
+              "--metrics.enable_tensorboard")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("uninterrupted")
+    run = run_train(*SMALL, *CHECKPOINT, "--training.steps", str(STEPS), dump_folder=dump)
+    assert_trained(run, STEPS)
+    assert "activation checkpointing to the model" not in run.output  # the config's mode = "none"
+    return run, dump
+
+
+AC_MODES = {
+    "selective-2": ("--activation_checkpoint.mode", "selective"),  # torchtitan's default option, every 2nd layer
+    "selective-op": ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
+    "full": ("--activation_checkpoint.mode", "full"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", list(AC_MODES))
+def test_activation_checkpointing_logs_the_losses_of_none(ac, uninterrupted, tmp_path):
+    steps = 5
+    ref = uninterrupted[0]
+    run = run_train(*SMALL, *AC_MODES[ac], "--training.steps", str(steps), dump_folder=tmp_path)
+    assert_trained(run, steps)
+    mode = AC_MODES[ac][1]
+    assert f"Applied {mode} activation checkpointing to the model" in run.output, run.output[-3000:]
+    assert max_diff(run.losses, ref.losses[:steps]) <= TOL_SCHEDULES, (run.losses, ref.losses[:steps])
+
+
+@pytest.mark.slow
+def test_resuming_from_a_dcp_checkpoint_logs_the_uninterrupted_losses(uninterrupted, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ref, ref_dump = uninterrupted
+    # Stopped after step 5: that step's checkpoint is then the last one, which
+    # torchtitan saves model-only unless told otherwise, and a model-only
+    # checkpoint cannot resume training (DCP: "Missing key ... dataloader").
+    first = run_train(*SMALL, *CHECKPOINT, "--training.steps", "5", "--checkpoint.no_last_save_model_only",
+                      dump_folder=tmp_path)
+    assert_trained(first, 5)
+    saved = set(FileSystemReader(str(tmp_path / "ckpt" / "step-5")).read_metadata().state_dict_metadata)
+    for state in ("dataloader.", "optimizer.", "lr_scheduler.", "train_state.step"):
+        assert any(key.startswith(state) for key in saved), (state, sorted(saved)[:20])
+
+    second = run_train(*SMALL, *CHECKPOINT, "--training.steps", str(STEPS), dump_folder=tmp_path)
+    assert_trained(second, STEPS - 5)
+    assert f"Loading the checkpoint from {tmp_path / 'ckpt' / 'step-5'}" in second.output, second.output[-3000:]
+    assert "Training starts at step 6" in second.output
+
+    assert max_diff(first.losses + second.losses, ref.losses) <= TOL_RESUME, (first.losses, second.losses, ref.losses)
+    expected, resumed = tensorboard_losses(ref_dump), tensorboard_losses(tmp_path)
+    assert sorted(expected) == sorted(resumed) == list(range(1, STEPS + 1)), (expected, resumed)
+    diffs = {step: abs(resumed[step] - expected[step]) for step in range(6, STEPS + 1)}
+    assert max(diffs.values()) <= TOL_RESUME, diffs
+
+
+# ---------------------------------------------------------------------------
+# 4. Context parallelism cuts the sequence too: refused at start-up.
+
+
+def test_context_parallel_with_a_sequence_schedule_fails_fast_with_one_message(tmp_path):
+    run = run_train("--parallelism.context_parallel_degree", "2", dump_folder=tmp_path, env={"NGPU": "4"},
+                    timeout=60)
+    assert run.returncode == 2, run.output[-3000:]
+    lines = [line for line in run.output.splitlines() if line.strip()]
+    assert len(lines) == 1, run.output[-3000:]
+    assert "parallelism.context_parallel_degree = 2" in lines[0] and "Seq1F1B" in lines[0], lines[0]
+    assert not any(tmp_path.iterdir())  # nothing started

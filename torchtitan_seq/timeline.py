@@ -1,0 +1,248 @@
+"""Per-action timing of a pipeline step: when each compute action ran on this rank.
+
+:data:`RECORDER` is this process's recorder. A pipeline stage opens
+:meth:`StepTimeline.action` around each forward, backward, input-gradient and
+weight-gradient pass, and calls :meth:`StepTimeline.start_step` when a
+schedule step begins (torch's ``clear_runtime_states``); the recorder keeps
+the actions of the latest step. It records only once enabled (the trainer's
+metrics processor enables it), and then costs two clock reads and an append
+per action: on a CPU ``time.perf_counter``, on CUDA a pair of timing events,
+read when the step is summarised, so that a time is when the work ran on the
+GPU, not when it was queued.
+
+Times are milliseconds since the rank's own step start. Ranks start a step
+together (the previous step ends in collectives), so the step's makespan is
+the latest action end over all ranks, and a rank's **bubble ratio** is its
+idle time over that makespan: ``1 - busy / makespan``, as in
+:mod:`torchtitan_seq.simulate`. Idle time includes waiting for a neighbour's
+activations or gradients; the loss computed on the last stage between its
+forward and backward counts as idle (it runs outside the stage's passes).
+With gradient accumulation the recorder holds the last schedule step of the
+training step.
+
+:func:`gather_bubble_ratios` and :func:`export_timeline` are collectives:
+every rank calls them. The exported timeline is a
+:class:`~torchtitan_seq.simulate.SimResult` of measured times, written with
+the simulator's Chrome/Perfetto trace writer and drawn (matplotlib, the
+``bench`` extra) for TensorBoard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining.schedules import _Action
+
+from torchtitan.tools.logging import logger
+
+from .ordering import B, F, I, W
+
+# simulate is imported where it is used: it imports the schedules, which
+# import the stage, which imports this module.
+if TYPE_CHECKING:
+    from .simulate import Interval, SimResult
+
+__all__ = [
+    "StepTimeline",
+    "RECORDER",
+    "bubble_ratios",
+    "gather_bubble_ratios",
+    "measured_result",
+    "timeline_figure",
+    "export_due",
+    "export_timeline",
+]
+
+FREQ_ENV = "TORCHTITAN_SEQ_TIMELINE_FREQ"
+"""Environment variable: export the timeline every N steps, profiler or not."""
+TRACE_FILE = "pipeline_timeline.json"
+"""Name of the Chrome trace in torchtitan's ``iteration_{step}`` profiling folder."""
+FIGURE_TAG = "pipeline/timeline"
+
+
+class StepTimeline:
+    """Start and end of every compute action of the latest pipeline step on this process."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._cuda = False
+        self._origin: float | torch.cuda.Event = 0.0
+        # (start mark, end mark, action); marks are clock readings or CUDA events
+        self._marks: list[tuple[object, object, _Action]] = []
+
+    def enable(self, device: torch.device) -> None:
+        """Record from now on, timing work on ``device``."""
+        self.enabled = True
+        self._cuda = torch.device(device).type == "cuda"
+
+    def _mark(self) -> float | torch.cuda.Event:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _ms(self, mark) -> float:
+        if self._cuda:
+            return self._origin.elapsed_time(mark)
+        return (mark - self._origin) * 1e3
+
+    def start_step(self) -> None:
+        """A schedule step begins: forget the previous step's actions."""
+        if self.enabled:
+            self._marks.clear()
+            self._origin = self._mark()
+
+    @contextlib.contextmanager
+    def action(self, stage_index: int, kind, chunk_id: int) -> Iterator[None]:
+        """Time one compute action (``kind``: F, B, I or W) of ``stage_index`` on unit or microbatch ``chunk_id``."""
+        if not self.enabled:
+            yield
+            return
+        start = self._mark()
+        yield
+        self._marks.append((start, self._mark(), _Action(stage_index, kind, chunk_id)))
+
+    def intervals(self) -> list[Interval]:
+        """(start ms, end ms, action) of the latest step, in run order."""
+        if self._cuda and self._marks:
+            self._marks[-1][1].synchronize()
+        return [(self._ms(s), self._ms(e), a) for s, e, a in self._marks]
+
+
+RECORDER = StepTimeline()
+"""This process's recorder (one pipeline rank per process)."""
+
+
+def bubble_ratios(busy: list[float], ends: list[float]) -> list[float]:
+    """Per rank ``1 - busy / makespan``, the makespan being the latest end; [] when nothing ran."""
+    makespan = max(ends, default=0.0)
+    return [1 - b / makespan for b in busy] if makespan > 0 else []
+
+
+def gather_bubble_ratios(device: torch.device) -> list[float]:
+    """Every rank's bubble ratio in the latest step (collective; [] without pipeline actions)."""
+    ivs = RECORDER.intervals()
+    local = torch.tensor(
+        [sum(e - s for s, e, _ in ivs), max((e for _, e, _ in ivs), default=0.0)],
+        dtype=torch.float64,
+        device=device,
+    )
+    if dist.is_initialized():
+        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+    else:
+        gathered = [local]
+    return bubble_ratios([float(t[0]) for t in gathered], [float(t[1]) for t in gathered])
+
+
+def measured_result(timelines: dict[int, list[Interval]], schedule: str, num_subsequences: int) -> SimResult:
+    """The measured step as a :class:`SimResult` (times in ms), for the simulator's writers.
+
+    ``timelines``: per rank, (start, end, action) in ms since the step start.
+    Measured runs know no per-unit lengths or activation weights: ``lengths``
+    and ``peak_activations`` are left empty.
+    """
+    from .simulate import SimResult
+
+    k = num_subsequences
+    busy = [sum(e - s for s, e, _ in timelines[r]) for r in sorted(timelines)]
+    ends = [max((e for _, e, _ in timelines[r]), default=0.0) for r in sorted(timelines)]
+    ratios = bubble_ratios(busy, ends)
+    actions = [a for ivs in timelines.values() for _, _, a in ivs]
+    units = 1 + max((a.microbatch_index for a in actions), default=-1)
+    stages = {a.stage_index for a in actions}
+    order = {r: [a for _, _, a in timelines[r]] for r in sorted(timelines)}
+    return SimResult(
+        schedule=schedule,
+        pp=len(timelines),
+        microbatches=-(-units // k),
+        subsequences=k,
+        stages_per_rank=max(1, len(stages) // max(1, len(timelines))),
+        split_backward=any(a.computation_type in (I, W) for a in actions),
+        cost="measured (ms)",
+        lengths=[],
+        bubble_ratio=sum(ratios) / len(ratios) if ratios else 0.0,
+        makespan=max(ends, default=0.0),
+        peak_activations=[],
+        parameter_copies=1,
+        deadlock=None,
+        timeline=dict(timelines),
+        compute_order=order,
+        lowered={},
+    )
+
+
+def timeline_figure(result: SimResult):
+    """The timeline as a matplotlib figure: a row per rank, time on x, colour = microbatch,
+    shade = subsequence (the simulator's SVG colours), hatching = backward passes."""
+    from matplotlib.figure import Figure  # the ``bench`` extra
+
+    from .simulate import _colour  # the simulator's SVG colours
+
+    hatches = {F: "", B: "///", I: "\\\\\\", W: ".."}
+    fig = Figure(figsize=(12, 1.2 + 0.6 * result.pp))
+    ax = fig.add_subplot()
+    k = result.subsequences
+    for rank, ivs in result.timeline.items():
+        for start, end, a in ivs:
+            m, j = divmod(a.microbatch_index, k)
+            ax.broken_barh(
+                [(start, end - start)], (rank - 0.4, 0.8), facecolors=_colour(m, j, k)[0],
+                edgecolor="white", linewidth=0.5, hatch=hatches[a.computation_type],
+            )
+    ax.set_yticks(range(result.pp), [f"rank {r}" for r in range(result.pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since step start")
+    ax.set_title(
+        f"{result.schedule} k={k}: measured, makespan {result.makespan:.1f} ms, "
+        f"bubble ratio {result.bubble_ratio:.3f} (hatched: backward)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
+def export_due(step: int, profiling) -> bool:
+    """Whether ``step`` exports its timeline: a step torchtitan's profiler traces
+    (``profiling``: the job's ``[profiling]`` section), or every N steps with
+    ``TORCHTITAN_SEQ_TIMELINE_FREQ=N`` (torchtitan 0.2.2's profiler cannot start
+    on a CPU: it passes no device activity to torch.profiler)."""
+    freq = int(os.environ.get(FREQ_ENV, "0"))
+    traced = profiling.enable_profiling and step % profiling.profile_freq == 0
+    return traced or (freq > 0 and step % freq == 0)
+
+
+def export_timeline(step: int, schedule: str, num_subsequences: int, trace_dir: Path, writers: list) -> None:
+    """Gather every rank's timeline of the latest step (collective); rank 0 writes the Chrome trace
+    ``trace_dir/iteration_{step}/pipeline_timeline.json``, and each TensorBoard
+    ``SummaryWriter`` in ``writers`` gets the figure as ``pipeline/timeline``."""
+    from .simulate import chrome_trace
+
+    local = RECORDER.intervals()
+    if dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+    else:
+        gathered = [local]
+    result = measured_result(dict(enumerate(gathered)), schedule, num_subsequences)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path = trace_dir / f"iteration_{step}" / TRACE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(chrome_trace(result)))
+    if not writers:
+        return
+    try:
+        figure = timeline_figure(result)
+    except ImportError:
+        logger.warning("pipeline timeline image skipped: it needs matplotlib (pip install 'torchtitan_seq[bench]')")
+        return
+    for writer in writers:
+        writer.add_figure(FIGURE_TAG, figure, step, close=False)
