@@ -64,15 +64,22 @@ def _one_f_one_b(warmup: int, fwd: list[Slot], bwd: list[Slot], split_backward: 
 
     ``fwd`` and ``bwd`` are the rank's slots in the order they run forward and
     backward. With ``split_backward`` each backward is an input-gradient pass
-    (I) and the weight-gradient passes (W) follow at the end, in backward order.
+    (I) followed by its weight-gradient pass (W), except in the cool-down,
+    where the Ws wait until every I has run: the I passes the previous rank is
+    waiting for go first, and the Ws fill what would be idle time at the end
+    (the zero-bubble idea), without holding more activations than 1F1B.
     """
     back = I if split_backward else B
     actions: list[_Action | None] = [_Action(s, F, u) for s, u in fwd[:warmup]]
     for (s_f, u_f), (s_b, u_b) in zip(fwd[warmup:], bwd):
-        actions += [_Action(s_b, back, u_b), _Action(s_f, F, u_f)]
-    actions += [_Action(s, back, u) for s, u in bwd[len(fwd) - warmup:]]
+        actions.append(_Action(s_b, back, u_b))
+        if split_backward:
+            actions.append(_Action(s_b, W, u_b))
+        actions.append(_Action(s_f, F, u_f))
+    cooldown = bwd[len(fwd) - warmup:]
+    actions += [_Action(s, back, u) for s, u in cooldown]
     if split_backward:
-        actions += [_Action(s, W, u) for s, u in bwd]
+        actions += [_Action(s, W, u) for s, u in cooldown]
     return actions
 
 
