@@ -151,8 +151,9 @@ def _run_variant(v: Variant, rank: int) -> dict:
     whole.zero_grad(set_to_none=True)
 
     chunks, pp_mesh, dp_rank = _pipeline_chunks(whole, args, v)
+    # Sequence parallelism shards every unit evenly over the TP ranks.
     lengths = partition_sequence(
-        v.seq_len, v.k, v.partition, cost=UnitCost.from_model_args(args)
+        v.seq_len, v.k, v.partition, multiple=v.tp, cost=UnitCost.from_model_args(args)
     )
     stages = [
         SequencePipelineStage(
@@ -280,3 +281,22 @@ def run_variants(variants: list[Variant], tmp_path) -> list[dict]:
             "n_losses": next((r["n_losses"] for r in recs if "n_losses" in r), None),
         })
     return merged
+
+
+def assert_exact(r: dict, n_losses: int | None = None, activations_left: bool = False) -> None:
+    """A variant matched the reference: loss, every gradient, an empty KV context after the step.
+
+    Unless ``activations_left``, no saved activation may outlive the step either.
+    """
+    assert r["error"] is None, f"{r['name']}:\n{r['error']}"
+    assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
+    assert r["kv_left"] == 0, r
+    assert activations_left or r["activations_left"] == 0, r
+    if n_losses is not None:
+        assert r["n_losses"] == n_losses, r  # one loss per microbatch, as torch's schedules
+
+
+def assert_breaks_exactness(r: dict, margin: float = 100) -> None:
+    """A negative control ran and missed the reference by more than ``margin`` x the tolerance."""
+    assert r["error"] is None, f"{r['name']}:\n{r['error']}"
+    assert max(r["grad_diff"], r["loss_diff"]) > margin * TOL, r

@@ -1,7 +1,7 @@
 """Sequence schedules composed with torchtitan's activation checkpointing, FSDP2, TP and DCP."""
 
 import pytest
-from exactness import TOL, Variant, run_variants
+from exactness import Variant, assert_breaks_exactness, assert_exact, run_variants
 
 
 @pytest.fixture(scope="module")
@@ -17,17 +17,12 @@ def ac_results(tmp_path_factory):
 
 def test_activation_checkpointing_is_exact(ac_results):
     for name, r in ac_results.items():
-        if name.startswith("NEG"):
-            continue
-        assert r["error"] is None, f"{name}:\n{r['error']}"
-        assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, (name, r)
-        assert r["kv_left"] == 0 and r["activations_left"] == 0, (name, r)
+        if not name.startswith("NEG"):
+            assert_exact(r, n_losses=2)
 
 
 def test_recomputation_must_replay_the_recorded_blocks(ac_results):
-    r = ac_results["NEG recomputation without the recorded prefix"]
-    assert r["error"] is None, r["error"]
-    assert r["grad_diff"] > 100 * TOL, r
+    assert_breaks_exactness(ac_results["NEG recomputation without the recorded prefix"])
 
 
 @pytest.mark.parametrize(
@@ -43,9 +38,9 @@ def test_fsdp_and_tp_are_exact(dp_shard, tp, tmp_path):
     ] + [Variant("NEG backward in subsequence order", k=4, dp_shard=dp_shard, tp=tp, seq_len=64,
                  chunk_order_backward=True)]
     for r in run_variants(variants, tmp_path):
-        assert r["error"] is None, f"{r['name']}:\n{r['error']}"
         if r["name"].startswith("NEG"):
-            assert r["grad_diff"] > 10 * TOL, r
+            assert_breaks_exactness(r, margin=10)
         else:
-            assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
-            assert r["kv_left"] == 0, r
+            # Known: under TP with split backward about 0.5 MB of saved tensors
+            # outlive each step (constant over steps, KV context empty).
+            assert_exact(r, n_losses=2, activations_left=tp > 1 and r["name"].endswith("IW"))

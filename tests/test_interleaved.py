@@ -3,7 +3,7 @@
 import itertools
 
 import pytest
-from exactness import TOL, Variant, run_variants
+from exactness import Variant, assert_breaks_exactness, assert_exact, run_variants
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import _add_send_recv, _simulate_comms_compute, _validate_schedule
 
@@ -39,20 +39,14 @@ def results(request, tmp_path_factory):
 
 def test_exact_against_full_sequence(results):
     for name, r in results.items():
-        if "NEG" in name:
-            continue
-        assert r["error"] is None, f"{name}:\n{r['error']}"
-        assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, (name, r)
-        assert r["n_losses"] == (3 if name.endswith("N3") else 2), name
-        assert r["kv_left"] == 0 and r["activations_left"] == 0, (name, r)
+        if "NEG" not in name:
+            assert_exact(r, n_losses=(3 if name.endswith("N3") else 2))
 
 
 def test_negative_control_fails(results):
     for name, r in results.items():
-        if "NEG" not in name:
-            continue
-        assert r["error"] is None, f"{name}:\n{r['error']}"
-        assert max(r["grad_diff"], r["loss_diff"]) > 100 * TOL, (name, r)
+        if "NEG" in name:
+            assert_breaks_exactness(r)
 
 
 def _lower_and_run(order, p, v, n_units):

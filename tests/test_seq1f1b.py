@@ -3,7 +3,7 @@
 import itertools
 
 import pytest
-from exactness import TOL, Variant, run_variants
+from exactness import Variant, assert_breaks_exactness, assert_exact, run_variants
 
 EXACT = [
     Variant(f"k{k}-{part}-{'IW' if split else 'B'}", k=k, partition=part, split_backward=split)
@@ -33,20 +33,14 @@ def results(request, tmp_path_factory):
 
 def test_exact_against_full_sequence(results):
     for name, r in results.items():
-        if "NEG" in name:
-            continue
-        assert r["error"] is None, f"{name}:\n{r['error']}"
-        assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, (name, r)
-        assert r["n_losses"] == 2, name  # one loss per microbatch, as torch's schedules
-        assert r["kv_left"] == 0 and r["activations_left"] == 0, (name, r)
+        if "NEG" not in name:
+            assert_exact(r, n_losses=2)
 
 
 def test_negative_controls_fail(results):
     for name, r in results.items():
-        if "NEG" not in name:
-            continue
-        assert r["error"] is None, f"{name}:\n{r['error']}"
-        assert max(r["grad_diff"], r["loss_diff"]) > 100 * TOL, (name, r)
+        if "NEG" in name:
+            assert_breaks_exactness(r)
 
 
 def test_state_and_memory_do_not_grow(tmp_path):
