@@ -18,7 +18,7 @@ LOG = """\
 [rank0]:[titan] 2026-01-02 10:00:00,000 - root - INFO - Sequence pipeline Seq1F1B: 4 microbatches x 2 subsequences, 'even' partition, lengths [128, 128]
 [rank0]:[titan] 2026-01-02 10:00:01,000 - root - INFO - Training starts at step 1
 [rank0]:[titan] 2026-01-02 10:00:03,500 - root - INFO - step:  1  loss:  8.10000  grad_norm:  1.0  memory:  0.82GiB(3.49%)  tps: 428  tflops: 0.03  mfu: 0.01%
-[rank0]:[titan] 2026-01-02 10:00:03,501 - root - INFO - step:  1  peak activations (MiB): rank0 2.0, rank1 1.0  bytes: 2097152, 1048576  bubble ratio: rank0 0.2500, rank1 0.1250
+[rank0]:[titan] 2026-01-02 10:00:03,501 - root - INFO - step:  1  peak activations (MiB): rank0 2.0, rank1 1.0  bytes: 2097152, 1048576  bubble ratio: rank0 0.2500, rank1 0.1250  pipeline: 2250.5 ms
 [rank0]:[titan] 2026-01-02 10:00:04,750 - root - INFO - step:  2  loss:  7.90000  grad_norm:  1.7  memory:  0.85GiB(3.61%)  tps: 1,380  tflops: 0.03  mfu: 0.01%
 [rank0]:[titan] 2026-01-02 10:00:04,751 - root - INFO - step:  2  peak activations (MiB): rank0 2.0, rank1 1.0  bytes: 2097152, 1048577
 """
@@ -32,6 +32,7 @@ def test_parse_log_reads_steps_times_bytes_bubbles_and_lengths():
     assert run.activations_mib == [[2.0, 1.0], [2.0, 1.0]]
     assert run.activation_bytes == [[2097152, 1048576], [2097152, 1048577]]
     assert run.bubble_ratios == [[0.25, 0.125], []]  # step 2: stages not timed
+    assert run.pipeline_s == [2.2505, None]
     assert run.lengths == [128, 128]
 
 
@@ -87,13 +88,16 @@ def test_measured_timeline_goes_through_the_simulator_writers():
 
 def test_calibration_writes_a_cost_file_the_simulator_reads(tmp_path):
     cost = bench.calibrate(256, [128, 64, 64], 2, units=True, repeats=1)
-    assert all(len(cost[p]) == 3 and min(cost[p]) > 0 for p in "FBIW")
+    first, last = cost["stages"]
+    assert all(len(st[p]) == 3 and min(st[p]) > 0 for st in (first, last) for p in "FBW")
+    assert first["I"] == [0.0] * 3 and min(last["I"]) > 0  # torch's first stage has no I pass
+    assert cost["F"] == cost["stages"][cost["stage"]]["F"]
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(cost))
     record = bench.Record(
         schedule="Seq1F1B", label="Seq1F1B k=3 even", seq_len=256, num_subsequences=3, partition="even",
         lengths=[128, 64, 64], pp=2, microbatches=2, steps_measured=1, step_times_s=[1.0], step_time_s=1.0,
-        tokens_per_s=512.0, peak_activation_bytes=[1, 1], bubble_ratio=None,
+        tokens_per_s=512.0, peak_activation_bytes=[1, 1], bubble_ratio=None, pipeline_time_s=None,
     )
     # Rank 0 alone runs F and B of every unit of both microbatches.
     assert bench.predicted_step_time(record, path) >= 2 * (sum(cost["F"]) + sum(cost["B"]))
@@ -118,6 +122,7 @@ def test_bench_cli_smoke(tmp_path):
         assert r["tokens_per_s_ratio"] > 0 and r["peak_activation_ratio"] > 0
         assert r["predicted_step_time_s"] > 0 and (out / r["cost_file"]).is_file()
     assert records[0]["bubble_ratio"] is None and len(records[1]["bubble_ratio"]) == 2
+    assert 0 < records[1]["pipeline_time_s"] < records[1]["step_time_s"]
     assert records[1]["partition"] == "compute" and sum(records[1]["lengths"]) == 256
     assert (out / "bench.md").is_file() and (out / "bench.png").stat().st_size > 0
 
@@ -130,11 +135,13 @@ def test_tensorboard_holds_bubble_ratios_and_the_timeline(tmp_path):
                     dump_folder=tmp_path, env={timeline.FREQ_ENV: "2"})
     assert_trained(run, 2)
     assert all(len(b) == 2 and all(0 <= x < 1 for x in b) for b in run.bubble_ratios), run.bubble_ratios
+    assert all(t > 0 for t in run.pipeline_s), run.pipeline_s
     events = list(tmp_path.glob("tb/**/events.out.tfevents.*"))
     assert events, run.output[-3000:]
     acc = EventAccumulator(str(events[0].parent), size_guidance={"images": 4})
     acc.Reload()
-    assert {"pipeline/bubble_ratio/rank0", "pipeline/bubble_ratio/rank1"} <= set(acc.Tags()["scalars"])
+    tags = {"pipeline/bubble_ratio/rank0", "pipeline/bubble_ratio/rank1", "pipeline/makespan(s)"}
+    assert tags <= set(acc.Tags()["scalars"])
     trace = json.loads((tmp_path / "profile_trace" / "iteration_2" / timeline.TRACE_FILE).read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     pytest.importorskip("matplotlib")

@@ -25,23 +25,25 @@ after the first ``--warmup`` of each run:
   over that median. torchtitan's tps is this divided by the ranks.
 * peak activation bytes per rank: the largest of the steps, as the trainer
   logs it (bytes autograd keeps for backward, :mod:`torchtitan_seq.memory`).
-* bubble ratio per rank: the median over the steps, as the trainer logs it
-  (:mod:`torchtitan_seq.timeline`); None for torch's schedules, whose stages
-  are not timed.
+* bubble ratio per rank and pipeline time: the median over the steps, as
+  the trainer logs them (:mod:`torchtitan_seq.timeline`; the pipeline time
+  is the makespan of the schedule's compute, without optimizer and logging);
+  None for torch's schedules, whose stages are not timed.
 * ratios of tokens/s and of rank 0's peak to 1F1B's at the same length.
 
-``--calibrate`` then times the passes of one unit of the last pipeline stage
-(the costliest under torchtitan's split: it holds the output layer and the
-loss) in this process, one thread like a training rank, at each run's
-subsequence lengths; writes them as a cost file of
-:mod:`torchtitan_seq.simulate` (seconds) in ``--out``; and records the
+``--calibrate`` then times the passes of every unit on every pipeline
+stage, each stage in its own process (one thread, like a training rank) and
+all at once, as the ranks share the machine, at each run's subsequence
+lengths (:func:`calibrate`); writes the slowest stage's times as a cost file
+of :mod:`torchtitan_seq.simulate` (seconds) in ``--out``; and records the
 simulator's predicted step time (makespan of the pipeline alone, no
-optimizer, no communication time) and its error against the measured step.
+optimizer, no communication time) and its error against the measured step
+and against the measured pipeline time.
 
 Outputs in ``--out``: ``bench.json`` (a list of records, see :class:`Record`),
 ``bench.md`` (a table) and ``bench.png`` (tokens/s and rank 0's peak against
 the length, one line per schedule; needs matplotlib, the ``bench`` extra),
-and the runs' dump folders under ``runs/``.
+and under ``runs/`` each run's dump folder with its log, ``train.log``.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ _STEP = re.compile(
     _TIME + r"step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:.*memory:\s*([\d.]+)GiB.*tps:\s*([\d,]+)"
 )
 _ACT = re.compile(
-    r"step:\s*(\d+)\s+peak activations \(MiB\): (.*?)  bytes: ([\d, ]+?)(?:  bubble ratio: (.*))?$",
+    r"step:\s*(\d+)\s+peak activations \(MiB\): (.*?)  bytes: ([\d, ]+?)"
+    r"(?:  bubble ratio: (.*)  pipeline: ([\d.]+) ms)?$",
     re.MULTILINE,
 )
 _LENGTHS = re.compile(r"Sequence pipeline \S+: .* lengths \[([\d, ]+)\]")
@@ -119,6 +122,8 @@ class Run:
     activations_mib: list[list[float]] = field(default_factory=list)  # per step, per rank
     activation_bytes: list[list[int]] = field(default_factory=list)  # per step, per rank
     bubble_ratios: list[list[float]] = field(default_factory=list)  # per step, per rank; [] untimed
+    pipeline_s: list[float | None] = field(default_factory=list)
+    """Per step, the pipeline's makespan (None: stages not timed)."""
     lengths: list[int] | None = None
     """The subsequence lengths a sequence schedule logged at start-up."""
 
@@ -140,6 +145,7 @@ def parse_log(returncode: int, output: str) -> Run:
         run.activations_mib.append(_per_rank(m.group(2)))
         run.activation_bytes.append([int(b) for b in m.group(3).split(",")])
         run.bubble_ratios.append(_per_rank(m.group(4)) if m.group(4) else [])
+        run.pipeline_s.append(float(m.group(5)) / 1e3 if m.group(5) else None)
     lengths = _LENGTHS.search(output)
     if lengths:
         run.lengths = [int(x) for x in lengths.group(1).split(",")]
@@ -180,7 +186,9 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return f"{self.schedule} k={self.num_subsequences} {self.partition}" if self.is_sequence else self.schedule
+        if not self.is_sequence:
+            return self.schedule
+        return f"{self.schedule} k={self.num_subsequences} {self.partition}"
 
     def overrides(self) -> list[str]:
         out = ["--parallelism.pipeline_parallel_schedule", self.schedule]
@@ -233,6 +241,8 @@ class Record:
     """Per rank, the largest of the measured steps."""
     bubble_ratio: list[float] | None
     """Per rank, median of the measured steps; None when the stages are not timed."""
+    pipeline_time_s: float | None
+    """Median makespan of the pipeline's compute; None when the stages are not timed."""
     tokens_per_s_ratio: float | None = None
     """tokens/s over 1F1B's at the same length (None without a 1F1B run)."""
     peak_activation_ratio: float | None = None
@@ -241,7 +251,9 @@ class Record:
     predicted_step_time_s: float | None = None
     """The simulator's makespan under ``cost_file`` (``--calibrate``)."""
     prediction_error: float | None = None
-    """predicted / measured - 1."""
+    """predicted / measured step time - 1."""
+    pipeline_prediction_error: float | None = None
+    """predicted / measured pipeline time - 1."""
 
 
 def _job_overrides(variant: Variant, seq_len: int, args: argparse.Namespace) -> list[str]:
@@ -257,8 +269,12 @@ def _job_overrides(variant: Variant, seq_len: int, args: argparse.Namespace) -> 
 
 
 def _check_run(run: Run, steps: int, what: str) -> None:
-    if run.returncode != 0 or len(run.step_times_s) != steps or len(run.activation_bytes) != steps:
+    """Fail unless every step was logged. A run that fails after its last step (seen once: a
+    rank aborting with SIGABRT at shutdown) still measured every step: it is kept, with a warning."""
+    if len(run.step_times_s) != steps or len(run.activation_bytes) != steps:
         raise RuntimeError(f"{what} failed (exit {run.returncode}):\n{run.output[-4000:]}")
+    if run.returncode != 0:
+        print(f"warning: {what} exited with {run.returncode} after its last step", file=sys.stderr)
 
 
 def measure(variants: list[Variant], args: argparse.Namespace) -> list[Record]:
@@ -276,6 +292,8 @@ def measure(variants: list[Variant], args: argparse.Namespace) -> list[Record]:
                 began = time.monotonic()
                 folder = args.out / "runs" / f"{v.label.replace(' ', '_').replace('=', '')}_s{seq_len}_r{r}"
                 run = run_train(*_job_overrides(v, seq_len, args), dump_folder=folder, env=env)
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / "train.log").write_text(run.output)
                 _check_run(run, args.steps, what)
                 runs[v].append(run)
                 kept = run.step_times_s[args.warmup:]
@@ -295,6 +313,7 @@ def _record(variant: Variant, seq_len: int, runs: list[Run], args: argparse.Name
     times = [t for run in runs for t in run.step_times_s[keep]]
     peaks = [b for run in runs for b in run.activation_bytes[keep]]
     bubbles = [b for run in runs for b in run.bubble_ratios[keep] if b]
+    pipeline = [t for run in runs for t in run.pipeline_s[keep] if t is not None]
     median = statistics.median(times)
     return Record(
         schedule=variant.schedule,
@@ -313,6 +332,7 @@ def _record(variant: Variant, seq_len: int, runs: list[Run], args: argparse.Name
         bubble_ratio=[statistics.median(step[r] for step in bubbles) for r in range(len(bubbles[0]))]
         if bubbles
         else None,
+        pipeline_time_s=statistics.median(pipeline) if pipeline else None,
     )
 
 
@@ -329,9 +349,9 @@ def _add_ratios(records: list[Record]) -> None:
 # Calibration: measured unit times for the simulator
 
 
-def _last_stage(flavor: str, seq_len: int, pp: int) -> tuple[torch.nn.Module, object]:
-    """The last of ``pp`` stages of the flavor's SeqTransformer, cut as torchtitan's pipeline split
-    cuts it, and the model args."""
+def _stage_model(flavor: str, seq_len: int, pp: int, stage: int) -> tuple[torch.nn.Module, object]:
+    """Stage ``stage`` of ``pp`` of the flavor's SeqTransformer, cut as torchtitan's pipeline split
+    cuts it (its default first- and last-stage weights), and the model args."""
     from torchtitan.config import Parallelism
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
@@ -345,7 +365,7 @@ def _last_stage(flavor: str, seq_len: int, pp: int) -> tuple[torch.nn.Module, ob
             args.n_layers,
             defaults.pipeline_parallel_first_stage_less_layers,
             defaults.pipeline_parallel_last_stage_less_layers,
-        )[-1]
+        )[stage]
     )
     model = SeqTransformer(args)
     for name, child in list(model.named_children()):
@@ -368,27 +388,18 @@ def _timed(fn: Callable[[], object], device: torch.device) -> tuple[float, objec
     return time.perf_counter() - start, out
 
 
-def calibrate(
+def _calibrate_stage(
     seq_len: int,
     lengths: list[int],
     pp: int,
-    *,
+    stage: int,
     units: bool,
-    flavor: str = "debugmodel",
-    repeats: int = 3,
-    device: torch.device | str = "cpu",
-) -> dict:
-    """Seconds of each pass of each unit on the last of ``pp`` stages: the simulator's cost file.
-
-    ``units``: run subsequences ``lengths`` through a KV context, as a sequence
-    schedule does; otherwise the whole sequence with plain attention, as
-    torch's schedules do (``lengths`` is then ``[seq_len]``). Per repeat, the
-    units run forward in order and a full backward (B) last unit first, then
-    forward again and the split backward: input gradients (I), then weight
-    gradients (W), with torch's own ``stage_backward*`` functions, as the
-    pipeline stage runs them. The loss (sum cross-entropy over the step's
-    tokens) counts as forward. Median of ``repeats`` after one untimed round.
-    """
+    flavor: str,
+    repeats: int,
+    device: str,
+    barrier,
+) -> dict[str, list[float]]:
+    """Median seconds of each pass of each unit on one stage (one process; see :func:`calibrate`)."""
     from torch.distributed.pipelining._backward import (
         stage_backward,
         stage_backward_input,
@@ -399,13 +410,16 @@ def calibrate(
     from .kv_context import KVContext, Unit
     from .model import bind_kv_context
 
-    device = torch.device(device)
-    torch.manual_seed(0)
-    model, model_args = _last_stage(flavor, seq_len, pp)
-    model.to(device)
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # as a training rank on a CPU (run_train.sh's OMP_NUM_THREADS=1)
+    torch.manual_seed(stage)
+    model, model_args = _stage_model(flavor, seq_len, pp, stage)
+    model.to(dev)
+    first, last = stage == 0, stage == pp - 1
     context = KVContext()
     if units:
-        bind_kv_context(model, context, select_kernel(device))
+        bind_kv_context(model, context, select_kernel(dev))
     k = len(lengths)
     offsets = [sum(lengths[:j]) for j in range(k)]
     dim, vocab = model_args.dim, model_args.vocab_size
@@ -416,45 +430,99 @@ def calibrate(
     def forward(j: int, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         with context.running(unit(j)) if units else contextlib.nullcontext():
             out = model(x)
-        return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="sum") / seq_len
+        if not last:
+            return out
+        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="sum")
+        return loss / seq_len
 
     def one_round() -> dict[str, list[float]]:
-        inputs = [torch.randn(1, n, dim, device=device, requires_grad=True) for n in lengths]
-        targets = [torch.randint(vocab, (1, n), device=device) for n in lengths]
+        if first:
+            inputs = [torch.randint(vocab, (1, n), device=dev) for n in lengths]
+        else:
+            inputs = [torch.randn(1, n, dim, device=dev, requires_grad=True) for n in lengths]
+        targets = [torch.randint(vocab, (1, n), device=dev) for n in lengths]
         times: dict[str, list[float]] = {p: [0.0] * k for p in "FBIW"}
         for split in (False, True):
-            losses = []
+            outs = []
             for j in range(k):
-                times["F"][j], loss = _timed(lambda: forward(j, inputs[j], targets[j]), device)
-                losses.append(loss)
+                times["F"][j], out = _timed(lambda: forward(j, inputs[j], targets[j]), dev)
+                outs.append(out)
+            grads = [None if last else torch.randn_like(o) for o in outs]
+            values = [[] if first else [x] for x in inputs]
             for j in reversed(range(k)):
-                if not split:
+                if not split or first:
+                    # The first stage has no input gradient: torch runs its I as nothing
+                    # and its W as a full backward.
                     with context.backward(unit(j)):
-                        times["B"][j], _ = _timed(lambda: stage_backward(losses[j], None, [inputs[j]]), device)
+                        t, _ = _timed(lambda: stage_backward(outs[j], grads[j], values[j]), dev)
+                    times["W" if split else "B"][j] = t
                     continue
+                out = (outs[j],)
+                grad = None if last else (grads[j],)
                 with context.backward(unit(j), last_pass=False):
                     times["I"][j], (_, groups) = _timed(
-                        lambda: stage_backward_input([losses[j]], None, [inputs[j]], model.parameters()),
-                        device,
+                        lambda: stage_backward_input(out, grad, values[j], model.parameters()), dev
                     )
                 with context.backward(unit(j)):
-                    times["W"][j], _ = _timed(lambda: stage_backward_weight(model.parameters(), groups), device)
+                    times["W"][j], _ = _timed(
+                        lambda: stage_backward_weight(model.parameters(), groups), dev
+                    )
             context.clear()
             model.zero_grad(set_to_none=True)
         return times
 
+    barrier.wait()
     one_round()  # allocations, kernel choice
-    rounds = [one_round() for _ in range(repeats)]
-    cost = {p: [statistics.median(r[p][j] for r in rounds) for j in range(k)] for p in "FBIW"}
+    rounds = []
+    for _ in range(repeats):
+        barrier.wait()  # every stage times its passes while the others run theirs
+        rounds.append(one_round())
+    return {p: [statistics.median(r[p][j] for r in rounds) for j in range(k)] for p in "FBIW"}
+
+
+def calibrate(
+    seq_len: int,
+    lengths: list[int],
+    pp: int,
+    *,
+    units: bool,
+    flavor: str = "debugmodel",
+    repeats: int = 3,
+    device: str = "cpu",
+) -> dict:
+    """Seconds of each pass of each unit on the slowest stage: the simulator's cost file.
+
+    Each of the ``pp`` stages runs in its own process, all at once, as the
+    training ranks share the machine (on a CPU they contend for cores and
+    memory bandwidth), each rank's stage cut as torchtitan cuts the model.
+    ``units``: run subsequences ``lengths`` through a KV context, as a
+    sequence schedule does; otherwise the whole sequence with plain attention,
+    as torch's schedules do (``lengths`` is then ``[seq_len]``). Per round,
+    the units run forward in order and a full backward (B) last unit first,
+    then forward again and the split backward: input gradients (I), then
+    weight gradients (W), with torch's own ``stage_backward*`` functions, as
+    the pipeline stage runs them. The last stage's loss (sum cross-entropy over
+    the sequence) counts as forward. Median of ``repeats`` rounds after one
+    untimed round. The simulator gives every stage the same costs: F, B, I
+    and W are those of the slowest stage (largest total F + B), ``stage``;
+    ``stages`` keeps every stage's.
+    """
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, ctx.Pool(pp) as pool:
+        barrier = manager.Barrier(pp)
+        work = [(seq_len, lengths, pp, s, units, flavor, repeats, device, barrier) for s in range(pp)]
+        stages = pool.starmap(_calibrate_stage, work)
+    slowest = max(range(pp), key=lambda s: sum(stages[s]["F"]) + sum(stages[s]["B"]))
     return {
-        **cost,
+        **stages[slowest],
+        "stage": slowest,
+        "stages": stages,
         "unit": "s",
         "seq_len": seq_len,
         "lengths": lengths,
-        "stage": f"last of {pp}",
         "flavor": flavor,
         "repeats": repeats,
-        "threads": torch.get_num_threads(),
+        "device": device,
     }
 
 
@@ -480,7 +548,6 @@ def predicted_step_time(record: Record, cost_file: Path) -> float:
 
 def add_predictions(records: list[Record], out: Path, repeats: int) -> None:
     """Calibrate each (length, cut) once and record the simulator's prediction for every record."""
-    torch.set_num_threads(1)  # as each training rank runs on a CPU (run_train.sh's OMP_NUM_THREADS=1)
     files: dict[tuple[int, tuple[int, ...], bool], Path] = {}
     for r in records:
         units = r.schedule in SEQUENCE_SCHEDULES
@@ -495,6 +562,8 @@ def add_predictions(records: list[Record], out: Path, repeats: int) -> None:
         r.cost_file = files[key].name
         r.predicted_step_time_s = predicted_step_time(r, files[key])
         r.prediction_error = r.predicted_step_time_s / r.step_time_s - 1
+        if r.pipeline_time_s is not None:
+            r.pipeline_prediction_error = r.predicted_step_time_s / r.pipeline_time_s - 1
 
 
 # --------------------------------------------------------------------------
@@ -508,8 +577,9 @@ def _fmt(x: float | None, spec: str) -> str:
 def write_markdown(records: list[Record], path: Path, header: str) -> None:
     rows = [
         "| schedule | seq | lengths | step time (s) | tokens/s | x 1F1B | peak act. rank 0 (MiB) | x 1F1B "
-        "| peak act. per rank (MiB) | bubble ratio per rank | predicted step (s) | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak act. per rank (MiB) | bubble ratio per rank | pipeline (s) | predicted (s) "
+        "| error vs step | vs pipeline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         peaks = ", ".join(f"{b / 2**20:.1f}" for b in r.peak_activation_bytes)
@@ -518,7 +588,8 @@ def write_markdown(records: list[Record], path: Path, header: str) -> None:
             f"| {r.label} | {r.seq_len} | {r.lengths} | {r.step_time_s:.3f} | {r.tokens_per_s:.0f} "
             f"| {_fmt(r.tokens_per_s_ratio, '.3f')} | {r.peak_activation_bytes[0] / 2**20:.1f} "
             f"| {_fmt(r.peak_activation_ratio, '.3f')} | {peaks} | {bubbles} "
-            f"| {_fmt(r.predicted_step_time_s, '.3f')} | {_fmt(r.prediction_error, '+.1%')} |"
+            f"| {_fmt(r.pipeline_time_s, '.3f')} | {_fmt(r.predicted_step_time_s, '.3f')} "
+            f"| {_fmt(r.prediction_error, '+.1%')} | {_fmt(r.pipeline_prediction_error, '+.1%')} |"
         )
     path.write_text(header + "\n\n" + "\n".join(rows) + "\n")
 
@@ -604,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{(datetime.now() - began).total_seconds() / 60:.1f} min. "
         "See `torchtitan_seq/bench.py` for what each figure is."
     )
-    (args.out / "bench.json").write_text(json.dumps([dataclasses.asdict(r) for r in records], indent=1) + "\n")
+    records_json = json.dumps([dataclasses.asdict(r) for r in records], indent=1)
+    (args.out / "bench.json").write_text(records_json + "\n")
     write_markdown(records, args.out / "bench.md", header)
     try:
         write_plot(records, args.out / "bench.png")

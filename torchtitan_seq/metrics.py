@@ -4,8 +4,9 @@ Per logged step, every rank's peak activation bytes (measured by
 :class:`~torchtitan_seq.memory.ActivationMemory`) join torchtitan's metrics:
 in TensorBoard as ``memory/peak_activation_bytes/rank{r}`` and on the
 console as one line after torchtitan's step line (MiB, then exact bytes).
-So does every rank's measured bubble ratio of the step
-(:mod:`torchtitan_seq.timeline`), as ``pipeline/bubble_ratio/rank{r}``. On
+So do every rank's measured bubble ratio of the step and the step's
+pipeline makespan (:mod:`torchtitan_seq.timeline`), as
+``pipeline/bubble_ratio/rank{r}`` and ``pipeline/makespan(s)``. On
 the steps torchtitan's profiler traces, or every N steps with
 ``TORCHTITAN_SEQ_TIMELINE_FREQ=N`` (:func:`~torchtitan_seq.timeline.export_due`),
 the step's pipeline timeline is written as a Chrome trace in torchtitan's
@@ -53,15 +54,18 @@ class SeqMetricsProcessor(MetricsProcessor):
         extra_metrics: dict[str, Any] | None = None,
     ):
         peaks = self._gather_activation_peaks()
-        bubbles = timeline.gather_bubble_ratios(self.device_memory_monitor.device)
+        bubbles, makespan_ms = timeline.gather_pipeline_step(self.device_memory_monitor.device)
         metrics = dict(extra_metrics or {})
         metrics.update({f"memory/peak_activation_bytes/rank{r}": b for r, b in enumerate(peaks)})
         metrics.update({f"pipeline/bubble_ratio/rank{r}": x for r, x in enumerate(bubbles)})
+        if bubbles:
+            metrics["pipeline/makespan(s)"] = makespan_ms / 1e3
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=metrics)
         mib = ", ".join(f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(peaks))
         line = f"step: {step:2}  peak activations (MiB): {mib}  bytes: {', '.join(map(str, peaks))}"
         if bubbles:
             line += "  bubble ratio: " + ", ".join(f"rank{r} {x:.4f}" for r, x in enumerate(bubbles))
+            line += f"  pipeline: {makespan_ms:.1f} ms"
         logger.info(line)
         if timeline.export_due(step, self.job_config.profiling):
             self._export_timeline(step)

@@ -14,13 +14,14 @@ Times are milliseconds since the rank's own step start. Ranks start a step
 together (the previous step ends in collectives), so the step's makespan is
 the latest action end over all ranks, and a rank's **bubble ratio** is its
 idle time over that makespan: ``1 - busy / makespan``, as in
-:mod:`torchtitan_seq.simulate`. Idle time includes waiting for a neighbour's
+:mod:`torchtitan_seq.simulate`. The makespan is the pipeline's part of the
+training step (no optimizer, data loading or logging). Idle time includes waiting for a neighbour's
 activations or gradients; the loss computed on the last stage between its
 forward and backward counts as idle (it runs outside the stage's passes).
 With gradient accumulation the recorder holds the last schedule step of the
 training step.
 
-:func:`gather_bubble_ratios` and :func:`export_timeline` are collectives:
+:func:`gather_pipeline_step` and :func:`export_timeline` are collectives:
 every rank calls them. The exported timeline is a
 :class:`~torchtitan_seq.simulate.SimResult` of measured times, written with
 the simulator's Chrome/Perfetto trace writer and drawn (matplotlib, the
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.schedules import _Action
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from torchtitan.tools.logging import logger
 
@@ -53,7 +54,7 @@ __all__ = [
     "StepTimeline",
     "RECORDER",
     "bubble_ratios",
-    "gather_bubble_ratios",
+    "gather_pipeline_step",
     "measured_result",
     "timeline_figure",
     "export_due",
@@ -101,8 +102,9 @@ class StepTimeline:
             self._origin = self._mark()
 
     @contextlib.contextmanager
-    def action(self, stage_index: int, kind, chunk_id: int) -> Iterator[None]:
-        """Time one compute action (``kind``: F, B, I or W) of ``stage_index`` on unit or microbatch ``chunk_id``."""
+    def action(self, stage_index: int, kind: _ComputationType, chunk_id: int) -> Iterator[None]:
+        """Time one compute action (``kind``: F, B, I or W) of ``stage_index`` on unit
+        (or microbatch) ``chunk_id``."""
         if not self.enabled:
             yield
             return
@@ -127,8 +129,9 @@ def bubble_ratios(busy: list[float], ends: list[float]) -> list[float]:
     return [1 - b / makespan for b in busy] if makespan > 0 else []
 
 
-def gather_bubble_ratios(device: torch.device) -> list[float]:
-    """Every rank's bubble ratio in the latest step (collective; [] without pipeline actions)."""
+def gather_pipeline_step(device: torch.device) -> tuple[list[float], float]:
+    """Every rank's bubble ratio in the latest step and the step's makespan in ms (collective;
+    ([], 0.0) without pipeline actions)."""
     ivs = RECORDER.intervals()
     local = torch.tensor(
         [sum(e - s for s, e, _ in ivs), max((e for _, e, _ in ivs), default=0.0)],
@@ -140,7 +143,8 @@ def gather_bubble_ratios(device: torch.device) -> list[float]:
         dist.all_gather(gathered, local)
     else:
         gathered = [local]
-    return bubble_ratios([float(t[0]) for t in gathered], [float(t[1]) for t in gathered])
+    ends = [float(t[1]) for t in gathered]
+    return bubble_ratios([float(t[0]) for t in gathered], ends), max(ends)
 
 
 def measured_result(timelines: dict[int, list[Interval]], schedule: str, num_subsequences: int) -> SimResult:
@@ -242,7 +246,7 @@ def export_timeline(step: int, schedule: str, num_subsequences: int, trace_dir: 
     try:
         figure = timeline_figure(result)
     except ImportError:
-        logger.warning("pipeline timeline image skipped: it needs matplotlib (pip install 'torchtitan_seq[bench]')")
+        logger.warning("pipeline timeline image skipped: it needs matplotlib ('torchtitan_seq[bench]')")
         return
     for writer in writers:
         writer.add_figure(FIGURE_TAG, figure, step, close=False)
