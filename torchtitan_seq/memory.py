@@ -5,6 +5,10 @@ hook; :class:`ActivationMemory` counts each distinct storage once while any
 saved reference to it lives, and keeps the peak. Parameters (and views of
 them) are not activations and are left out. The figure is the same on CPU and
 GPU, so schedules compare across devices and against torch's own schedules.
+
+Under activation checkpointing, torch's checkpoint replaces these hooks inside
+each region: the region's inputs are counted, but the outputs that op-level
+selective AC caches for backward are not (the figure then equals full AC's).
 """
 
 from __future__ import annotations
