@@ -38,7 +38,9 @@ lengths (:func:`calibrate`); writes the slowest stage's times as a cost file
 of :mod:`torchtitan_seq.simulate` (seconds) in ``--out``; and records the
 simulator's predicted step time (makespan of the pipeline alone, no
 optimizer, no communication time) and its error against the measured step
-and against the measured pipeline time.
+and against the measured pipeline time. Calibration and runs are minutes
+apart: on a machine shared with other work the comparison is only as good as
+the load is steady (``benchmarks/README.md``).
 
 Outputs in ``--out``: ``bench.json`` (a list of records, see :class:`Record`),
 ``bench.md`` (a table) and ``bench.png`` (tokens/s and rank 0's peak against

@@ -32,7 +32,8 @@ __all__ = ["SeqMetricsProcessor", "build_seq_metrics_processor"]
 
 
 class SeqMetricsProcessor(MetricsProcessor):
-    """torchtitan's ``MetricsProcessor`` that also reports activation memory and bubble ratios per rank."""
+    """torchtitan's ``MetricsProcessor`` that also reports, per rank, activation memory and
+    the pipeline's bubble ratio."""
 
     activation_memory: ActivationMemory | None = None
 
