@@ -37,14 +37,16 @@ class SeqMetricsProcessor(MetricsProcessor):
 
     activation_memory: ActivationMemory | None = None
 
-    def _gather_activation_peaks(self) -> list[int]:
+    def _gather_per_rank(self) -> list[tuple[int, float, float]]:
+        """Every rank's (peak activation bytes, busy ms, latest action end ms), in one all-gather."""
         peak = self.activation_memory.peak if self.activation_memory else 0
-        local = torch.tensor([peak], dtype=torch.int64, device=self.device_memory_monitor.device)
-        if not dist.is_initialized():
-            return [peak]
-        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, local)
-        return [int(t.item()) for t in gathered]
+        local = torch.tensor([peak, *timeline.local_step()], dtype=torch.float64,
+                             device=self.device_memory_monitor.device)
+        gathered = [local]
+        if dist.is_initialized():
+            gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, local)
+        return [(int(t[0]), float(t[1]), float(t[2])) for t in gathered]
 
     def log(
         self,
@@ -54,8 +56,11 @@ class SeqMetricsProcessor(MetricsProcessor):
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
     ):
-        peaks = self._gather_activation_peaks()
-        bubbles, makespan_ms = timeline.gather_pipeline_step(self.device_memory_monitor.device)
+        per_rank = self._gather_per_rank()
+        peaks = [peak for peak, _, _ in per_rank]
+        ends = [end for _, _, end in per_rank]
+        bubbles = timeline.bubble_ratios([busy for _, busy, _ in per_rank], ends)
+        makespan_ms = max(ends)
         metrics = dict(extra_metrics or {})
         metrics.update({f"memory/peak_activation_bytes/rank{r}": b for r, b in enumerate(peaks)})
         metrics.update({f"pipeline/bubble_ratio/rank{r}": x for r, x in enumerate(bubbles)})

@@ -21,8 +21,8 @@ forward and backward counts as idle (it runs outside the stage's passes).
 With gradient accumulation the recorder holds the last schedule step of the
 training step.
 
-:func:`gather_pipeline_step` and :func:`export_timeline` are collectives:
-every rank calls them. The exported timeline is a
+:func:`export_timeline` is a collective: every rank calls it; the metrics
+processor gathers every rank's :func:`local_step` with its other per-rank figures. The exported timeline is a
 :class:`~torchtitan_seq.simulate.SimResult` of measured times, written with
 the simulator's Chrome/Perfetto trace writer and drawn (matplotlib, the
 ``bench`` extra) for TensorBoard.
@@ -54,7 +54,7 @@ __all__ = [
     "StepTimeline",
     "RECORDER",
     "bubble_ratios",
-    "gather_pipeline_step",
+    "local_step",
     "measured_result",
     "timeline_figure",
     "export_due",
@@ -129,22 +129,10 @@ def bubble_ratios(busy: list[float], ends: list[float]) -> list[float]:
     return [1 - b / makespan for b in busy] if makespan > 0 else []
 
 
-def gather_pipeline_step(device: torch.device) -> tuple[list[float], float]:
-    """Every rank's bubble ratio in the latest step and the step's makespan in ms (collective;
-    ([], 0.0) without pipeline actions)."""
+def local_step() -> tuple[float, float]:
+    """This rank's busy time and latest action end in the latest step, in ms."""
     ivs = RECORDER.intervals()
-    local = torch.tensor(
-        [sum(e - s for s, e, _ in ivs), max((e for _, e, _ in ivs), default=0.0)],
-        dtype=torch.float64,
-        device=device,
-    )
-    if dist.is_initialized():
-        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, local)
-    else:
-        gathered = [local]
-    ends = [float(t[1]) for t in gathered]
-    return bubble_ratios([float(t[0]) for t in gathered], ends), max(ends)
+    return sum(e - s for s, e, _ in ivs), max((e for _, e, _ in ivs), default=0.0)
 
 
 def measured_result(timelines: dict[int, list[Interval]], schedule: str, num_subsequences: int) -> SimResult:
