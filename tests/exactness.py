@@ -50,6 +50,8 @@ class Variant:
 
         return SEQUENCE_SCHEDULES[self.schedule].stages_per_rank
     no_recompute_replay: bool = False  # negative control: recomputation ignores the recorded prefix
+    no_pair_combine: bool = False  # negative control (BSIPipe): mirrored copies' gradients not combined
+    optimizer_steps: int = 0  # AdamW steps (and BSIPipe copy syncs) after the compared step
 
 
 def model_args(seq_len: int, n_layers: int = 4):
@@ -82,23 +84,21 @@ def _pipeline_chunks(whole, args, v: Variant):
     """This rank's chunks of ``whole``, [(stage index, chunk)], parallelised as torchtitan does it."""
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.pipeline_parallel import (
-        generate_llm_fqn_per_model_part,
-        pipeline_module_split,
-    )
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
     from torchtitan.models.llama3.infra.parallelize import parallelize_llama
 
     from torchtitan_seq.cpu_compat import fsdp_for_gloo
+    from torchtitan_seq.pipeline import split_model
+    from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 
     dims = ParallelDims(dp_replicate=1, dp_shard=v.dp_shard, cp=1, tp=v.tp, pp=v.pp, ep=1, etp=1,
                         world_size=v.world)
     dims.build_mesh()
     pp_mesh = dims.get_mesh("pp")
-    names = generate_llm_fqn_per_model_part(v.pp * v.stages_per_rank, args.n_layers, 1, 1)
-    # Loop placement, as torchtitan gives every schedule of ours.
-    torch_stages, chunks = pipeline_module_split(
-        whole, pp_mesh, "Interleaved1F1B", torch.device("cpu"), names
-    )
+    cls = SEQUENCE_SCHEDULES[v.schedule]
+    names = generate_llm_fqn_per_model_part(v.pp * v.stages_per_rank // cls.parameter_copies, args.n_layers, 1, 1)
+    # Placed as torchtitan_seq places it inside torchtitan.
+    split = split_model(whole, pp_mesh, v.schedule, torch.device("cpu"), names)
     job = JobConfig()
     job.training.seq_len = v.seq_len
     job.parallelism.pipeline_parallel_degree = v.pp
@@ -110,10 +110,9 @@ def _pipeline_chunks(whole, args, v: Variant):
     mode, _, option = v.ac.partition(":")
     job.activation_checkpoint.mode = mode
     job.activation_checkpoint.selective_ac_option = option or "2"
-    chunks = [parallelize_llama(chunk, dims, job) for chunk in chunks]
-    fsdp_for_gloo(chunks)
-    indexed = [(s.stage_index, chunk) for s, chunk in zip(torch_stages, chunks)]
-    return indexed, pp_mesh, dp_rank_of(dist.get_rank(), v)
+    chunks = [(index, chain, parallelize_llama(chunk, dims, job)) for index, chain, chunk in split]
+    fsdp_for_gloo([chunk for _, _, chunk in chunks])
+    return chunks, pp_mesh, dp_rank_of(dist.get_rank(), v)
 
 
 def _run_variant(v: Variant, rank: int) -> dict:
@@ -158,9 +157,9 @@ def _run_variant(v: Variant, rank: int) -> dict:
     stages = [
         SequencePipelineStage(
             chunk, index, v.pp * v.stages_per_rank, torch.device("cpu"), lengths=lengths,
-            group=pp_mesh.get_group(),
+            chain_length=chain, group=pp_mesh.get_group(),
         )
-        for index, chunk in chunks
+        for index, chain, chunk in chunks
     ]
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     if v.mean_loss:
@@ -182,6 +181,10 @@ def _run_variant(v: Variant, rank: int) -> dict:
         recorded = kv_context.KVContext.recorded
         patches.append(mock.patch.object(
             kv_context.KVContext, "recorded", lambda self, layer: ([], recorded(self, layer)[1])))
+    if v.no_pair_combine:
+        from torchtitan_seq.bidirectional import MirroredCopies
+
+        patches.append(mock.patch.object(MirroredCopies, "combine_gradients", lambda self: None))
     if v.no_kv_grad:
         patches.append(mock.patch.object(kv_context.KVBlock, "accumulate", lambda self, gk, gv: None))
     for p in patches:
@@ -193,7 +196,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
             stages, v.microbatches, loss_fn, split_backward=v.split_backward, scale_grads=scale
         )
         for _ in range(v.steps):
-            for _, chunk in chunks:
+            for _, _, chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
             losses = [] if last else None
             with memory.track():
@@ -204,20 +207,40 @@ def _run_variant(v: Variant, rank: int) -> dict:
     finally:
         for p in patches:
             p.stop()
+    # A BSIPipe chunk's gradient ends on its chain-A copy; the chain-B copy keeps none.
+    primary = [(index, chunk) for index, chain, chunk in chunks if index < chain]
+    mirror_grads = sum(p.grad is not None for index, chain, chunk in chunks if index >= chain
+                       for p in chunk.parameters())
     grad_diff = max(
         float((_full(p.grad) - ref_grads[n.replace("_checkpoint_wrapped_module.", "")]).abs().max())
         if p.grad is not None else float("inf")
-        for _, chunk in chunks
+        for _, chunk in primary
         for n, p in chunk.named_parameters()
     )
+    copies_diff = []
+    if v.optimizer_steps:
+        params = [p for _, _, chunk in chunks for p in chunk.parameters()]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        for _ in range(v.optimizer_steps):
+            opt.step()
+            if hasattr(sched, "sync_copies"):
+                sched.sync_copies()
+                copies_diff.append(sched.copies.max_difference())
+            opt.zero_grad(set_to_none=True)
+            sched.step(*((tokens[local],) if first else ()), target=labels[local] if last else None)
     out = {
         "grad_diff": grad_diff,
         "kv_left": sum(len(s.kv_context) for s in stages),
         "activations_left": max(activations_left),
         "peaks": peaks,
+        "mirror_grads": mirror_grads,
+        "copies_diff": copies_diff,
     }
+    # Every last stage holds its units' losses (BSIPipe has two); the pipeline's sum is the loss.
+    loss = torch.tensor(float(sum(losses)) if last else 0.0)
+    dist.all_reduce(loss, group=pp_mesh.get_group())
     if last:
-        out["loss_diff"] = abs(float(sum(losses)) - ref_loss.item())
+        out["loss_diff"] = abs(loss.item() - ref_loss.item())
         out["n_losses"] = len(losses)
     return out
 
@@ -279,6 +302,8 @@ def run_variants(variants: list[Variant], tmp_path) -> list[dict]:
             "activations_left": max(r.get("activations_left", 0) for r in recs),
             "peaks": [r.get("peaks") for r in recs],
             "n_losses": next((r["n_losses"] for r in recs if "n_losses" in r), None),
+            "mirror_grads": sum(r.get("mirror_grads", 0) for r in recs),
+            "copies_diff": [max(d) for d in zip(*(r.get("copies_diff", []) for r in recs))],
         })
     return merged
 

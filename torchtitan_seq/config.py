@@ -17,7 +17,7 @@ class SequencePipeline:
     """How sequence schedules cut and run each microbatch.
 
     Read when ``[parallelism] pipeline_parallel_schedule`` names a sequence
-    schedule (``Seq1F1B``, ``InterleavedSeq1F1B``, ``TeraPipe``); ignored by torch's own schedules.
+    schedule (``Seq1F1B``, ``InterleavedSeq1F1B``, ``BSIPipe``, ``TeraPipe``); ignored by torch's own schedules.
     """
 
     num_subsequences: int = 4
@@ -37,6 +37,11 @@ class SequencePipeline:
 
     attention_backend: str = "auto"
     """'auto' (flash-attn on CUDA when installed, SDPA otherwise), 'flash' or 'sdpa'."""
+
+    bidirectional_placement: str = "paired"
+    """BSIPipe only: 'paired' puts each mirrored pair of pipeline positions
+    (q, p - 1 - q), whose gradients are all-reduced, on neighbouring ranks;
+    'linear' puts position q on pipeline rank q."""
 
 
 @dataclass

@@ -7,9 +7,11 @@ Within one microbatch on one stage (k subsequences, unit id = m * k + j):
 2. backward: the pass that runs a unit's attention backward (B, or I, or W on
    the first stage, where torch defers the whole backward to W) runs for
    (m, j) after it ran for (m, j + 1) and after F(m, k - 1), since unit j + 1
-   sends gradient into the K/V of units 0..j;
-3. loss: on the last stage forwards run in unit-id order, because torch 2.13
-   files each loss under the position at which it was computed.
+   sends gradient into the K/V of units 0..j.
+
+(torch files each loss under the position at which it was computed; the
+sequence schedules file it under its unit id, so the last stage may run
+forwards in any order the rules allow.)
 
 torch's own ``_validate_schedule`` checks none of these.
 """
@@ -40,10 +42,8 @@ def _compute_actions(actions: list[_Action | None]):
             yield t, s
 
 
-def validate_unit_order(
-    order: dict[int, list[_Action | None]], num_subsequences: int, num_stages: int
-) -> None:
-    """Check rules 1-3 on per-rank compute-only action lists.
+def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences: int) -> None:
+    """Check rules 1 and 2 on per-rank compute-only action lists.
 
     Raises :class:`ScheduleOrderError` naming the rule, the rank, the step and
     the unit.
@@ -51,7 +51,6 @@ def validate_unit_order(
     k = num_subsequences
     for rank, actions in order.items():
         done: set[tuple[int, _ComputationType, int]] = set()
-        last_forward: dict[int, int] = {}
         for t, a in _compute_actions(actions):
             kind, stage, uid = a.computation_type, a.stage_index, a.microbatch_index
             if kind not in (F, *_BACKWARDS):
@@ -64,13 +63,6 @@ def validate_unit_order(
                         f"rule 1 (forward in subsequence order): {where} runs before "
                         f"subsequence {j - 1}"
                     )
-                if stage == num_stages - 1 and uid != last_forward.get(stage, -1) + 1:
-                    raise ScheduleOrderError(
-                        f"rule 3 (loss order): {where} runs forward on the last stage "
-                        f"after unit {last_forward.get(stage, -1)}; the last stage must "
-                        "run forwards in unit-id order"
-                    )
-                last_forward[stage] = uid
             else:
                 if (stage, F, m * k + k - 1) not in done:
                     raise ScheduleOrderError(

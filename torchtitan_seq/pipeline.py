@@ -1,8 +1,9 @@
 """Building a sequence pipeline inside torchtitan (the ``pipelining_fn`` of our train spec).
 
 For a sequence schedule it splits the model with torchtitan's own
-``pipeline_module_split`` into v chunks per rank (loop placement: rank r holds
-stages r, r + p, ...; v = 1 for single-stage schedules), applies torchtitan's
+``pipeline_module_split`` (:func:`split_model`: loop placement, rank r holds
+stages r, r + p, ..., v per rank; BSIPipe's four per rank are placed by
+:class:`~torchtitan_seq.bidirectional.BidirectionalLayout`), applies torchtitan's
 SPMD parallelisms per chunk, cuts the sequence
 (:func:`~torchtitan_seq.partition.partition_sequence`) and wraps each chunk in
 a :class:`~torchtitan_seq.stage.SequencePipelineStage`.
@@ -24,11 +25,18 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.tools.logging import logger
 
 from .attention import select_kernel
+from .bidirectional import BidirectionalLayout
 from .partition import UnitCost, partition_sequence
-from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
+from .schedules import SEQUENCE_SCHEDULES, ScheduleBSIPipe, SequenceSchedule
 from .stage import SequencePipelineStage
 
-__all__ = ["check_schedule_name", "sequence_lengths", "stages_per_rank", "pipeline_sequence_llm"]
+__all__ = [
+    "check_schedule_name",
+    "sequence_lengths",
+    "stages_per_rank",
+    "split_model",
+    "pipeline_sequence_llm",
+]
 
 
 def check_schedule_name(name: str) -> None:
@@ -68,7 +76,8 @@ def stages_per_rank(job_config, model_args, pp_degree: int) -> int:
     """
     par = job_config.parallelism
     name = par.pipeline_parallel_schedule
-    default = SEQUENCE_SCHEDULES[name].stages_per_rank
+    cls = SEQUENCE_SCHEDULES[name]
+    default = cls.stages_per_rank
     per_stage = par.pipeline_parallel_layers_per_stage
     if per_stage is None:
         return default
@@ -80,6 +89,15 @@ def stages_per_rank(job_config, model_args, pp_degree: int) -> int:
         )
         / per_stage
     )
+    if cls.parameter_copies > 1:
+        chunks = pp_degree * default // cls.parameter_copies
+        if num_stages != chunks:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_layers_per_stage = {per_stage} cuts the "
+                f"{model_args.n_layers} layers into {num_stages} chunks, but {name} runs exactly "
+                f"{chunks} (two per pipeline rank and direction): change it (or leave it unset)"
+            )
+        return default
     v = num_stages // pp_degree
     if num_stages % pp_degree or (v > 1) != (default > 1):
         need = "at least 2 stages" if default > 1 else "exactly 1 stage"
@@ -89,6 +107,35 @@ def stages_per_rank(job_config, model_args, pp_degree: int) -> int:
             f"on each of the {pp_degree} pipeline ranks: change it (or leave it unset)"
         )
     return v
+
+
+def split_model(
+    model: nn.Module,
+    pp_mesh,
+    name: str,
+    device: torch.device,
+    module_names: list[list[str]],
+    placement: str = "paired",
+) -> list[tuple[int, int, nn.Module]]:
+    """This rank's model chunks for schedule ``name``: [(stage index, chain length, chunk)].
+
+    ``module_names`` names the modules of each of the model's chunks, in
+    model order. torchtitan's ``pipeline_module_split`` does the module
+    surgery; it places chunks in a loop (rank r: r, r + p, ...), so for
+    BSIPipe, whose ranks hold four chunks of two chains, the chunks are
+    listed in the order that makes the loop hand each rank its own.
+    """
+    p = pp_mesh.size()
+    if SEQUENCE_SCHEDULES[name] is not ScheduleBSIPipe:
+        torch_stages, chunks = pipeline_module_split(model, pp_mesh, "Interleaved1F1B", device, module_names)
+        return [(s.stage_index, s.num_stages, chunk) for s, chunk in zip(torch_stages, chunks)]
+    layout = BidirectionalLayout(p, placement)
+    if len(module_names) != layout.chain_length:
+        raise ValueError(f"BSIPipe cuts the model into 2p = {layout.chain_length} chunks, got {len(module_names)}")
+    held = [layout.stages_of_rank(r) for r in range(p)]
+    looped = [module_names[layout.chunk(held[r][i])] for i in range(4) for r in range(p)]
+    _, chunks = pipeline_module_split(model, pp_mesh, "Interleaved1F1B", device, looped)
+    return [(index, layout.chain_length, chunk) for index, chunk in zip(held[pp_mesh.get_local_rank()], chunks)]
 
 
 def pipeline_sequence_llm(
@@ -117,34 +164,35 @@ def pipeline_sequence_llm(
     )
 
     pp_mesh = parallel_dims.get_mesh("pp")
+    cls = SEQUENCE_SCHEDULES[name]
+    v = stages_per_rank(job_config, model_args, parallel_dims.pp)
     names = par.module_fqns_per_model_part or generate_llm_fqn_per_model_part(
-        parallel_dims.pp * stages_per_rank(job_config, model_args, parallel_dims.pp),
+        parallel_dims.pp * v // cls.parameter_copies,
         model_args.n_layers,
         par.pipeline_parallel_first_stage_less_layers,
         par.pipeline_parallel_last_stage_less_layers,
     )
-    # torchtitan's split does the module surgery and reads only the stage
-    # placement from the schedule name (loop, for any stage count); its stages
-    # are torch's and are replaced below by sequence stages over the same chunks.
-    torch_stages, model_parts = pipeline_module_split(model, pp_mesh, "Interleaved1F1B", device, names)
+    chunks = split_model(model, pp_mesh, name, device, names, cfg.bidirectional_placement)
     kernel = select_kernel(torch.device(device), cfg.attention_backend)
-    stages = []
-    for i, (torch_stage, part) in enumerate(zip(torch_stages, model_parts)):
-        model_parts[i] = parallelize_fn(part, parallel_dims, job_config)
+    stages, model_parts = [], []
+    for index, chain_length, chunk in chunks:
+        model_parts.append(parallelize_fn(chunk, parallel_dims, job_config))
         stages.append(
             SequencePipelineStage(
-                model_parts[i],
-                torch_stage.stage_index,
-                torch_stage.num_stages,
+                model_parts[-1],
+                index,
+                parallel_dims.pp * v,
                 device,
                 lengths=lengths,
                 kernel=kernel,
+                chain_length=chain_length,
                 group=pp_mesh.get_group("pp"),
             )
         )
-    schedule = SEQUENCE_SCHEDULES[name](
-        stages, n_microbatches, loss_fn, split_backward=cfg.split_backward
-    )
+    options = {"placement": cfg.bidirectional_placement} if cls is ScheduleBSIPipe else {}
+    schedule = cls(stages, n_microbatches, loss_fn, split_backward=cfg.split_backward, **options)
+    if cls is ScheduleBSIPipe:
+        logger.info(f"BSIPipe placement '{cfg.bidirectional_placement}':\n{schedule.layout.describe()}")
     return (
         schedule,
         model_parts,

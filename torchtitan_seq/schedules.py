@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 
+from .bidirectional import BidirectionalLayout, MirroredCopies, lower_chains
 from .ordering import B, F, I, W, validate_unit_order
 from .stage import SequencePipelineStage
 
@@ -37,10 +38,12 @@ __all__ = [
     "seq1f1b_actions",
     "terapipe_actions",
     "interleaved_seq1f1b_actions",
+    "bsipipe_actions",
     "SequenceSchedule",
     "ScheduleSeq1F1B",
     "ScheduleTeraPipe",
     "ScheduleInterleavedSeq1F1B",
+    "ScheduleBSIPipe",
     "SEQUENCE_SCHEDULES",
 ]
 
@@ -175,6 +178,88 @@ def interleaved_seq1f1b_actions(
     return actions
 
 
+def bsipipe_actions(
+    num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False
+) -> ActionLists:
+    """BSIPipe: two V-shaped pipelines in opposite directions over units.
+
+    Stages are numbered as :class:`~torchtitan_seq.bidirectional.BidirectionalLayout`
+    numbers them (chain A: 0..2p-1, chain B: 2p..4p-1) and the lists are keyed
+    by pipeline position (the schedule maps positions to ranks). Even
+    microbatches go down chain A, odd ones down chain B.
+
+    The lists come from list scheduling under uniform costs (a chunk's forward
+    1, its backward 2): whenever a rank is free it runs, among the passes
+    whose inputs exist, a backward before a forward, then the chain it has
+    served less, then the stage deeper in its chain, then the older
+    microbatch. A forward waits while the rank holds 2 (k + p) units of that
+    chain's activations (basic-unit concatenation: the bound does not grow
+    with N, so neither does the peak). Full backward only: torch's
+    input/weight split special-cases stage 0, which would miss chain B's
+    first stage.
+    """
+    if split_backward:
+        raise ValueError(
+            "BSIPipe runs full backwards: set sequence_pipeline.split_backward = false"
+        )
+    if num_microbatches % 2:
+        raise ValueError(
+            f"BSIPipe shares the microbatches between its two pipelines, so it needs an even "
+            f"number of them, got {num_microbatches}: change training.local_batch_size or "
+            "parallelism.pipeline_parallel_microbatch_size"
+        )
+    layout = BidirectionalLayout(num_ranks, placement="linear")
+    p, k, chain = num_ranks, num_subsequences, layout.chain_length
+    cap = 2 * (k + p)
+    fwd: dict[int, list[int]] = {}
+    bwd: dict[int, list[int]] = {}
+    for c in (0, 1):
+        f, b = _unit_orders(range(c, num_microbatches, 2), k)
+        for s in range(chain):
+            fwd[c * chain + s], bwd[c * chain + s] = list(reversed(f)), list(reversed(b))
+    finished: dict[tuple[int, Any, int], float] = {}
+    free = [0.0] * p
+    live = [[0, 0] for _ in range(p)]  # units in flight per rank and chain
+    served = [[0, 0] for _ in range(p)]
+    stages = [layout.stages_of_rank(q) for q in range(p)]
+    actions: ActionLists = {q: [] for q in range(p)}
+
+    def candidates(q: int) -> list[tuple[float, tuple, int, Any, int]]:
+        out = []
+        for s in stages[q]:
+            c, depth = divmod(s, chain)
+            for kind, queue in ((B, bwd[s]), (F, fwd[s])):
+                if not queue or (kind == F and live[q][c] >= cap):
+                    continue
+                u = queue[-1]
+                if kind == F:
+                    needs = [(s - 1, F, u)] if depth else []
+                else:
+                    needs = [(s, F, u - u % k + k - 1)] + ([(s + 1, B, u)] if depth < chain - 1 else [])
+                if all(n in finished for n in needs):
+                    start = max([free[q]] + [finished[n] for n in needs])
+                    order = (kind != B, served[q][c], -depth, u // k)
+                    out.append((start, order, s, kind, u))
+        return out
+
+    remaining = 2 * num_microbatches * k * chain
+    while remaining:
+        # The rank that can start soonest acts; nothing it waits for can finish earlier.
+        options = [(min(c[0] for c in cands), q, cands) for q in range(p) if (cands := candidates(q))]
+        if not options:
+            raise RuntimeError(f"BSIPipe list scheduling stalled (p={p}, N={num_microbatches}, k={k})")
+        start, q, cands = min(options, key=lambda o: o[:2])
+        _, _, s, kind, u = min((c for c in cands if c[0] <= start), key=lambda c: c[1])
+        c = s // chain
+        (fwd if kind == F else bwd)[s].pop()
+        live[q][c] += 1 if kind == F else -1
+        served[q][c] += 1
+        free[q] = finished[(s, kind, u)] = start + (1.0 if kind == F else 2.0)
+        actions[q].append(_Action(s, kind, u))
+        remaining -= 1
+    return actions
+
+
 class SequenceSchedule(_PipelineScheduleRuntime):
     """Base of the sequence schedules: runs N microbatches as N k units.
 
@@ -191,8 +276,11 @@ class SequenceSchedule(_PipelineScheduleRuntime):
 
     actions_fn: ClassVar[Callable[..., ActionLists]]
     stages_per_rank: ClassVar[int] = 1
-    """1 for a single-stage schedule; a multi-stage one's default v (its
-    ``actions_fn`` takes ``stages_per_rank``, set from ``len(stages)`` at run time)."""
+    """Model chunks per rank: 1 for a single-stage schedule; a multi-stage
+    one's default v (its ``actions_fn`` takes ``stages_per_rank``, set from
+    ``len(stages)`` at run time)."""
+    parameter_copies: ClassVar[int] = 1
+    """Copies of each model chunk across the pipeline."""
     stage_placement: ClassVar[str] = "loop"
     """Stage -> rank placement (``generate_stage_to_rank_mapping`` style)."""
 
@@ -211,8 +299,7 @@ class SequenceSchedule(_PipelineScheduleRuntime):
                 raise TypeError(
                     f"{type(self).__name__} needs SequencePipelineStage stages, got {type(s).__name__}"
                 )
-        multi_stage = self.stages_per_rank > 1
-        if not multi_stage and len(stages) != 1:
+        if self.stages_per_rank == 1 and len(stages) != 1:
             raise ValueError(f"{type(self).__name__} runs one stage per rank, got {len(stages)}")
         lengths = stages[0].lengths
         if any(s.lengths != lengths for s in stages):
@@ -221,20 +308,51 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         self.num_subsequences = k = len(lengths)
         self.num_microbatches = n_microbatches
         super().__init__(stages, n_microbatches * k, loss_fn=loss_fn, scale_grads=scale_grads)
-        extra = {"stages_per_rank": len(stages)} if multi_stage else {}
-        order = self.actions_fn(
-            self.pp_group_size, n_microbatches, k, split_backward=split_backward, **extra
+        self._unit_losses: dict[int, torch.Tensor] = {}
+        order = self.compute_order(
+            self.pp_group_size, n_microbatches, k, split_backward=split_backward, stages_per_rank=len(stages)
         )
-        validate_unit_order(order, k, self._num_stages)
+        validate_unit_order(order, k)
         self.pipeline_order = order
         self._prepare_schedule_with_comms(order)
 
+    @classmethod
+    def compute_order(
+        cls,
+        num_ranks: int,
+        num_microbatches: int,
+        num_subsequences: int,
+        *,
+        split_backward: bool = False,
+        stages_per_rank: int | None = None,
+    ) -> ActionLists:
+        """The schedule's compute-only lists, {rank: [action]}, for v = ``stages_per_rank``
+        (default: the class's) model chunks per rank."""
+        extra = {"stages_per_rank": stages_per_rank or cls.stages_per_rank} if cls.stages_per_rank > 1 else {}
+        return cls.actions_fn(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward, **extra)
+
+    # torch files each loss under the position at which it was computed (a
+    # list); here it is filed under its unit id, for last stages that run
+    # units in any order, or only some of them.
+    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
+        if stage.is_last and self._loss_fn is not None:
+            self._unit_losses[mb_index] = self._compute_loss(output, target_mbs[mb_index], loss_kwargs)
+
     def _maybe_get_loss(self, stage, mb_index):
-        loss = super()._maybe_get_loss(stage, mb_index)
-        if loss is not None:
-            # Kept attached, the loss would pin the unit's graph until the step ends.
-            self._internal_losses[mb_index] = loss.detach()
+        if not (stage.is_last and self._loss_fn is not None):
+            return None
+        loss = self._unit_losses[mb_index]
+        # Kept attached, the loss would pin the unit's graph until the step ends.
+        self._unit_losses[mb_index] = loss.detach()
         return loss
+
+    def _update_losses(self, stages, losses):
+        """Per-unit losses of this rank's last stages, in unit-id order; 0 for units they do not run."""
+        if losses is not None and any(s.is_last for s in self._stages):
+            zero = next(iter(self._unit_losses.values())).new_zeros(())
+            losses.clear()
+            losses.extend(self._unit_losses.get(u, zero) for u in range(self._n_microbatches))
+        self._unit_losses.clear()
 
     def _split_units(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
         """(batch, seq, ...) -> N k tensors (batch / N, L_j, ...), unit-id order."""
@@ -320,9 +438,91 @@ class ScheduleInterleavedSeq1F1B(SequenceSchedule):
     stages_per_rank = 2
 
 
+class ScheduleBSIPipe(SequenceSchedule):
+    """BSIPipe: two V-shaped pipelines in opposite directions over units; see
+    :func:`bsipipe_actions` and :mod:`torchtitan_seq.bidirectional`.
+
+    Each rank holds four stages (chunks {q, 2p-1-q} of chain A and
+    {p-1-q, p+q} of chain B at position q), built with ``chain_length = 2p``.
+    The two copies of each chunk are one model: a step starts from identical
+    copies (the first step copies A's over B's) and ends with each chunk's
+    whole gradient on its chain-A copy and none on its chain-B copy, so an
+    optimizer over all parameters steps each chunk once; call
+    :meth:`sync_copies` after each optimizer step. ``step()`` returns no
+    outputs: each last stage sees half of the microbatches.
+
+    Args (beyond :class:`SequenceSchedule`'s):
+        placement: position -> rank, see :data:`~torchtitan_seq.bidirectional.PLACEMENTS`.
+    """
+
+    actions_fn = staticmethod(bsipipe_actions)
+    stages_per_rank = 4
+    parameter_copies = 2
+    stage_placement = "bidirectional"
+
+    def __init__(
+        self,
+        stages: list[SequencePipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        split_backward: bool = False,
+        scale_grads: bool = False,
+        placement: str = "paired",
+    ) -> None:
+        self.layout = BidirectionalLayout(stages[0].group_size, placement)
+        held = sorted(s.stage_index for s in stages)
+        if held != self.layout.stages_of_rank(stages[0].group_rank):
+            raise ValueError(
+                f"pipeline rank {stages[0].group_rank} holds stages {held}, but BSIPipe's "
+                f"{placement!r} layout puts {self.layout.stages_of_rank(stages[0].group_rank)} there"
+            )
+        super().__init__(stages, n_microbatches, loss_fn, split_backward=split_backward, scale_grads=scale_grads)
+        self.copies = MirroredCopies({s.stage_index: s.submod for s in self._stages}, self.layout, stages[0].group)
+        self._copies_synced = False
+
+    @classmethod
+    def compute_order(
+        cls,
+        num_ranks: int,
+        num_microbatches: int,
+        num_subsequences: int,
+        *,
+        split_backward: bool = False,
+        stages_per_rank: int | None = None,
+    ) -> ActionLists:
+        """Lists keyed by pipeline position (the 'linear' placement)."""
+        if stages_per_rank not in (None, cls.stages_per_rank):
+            raise ValueError(f"BSIPipe holds {cls.stages_per_rank} stages per rank, not {stages_per_rank}")
+        return cls.actions_fn(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward)
+
+    def _prepare_schedule_with_comms(self, actions, format="compute_only"):
+        order = {self.layout.rank_of_position(q): acts for q, acts in actions.items()}
+        self.pipeline_order = order
+        self.stage_index_to_group_rank = self.layout.stage_to_rank()
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        self.pipeline_order_with_comms = lower_chains(
+            order, self.stage_index_to_group_rank, self.layout.chain_length, self._n_microbatches // 2
+        )
+
+    def sync_copies(self) -> None:
+        """Copy each chunk's chain-A values over its chain-B copy (after an optimizer step)."""
+        self.copies.sync_parameters()
+        self._copies_synced = True
+
+    def step(self, *args, target=None, losses=None, return_outputs: bool = True, **kwargs) -> None:
+        if not self._copies_synced:
+            self.sync_copies()
+        super().step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        if self._has_backward:
+            self.copies.combine_gradients()
+
+
 # Names users select in ``[parallelism] pipeline_parallel_schedule``.
 SEQUENCE_SCHEDULES: dict[str, type[SequenceSchedule]] = {
     "Seq1F1B": ScheduleSeq1F1B,
     "TeraPipe": ScheduleTeraPipe,
     "InterleavedSeq1F1B": ScheduleInterleavedSeq1F1B,
+    "BSIPipe": ScheduleBSIPipe,
 }

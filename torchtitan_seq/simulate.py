@@ -99,6 +99,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from .bidirectional import BidirectionalLayout, lower_chains
 from .ordering import B, F, I, W, validate_unit_order
 from .partition import PARTITIONS, UnitCost, partition_sequence
 from .schedules import SEQUENCE_SCHEDULES
@@ -294,11 +295,10 @@ def _build(config: SimConfig) -> _Built:
     p, n, k = config.pp, config.microbatches, config.subsequences
     if config.schedule in SEQUENCE_SCHEDULES:
         cls = SEQUENCE_SCHEDULES[config.schedule]
-        v = config.stages_per_rank or getattr(cls, "stages_per_rank", 1)
-        placement = getattr(cls, "stage_placement", "loop")
-        extra = {"stages_per_rank": v} if v > 1 else {}
-        order = cls.actions_fn(p, n, k, split_backward=config.split_backward, **extra)
-        validate_unit_order(order, k, p * v)
+        v = config.stages_per_rank or cls.stages_per_rank
+        placement = cls.stage_placement
+        order = cls.compute_order(p, n, k, split_backward=config.split_backward, stages_per_rank=v)
+        validate_unit_order(order, k)
     elif config.schedule in TORCH_SCHEDULES:
         if k != 1 or config.split_backward:
             raise ValueError(
@@ -350,13 +350,22 @@ def _executed_order(ir: ActionLists) -> ActionLists:
 
 
 def _lower(
-    order: ActionLists, num_stages: int, num_units: int
+    order: ActionLists, num_stages: int, num_units: int, chain_length: int
 ) -> tuple[dict[int, list[_Action]] | None, dict[int, int]]:
-    """torch's lowering, as ``_prepare_schedule_with_comms`` runs it.
+    """torch's lowering, as ``_prepare_schedule_with_comms`` runs it; for
+    stages in several chains (BSIPipe), the schedule's own
+    (:func:`~torchtitan_seq.bidirectional.lower_chains`).
 
-    Returns (lowered lists, stage -> rank); the lists are None when
-    ``_add_send_recv`` finds no order for the sends and receives (a deadlock).
+    Returns (lowered lists, stage -> rank); the lists are None when no order
+    for the sends and receives exists (a deadlock).
     """
+    if chain_length != num_stages:
+        stage_to_rank = {a.stage_index: r for r, acts in order.items() for a in acts if a is not None}
+        try:
+            units_per_stage = num_units * chain_length // num_stages
+            return lower_chains(order, stage_to_rank, chain_length, units_per_stage), stage_to_rank
+        except ValueError:
+            return None, stage_to_rank
     stage_to_rank = _validate_schedule(order, len(order), num_stages, num_units)
     with_fsdp = {r: _add_reduce_grad(_add_unshard_reshard(acts), num_units) for r, acts in order.items()}
     try:
@@ -372,7 +381,7 @@ def _compute_leaves(action: _Action) -> tuple[_Action, ...]:
 
 
 def _send_after_compute(
-    order: ActionLists, stage_to_rank: dict[int, int], num_stages: int
+    order: ActionLists, stage_to_rank: dict[int, int], chain_length: int
 ) -> dict[int, list[tuple[int, _Action]]]:
     """Compute-only lists with a SEND after each compute that feeds another rank;
     each entry keeps its compute's index so a deadlock points into ``order``."""
@@ -385,9 +394,9 @@ def _send_after_compute(
             steps.append((i, a))
             for leaf in _compute_leaves(a):
                 s, kind = leaf.stage_index, leaf.computation_type
-                if kind == F and s < num_stages - 1 and stage_to_rank[s + 1] != rank:
+                if kind == F and s % chain_length < chain_length - 1 and stage_to_rank[s + 1] != rank:
                     steps.append((i, _Action(s, SEND_F, leaf.microbatch_index)))
-                elif kind in (B, I) and s > 0 and stage_to_rank[s - 1] != rank:
+                elif kind in (B, I) and s % chain_length > 0 and stage_to_rank[s - 1] != rank:
                     steps.append((i, _Action(s, SEND_B, leaf.microbatch_index)))
         out[rank] = steps
     return out
@@ -398,20 +407,21 @@ def _send_after_compute(
 
 
 def _needs(
-    a: _Action, stage_to_rank: dict[int, int], num_stages: int, latency: float
+    a: _Action, stage_to_rank: dict[int, int], chain_length: int, latency: float
 ) -> list[tuple[tuple[_Action, ...], float]]:
-    """What ``a`` waits for: (any one of these finished actions, plus delay)."""
+    """What ``a`` waits for: (any one of these finished actions, plus delay).
+    Stages form chains of ``chain_length``: no data crosses a chain's end."""
     s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
     rank = stage_to_rank[s]
     if kind == F:
-        if s == 0:
+        if s % chain_length == 0:
             return []
         if stage_to_rank[s - 1] == rank:
             return [((_Action(s - 1, F, m),), 0.0)]
         return [((_Action(s - 1, SEND_F, m),), latency)]
     if kind in (B, I):
         own = ((_Action(s, F, m),), 0.0)
-        if s == num_stages - 1:
+        if s % chain_length == chain_length - 1:
             return [own]
         if stage_to_rank[s + 1] == rank:
             return [own, ((_Action(s + 1, B, m), _Action(s + 1, I, m)), 0.0)]
@@ -428,7 +438,7 @@ def _needs(
 def _run(
     steps: dict[int, list[tuple[int, _Action]]],
     stage_to_rank: dict[int, int],
-    num_stages: int,
+    chain_length: int,
     duration: Callable[[_Action], float],
     latency: float,
     list_kind: str,
@@ -447,7 +457,7 @@ def _run(
         for r, acts in flat.items():
             while pos[r] < len(acts):
                 a = acts[pos[r]][1]
-                needs = _needs(a, stage_to_rank, num_stages, latency)
+                needs = _needs(a, stage_to_rank, chain_length, latency)
                 missing = next((opts for opts, _ in needs if not any(o in finished for o in opts)), None)
                 if missing is not None:
                     waiting[r] = missing
@@ -576,21 +586,30 @@ def simulate_order(
     """Lower and time compute-only lists ``order`` ({rank: [action or None]}).
 
     ``lengths`` are the subsequence lengths (k = len(lengths)), ``times`` the
-    unit times on a stage with 1/p of the layers. ``placement`` ("loop" or
-    "v"), when given, must agree with where the lists put the stages.
+    unit times on a stage with 1/p of the layers. ``placement`` ("loop",
+    "v" or "bidirectional"), when given, must agree with where the lists put
+    the stages. With ``parameter_copies`` 2 the p v stages are two chains
+    over p v / 2 model chunks (BSIPipe).
     """
     p, v, k = len(order), stages_per_rank, len(lengths)
     num_stages = p * v
-    lowered, stage_to_rank = _lower(order, num_stages, microbatches * k)
+    chain_length = num_stages // parameter_copies
+    lowered, stage_to_rank = _lower(order, num_stages, microbatches * k, chain_length)
     if placement is not None:
-        expected = generate_stage_to_rank_mapping(p, num_stages, style=placement)
+        expected = (
+            BidirectionalLayout(p, "linear").stage_to_rank()
+            if placement == "bidirectional"
+            else generate_stage_to_rank_mapping(p, num_stages, style=placement)
+        )
         if stage_to_rank != expected:
             raise ValueError(
                 f"{schedule} places stages on ranks {stage_to_rank}, but its stage_placement "
                 f"{placement!r} means {expected}"
             )
+    # A stage holds 1/chain_length of the model, a 1/p stage's p/chain_length.
+    share = p / chain_length
     scaled = {
-        kind: None if ts is None else tuple(t / v for t in ts)
+        kind: None if ts is None else tuple(t * share for t in ts)
         for kind, ts in ((F, times.F), (B, times.B), (I, times.I), (W, times.W))
     }
     used = {
@@ -607,13 +626,13 @@ def simulate_order(
         steps = {r: list(enumerate(acts)) for r, acts in lowered.items()}
         list_kind = "lowered"
     else:
-        steps = _send_after_compute(order, stage_to_rank, num_stages)
+        steps = _send_after_compute(order, stage_to_rank, chain_length)
         list_kind = "compute-only"
-    timeline, deadlock = _run(steps, stage_to_rank, num_stages, duration, comm_latency, list_kind)
+    timeline, deadlock = _run(steps, stage_to_rank, chain_length, duration, comm_latency, list_kind)
 
     makespan = max((iv[1] for ivs in timeline.values() for iv in ivs), default=0.0)
     busy = [sum(end - start for start, end, _ in timeline[r]) for r in sorted(timeline)]
-    weights = [length / sum(lengths) / v for length in lengths]
+    weights = [length / sum(lengths) * share for length in lengths]
     return SimResult(
         schedule=schedule,
         pp=p,

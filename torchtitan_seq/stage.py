@@ -40,6 +40,9 @@ class SequencePipelineStage(PipelineStage):
         lengths: subsequence lengths [L_0, ..., L_{k-1}] of every microbatch.
         seq_dim: sequence dimension of the stage's inputs and outputs.
         kernel: block attention kernel; chosen for ``device`` when omitted.
+        chain_length: stages per chain where the stages form several chains
+            (BSIPipe's two: stage s is first of its chain when s % chain_length
+            == 0); one chain of ``num_stages`` by default.
         **kwargs: passed on to ``PipelineStage``.
     """
 
@@ -53,8 +56,10 @@ class SequencePipelineStage(PipelineStage):
         lengths: list[int],
         seq_dim: int = 1,
         kernel: AttentionKernel | None = None,
+        chain_length: int | None = None,
         **kwargs: Any,
     ) -> None:
+        self.chain_length = chain_length or num_stages
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)
         if not lengths or min(lengths) < 1:
             raise ValueError(f"subsequence lengths must be positive, got {lengths}")
@@ -63,6 +68,14 @@ class SequencePipelineStage(PipelineStage):
         self.seq_dim = seq_dim
         self.kv_context = KVContext()
         bind_kv_context(submodule, self.kv_context, kernel or select_kernel(torch.device(device)))
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index % self.chain_length == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index % self.chain_length == self.chain_length - 1
 
     @property
     def num_subsequences(self) -> int:

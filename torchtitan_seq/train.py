@@ -12,6 +12,7 @@ at fault (run_train.sh does this before it starts torchrun).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -90,3 +91,12 @@ if __name__ == "__main__":
     if CHECK_ONLY:
         sys.exit(_check())
     main(SeqTrainer)
+    # The job is over: torchtitan has closed its writers and destroyed the
+    # process group. The interpreter's own teardown then runs C++ static
+    # destructors, where a joinable native thread (seen with the pyarrow that
+    # torchtitan's datasets load) sometimes aborts a finished run with
+    # "terminate called without an active exception" and exit code -6.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)

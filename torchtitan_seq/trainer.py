@@ -28,7 +28,8 @@ from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
 from .metrics import SeqMetricsProcessor
 from .pipeline import check_schedule_name, pipeline_sequence_llm, sequence_lengths, stages_per_rank
-from .schedules import SEQUENCE_SCHEDULES
+from .bidirectional import BidirectionalLayout
+from .schedules import SEQUENCE_SCHEDULES, ScheduleBSIPipe
 
 __all__ = ["SeqTrainer"]
 
@@ -86,7 +87,15 @@ def check_job(job_config, world_size: int) -> None:
         )
     model_args = spec.model_args[job_config.model.flavor]
     stages_per_rank(job_config, model_args, par.pipeline_parallel_degree)
-    sequence_lengths(job_config, model_args, par.tensor_parallel_degree)
+    lengths = sequence_lengths(job_config, model_args, par.tensor_parallel_degree)
+    if SEQUENCE_SCHEDULES[name] is ScheduleBSIPipe:
+        BidirectionalLayout(par.pipeline_parallel_degree, job_config.sequence_pipeline.bidirectional_placement)
+    SEQUENCE_SCHEDULES[name].compute_order(
+        par.pipeline_parallel_degree,
+        job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size,
+        len(lengths),
+        split_backward=job_config.sequence_pipeline.split_backward,
+    )
 
 
 class SeqTrainer(Trainer):
@@ -97,6 +106,9 @@ class SeqTrainer(Trainer):
         self.activation_memory = ActivationMemory()
         super().__init__(job_config)
         cpu_compat.fsdp_for_gloo(self.model_parts)
+        if isinstance(getattr(self, "pp_schedule", None), ScheduleBSIPipe):
+            # The optimizer steps each chunk's primary copy; the mirror copy follows.
+            self.optimizers.register_step_post_hook(lambda *_: self.pp_schedule.sync_copies())
         if isinstance(self.metrics_processor, SeqMetricsProcessor):
             self.metrics_processor.activation_memory = self.activation_memory
 

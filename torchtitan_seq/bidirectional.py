@@ -1,0 +1,304 @@
+"""Two V-shaped pipelines in opposite directions over the same ranks (BSIPipe's layout).
+
+The model is cut into 2p chunks. Pipeline A runs them down and back up the
+ranks in a V: chunk s on position s for s < p, on position 2p - 1 - s after
+the turn. Pipeline B runs the same chunks from the other end: chunk s on
+position p - 1 - (A's position of s). Position q therefore holds chunks
+{q, 2p - 1 - q} of A and {p - 1 - q, p + q} of B, and its mirror p - 1 - q
+holds the same four chunks with the roles swapped: every chunk exists twice,
+once on each rank of a mirrored pair.
+
+torch numbers stages along one chain; here the two chains share one index
+space, A's chunk s is stage s and B's chunk s is stage 2p + s, and a stage is
+first or last of its chain (``chain_length`` = 2p). torch's lowering
+(``_add_send_recv``) knows only one chain, so :func:`lower_chains` adds sends
+and receives the same way with chain boundaries; FSDP actions and gradient
+reduction are still torch's.
+
+Positions are mapped to ranks by a placement: ``paired`` (default) puts each
+mirrored pair (q, p - 1 - q) on neighbouring ranks (2q, 2q + 1), where their
+gradient all-reduce is cheapest; ``linear`` puts position q on rank q.
+:class:`MirroredCopies` keeps the two copies of each chunk identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_reduce_grad,
+    _add_unshard_reshard,
+    _ComputationType,
+)
+from torch.distributed.tensor import DTensor
+
+__all__ = ["PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies"]
+
+F = _ComputationType.FORWARD
+B = _ComputationType.FULL_BACKWARD
+I = _ComputationType.BACKWARD_INPUT  # noqa: E741
+SEND_F, RECV_F = _ComputationType.SEND_F, _ComputationType.RECV_F
+SEND_B, RECV_B = _ComputationType.SEND_B, _ComputationType.RECV_B
+
+PLACEMENTS = ("paired", "linear")
+
+
+@dataclass(frozen=True)
+class BidirectionalLayout:
+    """Where the 4p stages of the two chains live on p ranks (p even)."""
+
+    num_positions: int
+    """p, pipeline ranks."""
+    placement: str = "paired"
+    """Position -> rank: 'paired' (mirrored pairs on neighbouring ranks) or 'linear'."""
+
+    def __post_init__(self) -> None:
+        p = self.num_positions
+        if p < 2 or p % 2:
+            raise ValueError(
+                f"BSIPipe pairs pipeline rank q with rank p - 1 - q, so it needs an even "
+                f"pipeline_parallel_degree, got {p}"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"sequence_pipeline.bidirectional_placement = {self.placement!r} is unknown: "
+                f"use one of {PLACEMENTS}"
+            )
+
+    @property
+    def chain_length(self) -> int:
+        """2p: stages per chain; the chains' chunks are the model's."""
+        return 2 * self.num_positions
+
+    @property
+    def num_stages(self) -> int:
+        return 2 * self.chain_length
+
+    def position_of_stage(self, stage: int) -> int:
+        p = self.num_positions
+        chain, s = divmod(stage, self.chain_length)
+        q = s if s < p else 2 * p - 1 - s
+        return q if chain == 0 else p - 1 - q
+
+    def rank_of_position(self, q: int) -> int:
+        if self.placement == "linear":
+            return q
+        p = self.num_positions
+        return 2 * q if q < p // 2 else 2 * (p - 1 - q) + 1
+
+    def position_of_rank(self, rank: int) -> int:
+        return next(q for q in range(self.num_positions) if self.rank_of_position(q) == rank)
+
+    def rank_of_stage(self, stage: int) -> int:
+        return self.rank_of_position(self.position_of_stage(stage))
+
+    def stage_to_rank(self) -> dict[int, int]:
+        return {s: self.rank_of_stage(s) for s in range(self.num_stages)}
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """The rank's 4 stages, ascending: A's two chunks, then B's two."""
+        return [s for s in range(self.num_stages) if self.rank_of_stage(s) == rank]
+
+    def chunk(self, stage: int) -> int:
+        """The model chunk a stage runs."""
+        return stage % self.chain_length
+
+    def mirror(self, rank: int) -> int:
+        return self.rank_of_position(self.num_positions - 1 - self.position_of_rank(rank))
+
+    def describe(self) -> str:
+        """One line per rank: its position, A and B chunks, and its mirror."""
+        lines = []
+        for rank in range(self.num_positions):
+            a, b = (
+                [self.chunk(s) for s in self.stages_of_rank(rank) if s // self.chain_length == chain]
+                for chain in (0, 1)
+            )
+            lines.append(
+                f"rank {rank}: position {self.position_of_rank(rank)}, chunks A {a} B {b}, "
+                f"mirrored with rank {self.mirror(rank)}"
+            )
+        return "\n".join(lines)
+
+
+def lower_chains(
+    order: dict[int, list[_Action | None]],
+    stage_to_rank: dict[int, int],
+    chain_length: int,
+    units_per_stage: int,
+) -> dict[int, list[_Action]]:
+    """Compute-only lists -> the lists the runtime runs, for stages in chains of ``chain_length``.
+
+    torch's ``_add_unshard_reshard`` and ``_add_reduce_grad`` per rank, then
+    sends and receives placed as torch's ``_add_send_recv`` places them: the
+    ranks advance in lock step, an action waits until its input was sent to it
+    (or made on the same rank), and a receive is posted on the receiving rank
+    when the send is issued, so every pair of ranks posts its transfers in the
+    same order. The only difference is that no transfer crosses the end of a
+    chain.
+    """
+
+    def neighbour(stage: int, step: int) -> int | None:
+        n = stage + step
+        return n if n // chain_length == stage // chain_length and n >= 0 else None
+
+    def comms(a: _Action) -> tuple[_Action, _Action] | None:
+        s, kind, u = a.stage_index, a.computation_type, a.microbatch_index
+        if kind == F:
+            n = neighbour(s, 1)
+            if n is not None and stage_to_rank[n] != stage_to_rank[s]:
+                return _Action(s, SEND_F, u), _Action(n, RECV_F, u)
+        elif kind in (B, I):
+            n = neighbour(s, -1)
+            if n is not None and stage_to_rank[n] != stage_to_rank[s]:
+                return _Action(s, SEND_B, u), _Action(n, RECV_B, u)
+        return None
+
+    def ready(a: _Action, seen: set[_Action]) -> bool:
+        s, kind, u = a.stage_index, a.computation_type, a.microbatch_index
+        if kind == F:
+            n = neighbour(s, -1)
+            return n is None or _Action(s, RECV_F, u) in seen or _Action(n, F, u) in seen
+        if kind in (B, I):
+            n = neighbour(s, 1)
+            return n is None or any(x in seen for x in (_Action(s, RECV_B, u), _Action(n, B, u), _Action(n, I, u)))
+        return True
+
+    pending = {
+        r: [a for a in _add_reduce_grad(_add_unshard_reshard(acts), units_per_stage) if a is not None]
+        for r, acts in order.items()
+    }
+    lowered: dict[int, list[_Action]] = {r: [] for r in order}
+    seen: dict[int, set[_Action]] = {r: set() for r in order}
+    while any(pending.values()):
+        progress = False
+        for r in sorted(pending):
+            if not pending[r] or not ready(pending[r][0], seen[r]):
+                continue
+            a = pending[r].pop(0)
+            lowered[r].append(a)
+            seen[r].add(a)
+            pair = comms(a)
+            if pair is not None:
+                send, recv = pair
+                dst = stage_to_rank[recv.stage_index]
+                lowered[r].append(send)
+                seen[r].add(send)
+                lowered[dst].append(recv)
+                seen[dst].add(recv)
+            progress = True
+        if not progress:
+            stuck = {r: str(acts[0]) for r, acts in pending.items() if acts}
+            raise ValueError(f"no order of sends and receives runs these lists: ranks stuck at {stuck}")
+    return lowered
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class MirroredCopies:
+    """The two copies of this rank's model chunks and of its mirror's, kept identical.
+
+    Chain A's copy of a chunk is the primary: after a step
+    :meth:`combine_gradients` adds the mirror copy's gradient to it (one
+    all-reduce per pair, on one flat buffer) and drops the mirror copy's, so
+    the optimizer steps each chunk once and gradient-norm clipping counts it
+    once; :meth:`sync_parameters` then copies the primaries' new values over
+    the mirror copies (one all-reduce again). Both ranks of a pair hold the same
+    four chunks, which fixes a common order: by chunk index.
+
+    Args:
+        modules: {stage index: module} of this rank's four stages.
+        layout: the stages' layout.
+        pp_group: the pipeline's process group (its group ranks are the layout's ranks).
+    """
+
+    def __init__(self, modules: dict[int, nn.Module], layout: BidirectionalLayout, pp_group) -> None:
+        by_chunk = sorted(modules, key=layout.chunk)
+        self._modules = [modules[s] for s in by_chunk]
+        self._primary = [s < layout.chain_length for s in by_chunk]
+        self._group = _pair_group(layout, pp_group)
+
+    @property
+    def _params(self) -> list[list[nn.Parameter]]:
+        # Read at each use: torchtitan materialises meta parameters after the schedule is built.
+        return [list(m.parameters()) for m in self._modules]
+
+    def _all_reduce(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        flat = _flatten_dense_tensors(tensors)
+        dist.all_reduce(flat, group=self._group)
+        return flat
+
+    @torch.no_grad()
+    def combine_gradients(self) -> None:
+        """Primary grad <- primary + mirror grad (over the pair); mirror grads -> None."""
+        for params, primary in zip(self._params, self._primary):
+            for p in params:
+                if primary and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        grads = [
+            _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
+            for params in self._params
+            for p in params
+        ]
+        summed = iter(_unflatten_dense_tensors(self._all_reduce(grads), grads))
+        for params, primary in zip(self._params, self._primary):
+            for p in params:
+                total = next(summed)
+                if primary:
+                    _local(p.grad).copy_(total)
+                else:
+                    p.grad = None
+
+    def _pair_sum(self, mirror_value) -> list[torch.Tensor]:
+        """Per parameter, the pair's sum of this rank's primaries and ``mirror_value(p)`` of its mirror copies."""
+        values = [
+            _local(p).detach() if primary else mirror_value(_local(p).detach())
+            for params, primary in zip(self._params, self._primary)
+            for p in params
+        ]
+        return _unflatten_dense_tensors(self._all_reduce(values), values)
+
+    @torch.no_grad()
+    def sync_parameters(self) -> None:
+        """Mirror copies <- primary copies (over the pair)."""
+        summed = iter(self._pair_sum(torch.zeros_like))
+        for params, primary in zip(self._params, self._primary):
+            for p in params:
+                total = next(summed)
+                if not primary:
+                    _local(p).copy_(total)
+
+    @torch.no_grad()
+    def max_difference(self) -> float:
+        """Largest |primary - mirror| over this pair's chunks (0.0: the copies are identical)."""
+        return max((float(d.abs().max()) for d in self._pair_sum(torch.neg) if d.numel()), default=0.0)
+
+
+def _pair_group(layout: BidirectionalLayout, pp_group):
+    """This rank's mirrored pair as a process group.
+
+    ``new_group`` must be called by every process for every group, so the
+    pipelines of all data- and tensor-parallel coordinates are gathered first.
+    """
+    mine = dist.get_process_group_ranks(pp_group)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    pairs = sorted({
+        tuple(sorted((ranks[r], ranks[layout.mirror(r)])))
+        for ranks in map(tuple, everyone)
+        for r in range(layout.num_positions)
+    })
+    me = dist.get_rank()
+    group = None
+    for pair in pairs:
+        g = dist.new_group(list(pair))
+        if me in pair:
+            group = g
+    return group
