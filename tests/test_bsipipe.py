@@ -57,15 +57,18 @@ def test_negative_control_fails(results):
     assert_breaks_exactness(r)
 
 
-def test_tensor_parallel_matches_the_reference(tmp_path):
-    """pp=2 x tp=2 on 4 ranks: TP shards the heads, each KV context holds its rank's."""
+def test_tensor_parallel_and_fsdp_match_the_reference(tmp_path):
+    """4 ranks: pp=2 x tp=2 (TP shards the heads, each KV context holds its rank's) and
+    pp=2 x dp_shard=2 (FSDP2 reduces once per step; the pairs combine the shards)."""
     variants = [
         Variant("pp2-tp2-k2", schedule="BSIPipe", pp=2, tp=2, k=2, layers=4),
         Variant("pp2-tp2-copies", schedule="BSIPipe", pp=2, tp=2, k=2, layers=4, optimizer_steps=3),
+        Variant("pp2-fsdp2-k2", schedule="BSIPipe", pp=2, dp_shard=2, k=2, layers=4),
     ]
-    exact, copies = run_variants(variants, tmp_path)
-    assert_exact(exact, n_losses=2)
+    tp, copies, fsdp = run_variants(variants, tmp_path)
+    assert_exact(tp, n_losses=2)
     assert copies["error"] is None and copies["copies_diff"] == [0.0, 0.0, 0.0], copies
+    assert_exact(fsdp, n_losses=2)
 
 
 # --- layout and lowering ---------------------------------------------------------
@@ -141,3 +144,25 @@ def test_logs_the_losses_of_1f1b_from_one_seed_checkpoint(tmp_path):
     bsi, ref = runs["BSIPipe"].losses, runs["1F1B"].losses
     assert max(abs(a - b) for a, b in zip(bsi, ref)) <= 1e-3, (bsi, ref)
     assert "BSIPipe placement 'paired':" in runs["BSIPipe"].output
+
+
+# --- simulated: bubbles and memory -------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_smaller_bubbles_than_interleaved_and_memory_independent_of_n(p):
+    """Uniform costs, N in {2p, 8p}, k 1-4: bubble below InterleavedSeq1F1B's (v=2) and
+    at most (p-1)/(3Nk+p-1) + 0.01; two parameter copies; the same peak at N = 2p and 8p."""
+    from torchtitan_seq.simulate import SimConfig, simulate
+
+    for k in (1, 2, 3, 4):
+        peaks = []
+        for n in (2 * p, 8 * p):
+            # 3072 tokens: every k cuts them into equal subsequences.
+            bsi = simulate(SimConfig("BSIPipe", pp=p, microbatches=n, subsequences=k, seq_len=3072))
+            inter = simulate(SimConfig("InterleavedSeq1F1B", pp=p, microbatches=n, subsequences=k, seq_len=3072))
+            assert bsi.deadlock is None and bsi.parameter_copies == 2
+            assert bsi.bubble_ratio < inter.bubble_ratio, (p, n, k, bsi.bubble_ratio, inter.bubble_ratio)
+            assert bsi.bubble_ratio <= (p - 1) / (3 * n * k + p - 1) + 0.01, (p, n, k, bsi.bubble_ratio)
+            peaks.append(max(bsi.peak_activations))
+        assert peaks[0] == pytest.approx(peaks[1]), (p, k, peaks)

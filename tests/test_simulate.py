@@ -67,17 +67,18 @@ def test_torch_reference_figures():
 
 
 def test_sweep_no_deadlock_no_ordering_violation():
-    """p <= 8, N <= 16, k <= 8, split backward both ways for p <= 4.
+    """p <= 8, N <= 16, k <= 8, split backward both ways for p <= 4 (BSIPipe: the
+    shapes it runs, even p and N, k <= 4).
 
     simulate() validates the unit order (raising ScheduleOrderError) and runs
     torch's lowering, so a pass here means both hold.
     """
     for name in SEQUENCE_SCHEDULES:
-        pairs = name == "BSIPipe"  # even p and N, full backward only
+        pairs = name == "BSIPipe"  # even p and N, full backward only; k <= 4 keeps it quick
         for p in range(2 if pairs else 1, 9, 2 if pairs else 1):
             for split in (False, True) if p <= 4 and not pairs else (False,):
                 for n in range(2 if pairs else 1, 17, 2 if pairs else 1):
-                    for k in range(1, 9):
+                    for k in range(1, 5 if pairs else 9):
                         r = _run(name, p, n, k, split_backward=split)
                         assert r.deadlock is None, (name, p, n, k, split, r.deadlock)
                         assert r.makespan > 0
