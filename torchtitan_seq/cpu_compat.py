@@ -7,6 +7,8 @@ on the CPU with gloo, and does nothing at all when CUDA is present:
 * ``torch.cpu`` gains the memory API torchtitan's memory monitor calls, with
   the process's peak resident set size as the peak memory;
 * ``barrier(device_ids=["cpu"])`` drops the device ids gloo rejects;
+* ``torch.profiler.profile`` ignores the ``None`` that torchtitan's profiler
+  lists as its activity when there is no GPU, so ``[profiling]`` works;
 * FSDP2 reduces gradients with plain sums (:func:`fsdp_for_gloo`), since gloo
   has no PREMUL_SUM.
 
@@ -61,6 +63,17 @@ def _barrier_without_cpu_ids(barrier):
     return wrapped
 
 
+def _profile_without_missing_device(init):
+    @functools.wraps(init)
+    def wrapped(self, *args, activities=None, **kwargs):
+        if activities is not None:
+            activities = [a for a in activities if a is not None]
+        init(self, *args, activities=activities, **kwargs)
+
+    wrapped.__torchtitan_seq_cpu__ = True
+    return wrapped
+
+
 def apply() -> bool:
     """Patch what torchtitan needs on a machine without CUDA; returns whether it did.
 
@@ -86,6 +99,9 @@ def apply() -> bool:
             setattr(cpu, name, fn)
     if not getattr(dist.barrier, "__torchtitan_seq_cpu__", False):
         dist.barrier = _barrier_without_cpu_ids(dist.barrier)
+    profile = torch.profiler.profile
+    if not getattr(profile.__init__, "__torchtitan_seq_cpu__", False):
+        profile.__init__ = _profile_without_missing_device(profile.__init__)
     return True
 
 
