@@ -287,7 +287,12 @@ def _list_schedule(
 
 
 def bsipipe_actions(
-    num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False
+    num_ranks: int,
+    num_microbatches: int,
+    num_subsequences: int,
+    *,
+    split_backward: bool = False,
+    stages_per_rank: int = 4,
 ) -> ActionLists:
     """BSIPipe: two V-shaped pipelines in opposite directions over units.
 
@@ -307,6 +312,8 @@ def bsipipe_actions(
     Full backward only: torch's input/weight split special-cases stage 0,
     which would miss chain B's first stage.
     """
+    if stages_per_rank != 4:
+        raise ValueError(f"BSIPipe holds 4 stages per rank (2 chunks of each chain), not {stages_per_rank}")
     if split_backward:
         raise ValueError("BSIPipe runs full backwards: set sequence_pipeline.split_backward = false")
     if num_microbatches % 2:
@@ -548,21 +555,6 @@ class ScheduleBSIPipe(SequenceSchedule):
         super().__init__(stages, n_microbatches, loss_fn, split_backward=split_backward, scale_grads=scale_grads)
         self.copies = MirroredCopies({s.stage_index: s.submod for s in self._stages}, self.layout, stages[0].group)
         self._copies_synced = False
-
-    @classmethod
-    def compute_order(
-        cls,
-        num_ranks: int,
-        num_microbatches: int,
-        num_subsequences: int,
-        *,
-        split_backward: bool = False,
-        stages_per_rank: int | None = None,
-    ) -> ActionLists:
-        """Lists keyed by pipeline position (the 'linear' placement)."""
-        if stages_per_rank not in (None, cls.stages_per_rank):
-            raise ValueError(f"BSIPipe holds {cls.stages_per_rank} stages per rank, not {stages_per_rank}")
-        return cls.actions_fn(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward)
 
     def _prepare_schedule_with_comms(self, actions, format="compute_only"):
         order = {self.layout.rank_of_position(q): acts for q, acts in actions.items()}
