@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -109,6 +110,8 @@ def test_bench_cli_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torchtitan_seq.bench", "--seq-lens", "256", "--steps", "3", "--rounds", "1",
          "--schedules", "1F1B,Seq1F1B", "--calibrate", "--repeats", "1", "--out", str(out)],
+        # Valid jobs: run_train.sh may skip its start-up check (every rank checks the job).
+        env={**os.environ, "TORCHTITAN_SEQ_SKIP_CHECK": "1"},
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -132,7 +135,7 @@ def test_tensorboard_holds_bubble_ratios_and_the_timeline(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = run_train("--training.seq_len", "512", "--training.steps", "2", "--metrics.enable_tensorboard",
-                    dump_folder=tmp_path, env={timeline.FREQ_ENV: "2"})
+                    dump_folder=tmp_path, env={timeline.FREQ_ENV: "2"}, check=False)
     assert_trained(run, 2)
     assert all(len(b) == 2 and all(0 <= x < 1 for x in b) for b in run.bubble_ratios), run.bubble_ratios
     assert all(t > 0 for t in run.pipeline_s), run.pipeline_s

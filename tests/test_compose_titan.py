@@ -9,7 +9,7 @@ trainer, mesh, checkpointer and data loader, on the Llama 3 debug model.
 from pathlib import Path
 
 import pytest
-from titan import assert_trained, run_train
+from titan import REFERENCE, assert_trained, run_train
 
 STEPS = 10
 # lr_scheduler.total_steps fixes the LR schedule (warm-up 2, then decay over
@@ -22,6 +22,11 @@ TINY = ("--training.seq_len", "256", "--training.local_batch_size", "4",
 TOL_SCHEDULES = 1e-3  # Seq1F1B against 1F1B: same maths, different summation order
 TOL_RESUME = 1e-5  # a resumed run against the uninterrupted one
 LOSS = "loss_metrics/global_avg_loss"
+
+# The runs below skip run_train.sh's start-up check (check=False, ~7 s a run;
+# every rank checks the job anyway): these tests are about torchtitan's
+# parallelisms, not the check, which the context-parallel test below and
+# tests/test_train.py exercise.
 
 
 def max_diff(a, b) -> float:
@@ -50,31 +55,34 @@ def tensorboard_losses(dump_folder: Path) -> dict[int, float]:
 # 1. Meshes: PP x FSDP2, PP x TP, PP x FSDP2 x TP
 
 
+# 10 steps of each schedule on each mesh, at seq 256 (64-token subsequences):
+# the units, and the FSDP2 and TP collectives each makes, are the same at
+# seq 512, for half the compute. On 2 cores the 8 ranks take 2.5 to 3.5
+# minutes (Seq1F1B's 16 units a step each make their TP collectives, 7-10 s
+# a step; 1F1B 2-3 s).
 MESHES = {
-    # name: (processes, degrees, size, steps)
-    "pp2-fsdp2": (4, {"dp_shard": 2, "tp": 1}, SMALL, STEPS),
-    "pp2-tp2": (4, {"dp_shard": 1, "tp": 2}, SMALL, STEPS),
-    # 8 ranks on 2 cores: 10 steps of both schedules take about 3 minutes
-    # (Seq1F1B's 16 units a step each make their TP collectives, 7 s a step),
-    # 5 steps about 2.
-    "pp2-fsdp2-tp2": (8, {"dp_shard": 2, "tp": 2}, TINY, 5),
+    # name: (processes, degrees)
+    "pp2-fsdp2": (4, {"dp_shard": 2, "tp": 1}),
+    "pp2-tp2": (4, {"dp_shard": 1, "tp": 2}),
+    "pp2-fsdp2-tp2": (8, {"dp_shard": 2, "tp": 2}),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_seq1f1b_logs_the_losses_of_1f1b_on_the_same_mesh(mesh, tmp_path):
-    ngpu, degrees, size, steps = MESHES[mesh]
+    ngpu, degrees = MESHES[mesh]
     common = (
-        *size, "--training.steps", str(steps),
+        *TINY, "--training.steps", str(STEPS),
         "--parallelism.data_parallel_shard_degree", str(degrees["dp_shard"]),
         "--parallelism.tensor_parallel_degree", str(degrees["tp"]),
     )
     env = {"NGPU": str(ngpu)}
-    seq = run_train(*common, dump_folder=tmp_path / "seq", env=env)
-    ref = run_train(*common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "ref", env=env)
-    assert_trained(seq, steps)
-    assert_trained(ref, steps)
+    seq = run_train(*common, dump_folder=tmp_path / "seq", env=env, check=False)
+    ref = run_train(*common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "ref",
+                    env=env, check=False)
+    assert_trained(seq, STEPS)
+    assert_trained(ref, STEPS)
     layout = f"pp=2, dp_replicate=1, dp_shard={degrees['dp_shard']}, cp=1, tp={degrees['tp']}"
     for run in (seq, ref):
         assert f"Building device mesh with parallelism: {layout}" in run.output, run.output[-3000:]
@@ -85,16 +93,17 @@ def test_seq1f1b_logs_the_losses_of_1f1b_on_the_same_mesh(mesh, tmp_path):
 
 # ---------------------------------------------------------------------------
 # 2 and 3 share one run: Seq1F1B on pp=2, no activation checkpointing, 10
-# steps, a DCP checkpoint every 5 steps.
+# steps, TensorBoard on; the session's shared REFERENCE run, which
+# tests/test_train.py compares with 1F1B.
 
 CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.folder", "ckpt",
               "--metrics.enable_tensorboard")
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("uninterrupted")
-    run = run_train(*SMALL, *CHECKPOINT, "--training.steps", str(STEPS), dump_folder=dump)
+def uninterrupted(shared_run):
+    assert REFERENCE == (*SMALL, "--training.steps", str(STEPS), "--metrics.enable_tensorboard"), REFERENCE
+    run, dump = shared_run(*REFERENCE)
     assert_trained(run, STEPS)
     assert "activation checkpointing to the model" not in run.output  # the config's mode = "none"
     return run, dump
@@ -112,7 +121,7 @@ AC_MODES = {
 def test_activation_checkpointing_logs_the_losses_of_none(ac, uninterrupted, tmp_path):
     steps = 5
     ref = uninterrupted[0]
-    run = run_train(*SMALL, *AC_MODES[ac], "--training.steps", str(steps), dump_folder=tmp_path)
+    run = run_train(*SMALL, *AC_MODES[ac], "--training.steps", str(steps), dump_folder=tmp_path, check=False)
     assert_trained(run, steps)
     mode = AC_MODES[ac][1]
     assert f"Applied {mode} activation checkpointing to the model" in run.output, run.output[-3000:]
@@ -128,13 +137,13 @@ def test_resuming_from_a_dcp_checkpoint_logs_the_uninterrupted_losses(uninterrup
     # torchtitan saves model-only unless told otherwise, and a model-only
     # checkpoint cannot resume training (DCP: "Missing key ... dataloader").
     first = run_train(*SMALL, *CHECKPOINT, "--training.steps", "5", "--checkpoint.no_last_save_model_only",
-                      dump_folder=tmp_path)
+                      dump_folder=tmp_path, check=False)
     assert_trained(first, 5)
     saved = set(FileSystemReader(str(tmp_path / "ckpt" / "step-5")).read_metadata().state_dict_metadata)
     for state in ("dataloader.", "optimizer.", "lr_scheduler.", "train_state.step"):
         assert any(key.startswith(state) for key in saved), (state, sorted(saved)[:20])
 
-    second = run_train(*SMALL, *CHECKPOINT, "--training.steps", str(STEPS), dump_folder=tmp_path)
+    second = run_train(*SMALL, *CHECKPOINT, "--training.steps", str(STEPS), dump_folder=tmp_path, check=False)
     assert_trained(second, STEPS - 5)
     assert f"Loading the checkpoint from {tmp_path / 'ckpt' / 'step-5'}" in second.output, second.output[-3000:]
     assert "Training starts at step 6" in second.output

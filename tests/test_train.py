@@ -1,16 +1,20 @@
 """Training through torchtitan with ./run_train.sh (2 CPU ranks, gloo)."""
 
 import pytest
-from titan import assert_trained, run_train
+from titan import REFERENCE, assert_trained, run_train
 
 SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4")
 
+# The shared runs and the bad-input tests go through run_train.sh's start-up
+# check; the other runs skip it (check=False, ~7 s a run): their jobs are
+# valid, and every rank checks the job again.
+
 
 @pytest.mark.slow
-def test_seq1f1b_logs_the_losses_of_1f1b(tmp_path):
-    seq = run_train(*SMALL, "--training.steps", "10", dump_folder=tmp_path / "seq")
-    ref = run_train(*SMALL, "--training.steps", "10", "--parallelism.pipeline_parallel_schedule", "1F1B",
-                    dump_folder=tmp_path / "ref")
+def test_seq1f1b_logs_the_losses_of_1f1b(shared_run):
+    """10 steps at seq 512; both runs are shared (test_compose_titan.py, test_terapipe.py read them too)."""
+    seq, _ = shared_run(*REFERENCE)
+    ref, _ = shared_run(*REFERENCE, "--parallelism.pipeline_parallel_schedule", "1F1B")
     assert_trained(seq, 10)
     assert_trained(ref, 10)
     assert max(abs(a - b) for a, b in zip(seq.losses, ref.losses)) <= 1e-3, (seq.losses, ref.losses)
@@ -18,20 +22,28 @@ def test_seq1f1b_logs_the_losses_of_1f1b(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "GPipe", "TeraPipe"])
+@pytest.mark.parametrize("schedule", ["GPipe", "TeraPipe"])
 def test_other_schedules_train(schedule, tmp_path):
     run = run_train(*SMALL, "--training.steps", "2", "--parallelism.pipeline_parallel_schedule", schedule,
-                    dump_folder=tmp_path)
+                    dump_folder=tmp_path, check=False)
     assert_trained(run, 2)
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_trains(shared_run):
+    """The shared 10-step run test_interleaved.py compares InterleavedSeq1F1B with."""
+    run, _ = shared_run(*REFERENCE, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
+    assert_trained(run, 10)
 
 
 @pytest.mark.slow
 def test_seq1f1b_holds_fewer_activations_than_1f1b(tmp_path):
     """seq 2048, 4 microbatches, k=4, rank 0 (measured saved-activation peaks)."""
     common = ("--training.steps", "1", "--training.seq_len", "2048", "--training.local_batch_size", "4")
-    one_f_one_b = run_train(*common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "a")
-    compute = run_train(*common, dump_folder=tmp_path / "b")
-    even = run_train(*common, "--sequence_pipeline.partition", "even", dump_folder=tmp_path / "c")
+    one_f_one_b = run_train(*common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "a",
+                            check=False)
+    compute = run_train(*common, dump_folder=tmp_path / "b", check=False)
+    even = run_train(*common, "--sequence_pipeline.partition", "even", dump_folder=tmp_path / "c", check=False)
     for run in (one_f_one_b, compute, even):
         assert_trained(run, 1)
     base = one_f_one_b.activations_mib[0][0]
@@ -40,12 +52,13 @@ def test_seq1f1b_holds_fewer_activations_than_1f1b(tmp_path):
 
 
 @pytest.mark.slow
-def test_tensorboard_events_hold_the_metrics(tmp_path):
+def test_tensorboard_events_hold_the_metrics(shared_run):
+    """The events of the shared 10-step Seq1F1B run (REFERENCE enables TensorBoard)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = run_train(*SMALL, "--training.steps", "2", "--metrics.enable_tensorboard", dump_folder=tmp_path)
-    assert_trained(run, 2)
-    events = list(tmp_path.glob("tb/**/events.out.tfevents.*"))
+    run, dump = shared_run(*REFERENCE)
+    assert_trained(run, 10)
+    events = list(dump.glob("tb/**/events.out.tfevents.*"))
     assert events, run.output[-3000:]
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()

@@ -1,0 +1,28 @@
+"""Fixtures shared by the test files."""
+
+from __future__ import annotations
+
+import pytest
+from titan import run_train
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """``shared_run(*overrides, env=None) -> (Run, dump_folder)``: ./run_train.sh once per session.
+
+    A torchtitan run that several tests read (a reference schedule's losses,
+    its TensorBoard events) runs the first time one asks for it; the tests
+    asking for the same overrides and environment, in the same order, get that
+    run. It goes through run_train.sh's start-up check, as a user's run does.
+    Tests must not write into its dump folder.
+    """
+    runs = {}
+
+    def get(*overrides: str, env: dict | None = None):
+        key = (overrides, tuple(sorted((env or {}).items())))
+        if key not in runs:
+            dump = tmp_path_factory.mktemp("shared_run")
+            runs[key] = (run_train(*overrides, dump_folder=dump, env=env), dump)
+        return runs[key]
+
+    return get
