@@ -70,6 +70,17 @@ def test_recorder_times_actions_of_the_latest_step_only():
     assert 0 <= ivs[0][0] <= ivs[0][1] <= ivs[1][0] <= ivs[1][1]
 
 
+def test_timeline_export_follows_the_profiler_or_the_environment(monkeypatch):
+    from types import SimpleNamespace
+
+    traced = SimpleNamespace(enable_profiling=True, profile_freq=3)
+    untraced = SimpleNamespace(enable_profiling=False, profile_freq=3)
+    assert timeline.export_due(3, traced) and not timeline.export_due(2, traced)
+    assert not timeline.export_due(3, untraced)
+    monkeypatch.setenv(timeline.FREQ_ENV, "2")
+    assert timeline.export_due(2, untraced) and not timeline.export_due(3, untraced)
+
+
 def test_measured_timeline_goes_through_the_simulator_writers():
     timelines = {
         0: [(0.0, 1.0, _Action(0, F, 0)), (1.0, 2.0, _Action(0, F, 1)), (4.0, 6.0, _Action(0, B, 1)),
@@ -134,8 +145,11 @@ def test_bench_cli_smoke(tmp_path):
 def test_tensorboard_holds_bubble_ratios_and_the_timeline(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    # torchtitan's own profiler, at step 2: its traces and our timeline land side by side.
+    profile = ("--profiling.enable_profiling", "--profiling.profile_freq", "2",
+               "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1")
     run = run_train("--training.seq_len", "512", "--training.steps", "2", "--metrics.enable_tensorboard",
-                    dump_folder=tmp_path, env={timeline.FREQ_ENV: "2"}, check=False)
+                    *profile, dump_folder=tmp_path, check=False)
     assert_trained(run, 2)
     assert all(len(b) == 2 and all(0 <= x < 1 for x in b) for b in run.bubble_ratios), run.bubble_ratios
     assert all(t > 0 for t in run.pipeline_s), run.pipeline_s
@@ -145,7 +159,9 @@ def test_tensorboard_holds_bubble_ratios_and_the_timeline(tmp_path):
     acc.Reload()
     tags = {"pipeline/bubble_ratio/rank0", "pipeline/bubble_ratio/rank1", "pipeline/makespan(s)"}
     assert tags <= set(acc.Tags()["scalars"])
-    trace = json.loads((tmp_path / "profile_trace" / "iteration_2" / timeline.TRACE_FILE).read_text())
+    profiled = tmp_path / "profile_trace" / "iteration_2"
+    trace = json.loads((profiled / timeline.TRACE_FILE).read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    assert (profiled / "rank0_trace.json").is_file() and (profiled / "rank1_trace.json").is_file()
     pytest.importorskip("matplotlib")
     assert acc.Tags()["images"] == [timeline.FIGURE_TAG]

@@ -139,7 +139,8 @@ def test_logs_the_losses_of_1f1b_from_one_seed_checkpoint(tmp_path):
         shutil.copytree(tmp_path / "seed" / "checkpoint", folder / "checkpoint")
         runs[schedule] = run_train(*SMALL, "--training.steps", "10", "--checkpoint.enable",
                                    "--checkpoint.interval", "1000", "--checkpoint.last_save_model_only",
-                                   "--parallelism.pipeline_parallel_schedule", schedule, dump_folder=folder)
+                                   "--parallelism.pipeline_parallel_schedule", schedule, dump_folder=folder,
+                                   check=False)
         assert_trained(runs[schedule], 10)
     bsi, ref = runs["BSIPipe"].losses, runs["1F1B"].losses
     assert max(abs(a - b) for a, b in zip(bsi, ref)) <= 1e-3, (bsi, ref)

@@ -205,8 +205,8 @@ def timeline_figure(result: SimResult):
 def export_due(step: int, profiling) -> bool:
     """Whether ``step`` exports its timeline: a step torchtitan's profiler traces
     (``profiling``: the job's ``[profiling]`` section), or every N steps with
-    ``TORCHTITAN_SEQ_TIMELINE_FREQ=N`` (torchtitan 0.2.2's profiler cannot start
-    on a CPU: it passes no device activity to torch.profiler)."""
+    ``TORCHTITAN_SEQ_TIMELINE_FREQ=N`` (a timeline without the cost of
+    torch's profiler)."""
     freq = int(os.environ.get(FREQ_ENV, "0"))
     traced = profiling.enable_profiling and step % profiling.profile_freq == 0
     return traced or (freq > 0 and step % freq == 0)
