@@ -73,3 +73,43 @@ def test_model_without_chunk_aware_attention_is_refused():
     _, ref = _models()
     with pytest.raises(TypeError, match="llama3_seq"):
         bind_kv_context(ref, KVContext(), None)
+
+
+def test_bf16_units_lose_no_more_than_the_whole_sequence_in_bf16():
+    """bf16 compute, as torchtitan's mixed precision runs on GPUs: against the fp32 result,
+    units through the KV context (K/V kept in bf16, blocks merged in fp32) are no further off
+    than the whole sequence in bf16."""
+    import copy
+
+    seq, ref = _models()
+    tokens = torch.randint(0, 64, (2, 24))
+    weight = torch.randn(2, 24, 64)
+    exact = ref(tokens).detach()
+    (ref(tokens) * weight).sum().backward()
+    exact_grads = [p.grad.clone() for p in ref.parameters()]
+
+    whole = copy.deepcopy(ref).to(torch.bfloat16)
+    whole.zero_grad(set_to_none=True)
+    whole_out = whole(tokens)
+    (whole_out.float() * weight).sum().backward()
+
+    seq = seq.to(torch.bfloat16)
+    context = KVContext()
+    bind_kv_context(seq, context, select_kernel(torch.device("cpu")))
+    lengths = [11, 7, 4, 2]
+    units = [Unit(0, j, sum(lengths[:j]), n, len(lengths)) for j, n in enumerate(lengths)]
+    outs = []
+    for u in units:
+        with context.running(u):
+            outs.append(seq(tokens[:, u.offset:u.offset + u.length]))
+    for u in reversed(units):
+        with context.backward(u):
+            (outs[u.index].float() * weight[:, u.offset:u.offset + u.length]).sum().backward()
+
+    def off(a, b):
+        return float((a.float() - b).abs().max())
+
+    assert off(torch.cat(outs, 1), exact) <= 2 * off(whole_out, exact) + 1e-3
+    for p, w, g in zip(seq.parameters(), whole.parameters(), exact_grads):
+        assert p.grad.dtype == torch.bfloat16
+        assert off(p.grad, g) <= 2 * off(w.grad, g) + 1e-3
