@@ -119,6 +119,11 @@ def test_refuses_what_it_cannot_run():
         cls.compute_order(2, 3, 2)
     with pytest.raises(ValueError, match="sequence_pipeline.split_backward = false"):
         cls.compute_order(2, 2, 2, split_backward=True)
+    # The job check refuses the same without building the lists.
+    with pytest.raises(ValueError, match="even number of them, got 3"):
+        cls.check_shape(2, 3, 2)
+    with pytest.raises(ValueError, match="even pipeline_parallel_degree"):
+        cls.check_shape(3, 2, 2)
 
 
 # --- through torchtitan ------------------------------------------------------------

@@ -133,7 +133,7 @@ def split_model(
     if len(module_names) != layout.chain_length:
         raise ValueError(f"BSIPipe cuts the model into 2p = {layout.chain_length} chunks, got {len(module_names)}")
     held = [layout.stages_of_rank(r) for r in range(p)]
-    looped = [module_names[layout.chunk(held[r][i])] for i in range(4) for r in range(p)]
+    looped = [module_names[layout.chunk(held[r][i])] for i in range(len(held[0])) for r in range(p)]
     _, chunks = pipeline_module_split(model, pp_mesh, "Interleaved1F1B", device, looped)
     return [(index, layout.chain_length, chunk) for index, chunk in zip(held[pp_mesh.get_local_rank()], chunks)]
 

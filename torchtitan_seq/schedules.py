@@ -286,6 +286,23 @@ def _list_schedule(
     return _ListSchedule(actions, max(free), most)
 
 
+def _check_bsipipe_shape(
+    num_ranks: int, num_microbatches: int, split_backward: bool, stages_per_rank: int = 4
+) -> None:
+    """Raise, naming the setting, for a shape BSIPipe cannot run."""
+    if stages_per_rank != 4:
+        raise ValueError(f"BSIPipe holds 4 stages per rank (2 chunks of each chain), not {stages_per_rank}")
+    if split_backward:
+        raise ValueError("BSIPipe runs full backwards: set sequence_pipeline.split_backward = false")
+    if num_microbatches % 2:
+        raise ValueError(
+            f"BSIPipe shares the microbatches between its two pipelines, so it needs an even "
+            f"number of them, got {num_microbatches}: change training.local_batch_size or "
+            "parallelism.pipeline_parallel_microbatch_size"
+        )
+    BidirectionalLayout(num_ranks)  # an even p
+
+
 def bsipipe_actions(
     num_ranks: int,
     num_microbatches: int,
@@ -312,18 +329,8 @@ def bsipipe_actions(
     Full backward only: torch's input/weight split special-cases stage 0,
     which would miss chain B's first stage.
     """
-    if stages_per_rank != 4:
-        raise ValueError(f"BSIPipe holds 4 stages per rank (2 chunks of each chain), not {stages_per_rank}")
-    if split_backward:
-        raise ValueError("BSIPipe runs full backwards: set sequence_pipeline.split_backward = false")
-    if num_microbatches % 2:
-        raise ValueError(
-            f"BSIPipe shares the microbatches between its two pipelines, so it needs an even "
-            f"number of them, got {num_microbatches}: change training.local_batch_size or "
-            "parallelism.pipeline_parallel_microbatch_size"
-        )
+    _check_bsipipe_shape(num_ranks, num_microbatches, split_backward, stages_per_rank)
     p, k = num_ranks, num_subsequences
-    BidirectionalLayout(p)  # an even p
     limit = [[3 * k + 2 * p] * 2 + [6 * k + 4 * p] for _ in range(p)]
     basic_n = min(num_microbatches, 2 * p)
     basic = min(
@@ -405,6 +412,13 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         (default: the class's) model chunks per rank."""
         extra = {"stages_per_rank": stages_per_rank or cls.stages_per_rank} if cls.stages_per_rank > 1 else {}
         return cls.actions_fn(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward, **extra)
+
+    @classmethod
+    def check_shape(
+        cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False
+    ) -> None:
+        """Raise ValueError, naming the setting, for a shape the schedule cannot run."""
+        cls.compute_order(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward)
 
     # torch files each loss under the position at which it was computed (a
     # list); here it is filed under its unit id, for last stages that run
@@ -565,6 +579,13 @@ class ScheduleBSIPipe(SequenceSchedule):
         self.pipeline_order_with_comms = lower_chains(
             order, self.stage_index_to_group_rank, self.layout.chain_length, self._n_microbatches // 2
         )
+
+    @classmethod
+    def check_shape(
+        cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False
+    ) -> None:
+        # Without building the lists: their list scheduling takes seconds at large shapes.
+        _check_bsipipe_shape(num_ranks, num_microbatches, split_backward)
 
     def sync_copies(self) -> None:
         """Copy each chunk's chain-A values over its chain-B copy (after an optimizer step)."""

@@ -90,7 +90,7 @@ def check_job(job_config, world_size: int) -> None:
     lengths = sequence_lengths(job_config, model_args, par.tensor_parallel_degree)
     if SEQUENCE_SCHEDULES[name] is ScheduleBSIPipe:
         BidirectionalLayout(par.pipeline_parallel_degree, job_config.sequence_pipeline.bidirectional_placement)
-    SEQUENCE_SCHEDULES[name].compute_order(
+    SEQUENCE_SCHEDULES[name].check_shape(
         par.pipeline_parallel_degree,
         job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size,
         len(lengths),
