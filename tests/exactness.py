@@ -3,7 +3,13 @@
 Each variant builds a tiny Llama 3 (GQA, fp32), computes the reference loss and
 gradients on the whole sequence in one process, then trains the same weights
 under a schedule on ``pp`` gloo ranks (v model chunks each for a multi-stage
-schedule, placed as torchtitan places them) and reports the largest differences.
+schedule, placed as torchtitan places them) and reports the largest
+differences, each relative to its own reference: a parameter's gradient error
+over the largest magnitude of that parameter's reference gradient, the loss
+error over the reference loss. With ``optimizer_steps`` both sides first take
+that many SGD steps, so the compared step also checks what happens between
+steps (BSIPipe's copies). A ``mutation`` (:mod:`mutations`) breaks one
+mechanism on purpose.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-TOL = 1e-5  # fp32 round-off for this model size
+TOL = 1e-5  # relative; fp32 round-off stays below 1e-6 here
+GRAD_FLOOR = 1e-3  # every parameter's largest reference gradient is at least this: far above round-off
+LR = 0.1  # SGD between compared steps: a missed update shows, gradients stay above GRAD_FLOOR
 
 
 @dataclass
@@ -31,9 +39,6 @@ class Variant:
     split_backward: bool = False
     microbatches: int = 2
     seq_len: int = 32
-    mean_loss: bool = False  # negative control: per-unit mean, scale_grads=True
-    chunk_order_backward: bool = False  # negative control: bypass rule 2
-    no_kv_grad: bool = False  # negative control: drop the K/V side buffers
     steps: int = 1  # steps run on the same batch; the last one is compared
     layers: int = 4  # of the tiny model: pp * v stages need enough of them
     ac: str = "none"  # torchtitan activation checkpointing: none, full, selective:<layers|op>
@@ -49,9 +54,8 @@ class Variant:
         from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 
         return SEQUENCE_SCHEDULES[self.schedule].stages_per_rank
-    no_recompute_replay: bool = False  # negative control: recomputation ignores the recorded prefix
-    no_pair_combine: bool = False  # negative control (BSIPipe): mirrored copies' gradients not combined
-    optimizer_steps: int = 0  # AdamW steps (and BSIPipe copy syncs) after the compared step
+    optimizer_steps: int = 0  # SGD steps (and BSIPipe copy syncs) on both sides before the compared step
+    mutation: str | None = None  # a mechanism broken on purpose: a key of mutations.MUTATIONS
 
 
 def model_args(seq_len: int, n_layers: int = 4):
@@ -61,6 +65,23 @@ def model_args(seq_len: int, n_layers: int = 4):
         dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
         max_seq_len=seq_len, rope_theta=10000,
     )
+
+
+@torch.no_grad()
+def init_test_weights(model: torch.nn.Module) -> None:
+    """Weights under which every parameter's gradient is far above fp32 round-off.
+
+    torchtitan's initialisation (std 0.02) leaves this small model's attention
+    nearly uniform: the largest gradient of some wq, wk and norm weights is
+    then under 1e-5, and a wholly wrong gradient hides in round-off. Matrices
+    drawn with std 0.1 make attention depend on the keys; every gradient is
+    then above ``GRAD_FLOOR`` (sharper attention, std 0.3, would raise
+    round-off to 5e-6 of a gradient's scale).
+    """
+    model.init_weights()
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.normal_(0.0, 0.1)
 
 
 def _free_port() -> int:
@@ -81,7 +102,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pipeline_chunks(whole, args, v: Variant):
-    """This rank's chunks of ``whole``, [(stage index, chunk)], parallelised as torchtitan does it."""
+    """This rank's chunks of ``whole``, [(stage index, chain length, chunk)], parallelised as
+    torchtitan does it, with the pipeline's mesh and torchtitan's ``ParallelDims``."""
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
@@ -112,15 +134,32 @@ def _pipeline_chunks(whole, args, v: Variant):
     job.activation_checkpoint.selective_ac_option = option or "2"
     chunks = [(index, chain, parallelize_llama(chunk, dims, job)) for index, chain, chunk in split]
     fsdp_for_gloo([chunk for _, _, chunk in chunks])
-    return chunks, pp_mesh, dp_rank_of(dist.get_rank(), v)
+    return chunks, pp_mesh, dims
+
+
+def _relative_errors(chunks, ref_grads: dict) -> dict[str, float]:
+    """Per parameter of this rank's primary chunks: max |grad - reference| / max |reference|.
+
+    A BSIPipe chunk's gradient ends on its chain-A copy (stage index < chain length).
+    """
+    errors = {}
+    for index, chain, chunk in chunks:
+        if index >= chain:
+            continue
+        for n, p in chunk.named_parameters():
+            ref = ref_grads[n.replace("_checkpoint_wrapped_module.", "")]
+            errors[n] = (float((_full(p.grad) - ref).abs().max() / ref.abs().max())
+                         if p.grad is not None else float("inf"))
+    return errors
 
 
 def _run_variant(v: Variant, rank: int) -> dict:
-    from unittest import mock
+    import copy
 
+    from mutations import MutationContext, patches
     from torchtitan.components.loss import cross_entropy_loss
 
-    from torchtitan_seq import kv_context, schedules
+    from torchtitan_seq import schedules
     from torchtitan_seq.loss import TokenNormalizedLoss
     from torchtitan_seq.memory import ActivationMemory
     from torchtitan_seq.model import SeqTransformer
@@ -130,26 +169,27 @@ def _run_variant(v: Variant, rank: int) -> dict:
     args = model_args(v.seq_len, v.layers)
     torch.manual_seed(0)
     whole = SeqTransformer(args)
-    with torch.no_grad():
-        whole.init_weights()
+    init_test_weights(whole)
+    reference = copy.deepcopy(whole)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     batch = 2 * v.microbatches
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab_size, (batch, v.seq_len), generator=g)
     labels = torch.randint(0, args.vocab_size, (batch, v.seq_len), generator=g)
-
-    logits = whole(tokens)
-    ref_loss = cross_entropy_loss(logits, labels) / labels.numel()
-    ref_loss.backward()
-    # Each data-parallel rank trains on its slice of the batch and reports its share.
+    # Each data-parallel rank trains on its slice of the batch and reports its share of the loss.
     local = slice(None)
     if v.dp_shard > 1:
         n = batch // v.dp_shard
         local = slice(dp_rank_of(rank, v) * n, (dp_rank_of(rank, v) + 1) * n)
-    ref_loss = (cross_entropy_loss(logits[local], labels[local]) / labels.numel()).detach()
-    ref_grads = {n: p.grad.clone() for n, p in whole.named_parameters()}
-    whole.zero_grad(set_to_none=True)
 
-    chunks, pp_mesh, dp_rank = _pipeline_chunks(whole, args, v)
+    def reference_step() -> tuple[float, dict]:
+        reference.zero_grad(set_to_none=True)
+        logits = reference(tokens)
+        (cross_entropy_loss(logits, labels) / labels.numel()).backward()
+        loss = float(cross_entropy_loss(logits[local], labels[local]) / labels.numel())
+        return loss, {n: p.grad.clone() for n, p in reference.named_parameters()}
+
+    chunks, pp_mesh, dims = _pipeline_chunks(whole, args, v)
     # Sequence parallelism shards every unit evenly over the TP ranks.
     lengths = partition_sequence(
         v.seq_len, v.k, v.partition, multiple=v.tp, cost=UnitCost.from_model_args(args)
@@ -162,74 +202,57 @@ def _run_variant(v: Variant, rank: int) -> dict:
         for index, chain, chunk in chunks
     ]
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    if v.mean_loss:
-        loss_fn, scale = (lambda p, t: cross_entropy_loss(p, t) / t.numel()), True
-    else:
-        loss_fn = TokenNormalizedLoss(cross_entropy_loss)
-        loss_fn.denominator = labels.numel()
-        scale = False
-    patches = []
-    if v.chunk_order_backward:
-        schedule_cls = schedules.SEQUENCE_SCHEDULES[v.schedule]
-        actions_fn = schedule_cls.actions_fn
-
-        def chunk_order(*args, **kwargs):
-            return {r: _chunk_order_backwards(acts) for r, acts in actions_fn(*args, **kwargs).items()}
-        patches.append(mock.patch.object(schedule_cls, "actions_fn", staticmethod(chunk_order)))
-        patches.append(mock.patch.object(schedules, "validate_unit_order", lambda *a: None))
-    if v.no_recompute_replay:
-        recorded = kv_context.KVContext.recorded
-        patches.append(mock.patch.object(
-            kv_context.KVContext, "recorded", lambda self, layer: ([], recorded(self, layer)[1])))
-    if v.no_pair_combine:
-        from torchtitan_seq.bidirectional import MirroredCopies
-
-        patches.append(mock.patch.object(MirroredCopies, "combine_gradients", lambda self: None))
-    if v.no_kv_grad:
-        patches.append(mock.patch.object(kv_context.KVBlock, "accumulate", lambda self, gk, gv: None))
-    for p in patches:
+    loss_fn = TokenNormalizedLoss(cross_entropy_loss)
+    loss_fn.denominator = labels.numel()
+    params = [p for _, _, chunk in chunks for p in chunk.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    context = MutationContext(
+        schedule=v.schedule,
+        units_per_step=v.microbatches * v.k * v.dp_shard,
+        tp_group=dims.get_mesh("tp").get_group() if v.tp > 1 else None,
+    )
+    mutation = patches(v.mutation, context)
+    for p in mutation:
         p.start()
     memory = ActivationMemory()
-    activations_left, peaks = [], []
+    activations_left, peaks, copies_diff = [], [], []
     try:
         sched = schedules.SEQUENCE_SCHEDULES[v.schedule](
-            stages, v.microbatches, loss_fn, split_backward=v.split_backward, scale_grads=scale
+            stages, v.microbatches, loss_fn, split_backward=v.split_backward
         )
-        for _ in range(v.steps):
-            for _, _, chunk in chunks:
-                chunk.zero_grad(set_to_none=True)
-            losses = [] if last else None
-            with memory.track():
-                sched.step(*((tokens[local],) if first else ()),
-                           target=labels[local] if last else None, losses=losses)
-            activations_left.append(memory.current)
-            peaks.append(memory.peak)
-    finally:
-        for p in patches:
-            p.stop()
-    # A BSIPipe chunk's gradient ends on its chain-A copy; the chain-B copy keeps none.
-    primary = [(index, chunk) for index, chain, chunk in chunks if index < chain]
-    mirror_grads = sum(p.grad is not None for index, chain, chunk in chunks if index >= chain
-                       for p in chunk.parameters())
-    grad_diff = max(
-        float((_full(p.grad) - ref_grads[n.replace("_checkpoint_wrapped_module.", "")]).abs().max())
-        if p.grad is not None else float("inf")
-        for _, chunk in primary
-        for n, p in chunk.named_parameters()
-    )
-    copies_diff = []
-    if v.optimizer_steps:
-        params = [p for _, _, chunk in chunks for p in chunk.parameters()]
-        opt = torch.optim.AdamW(params, lr=1e-2)
+
+        def step(repeats: int) -> list | None:
+            for _ in range(repeats):
+                opt.zero_grad(set_to_none=True)
+                losses = [] if last else None
+                with memory.track():
+                    sched.step(*((tokens[local],) if first else ()),
+                               target=labels[local] if last else None, losses=losses)
+                activations_left.append(memory.current)
+                peaks.append(memory.peak)
+            return losses
+
         for _ in range(v.optimizer_steps):
+            step(1)
+            reference_step()
             opt.step()
-            if hasattr(sched, "sync_copies"):
+            reference_opt.step()
+            if hasattr(sched, "sync_copies"):  # as the trainer's optimizer hook does
                 sched.sync_copies()
                 copies_diff.append(sched.copies.max_difference())
-            opt.zero_grad(set_to_none=True)
-            sched.step(*((tokens[local],) if first else ()), target=labels[local] if last else None)
+        losses = step(v.steps)
+        ref_loss, ref_grads = reference_step()
+    finally:
+        for p in mutation:
+            p.stop()
+    errors = _relative_errors(chunks, ref_grads)
+    worst = max(errors, key=errors.get)
+    mirror_grads = sum(p.grad is not None for index, chain, chunk in chunks if index >= chain
+                       for p in chunk.parameters())
     out = {
-        "grad_diff": grad_diff,
+        "grad_rel": errors[worst],
+        "worst_param": worst,
+        "ref_grad_min": min(float(g.abs().max()) for g in ref_grads.values()),
         "kv_left": sum(len(s.kv_context) for s in stages),
         "activations_left": max(activations_left),
         "peaks": peaks,
@@ -240,25 +263,9 @@ def _run_variant(v: Variant, rank: int) -> dict:
     loss = torch.tensor(float(sum(losses)) if last else 0.0)
     dist.all_reduce(loss, group=pp_mesh.get_group())
     if last:
-        out["loss_diff"] = abs(loss.item() - ref_loss.item())
+        out["loss_rel"] = abs(loss.item() - ref_loss) / abs(ref_loss)
         out["n_losses"] = len(losses)
     return out
-
-
-def _chunk_order_backwards(actions):
-    """The same actions with every backward kind run in subsequence order on each stage (rule 2 broken)."""
-    from torchtitan_seq.ordering import F
-
-    queues = {}
-    for a in actions:
-        if a.computation_type != F:
-            queues.setdefault((a.stage_index, a.computation_type), []).append(a.microbatch_index)
-    queues = {key: iter(sorted(ids)) for key, ids in queues.items()}
-    return [
-        a if a.computation_type == F
-        else a._replace(microbatch_index=next(queues[a.stage_index, a.computation_type]))
-        for a in actions
-    ]
 
 
 def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: str) -> None:
@@ -296,8 +303,10 @@ def run_variants(variants: list[Variant], tmp_path) -> list[dict]:
         merged.append({
             "name": v.name,
             "error": errors[0] if errors else None,
-            "grad_diff": max((r.get("grad_diff", float("inf")) for r in recs), default=float("inf")),
-            "loss_diff": max((r["loss_diff"] for r in recs if "loss_diff" in r), default=float("inf")),
+            "grad_rel": max((r.get("grad_rel", float("inf")) for r in recs), default=float("inf")),
+            "worst_param": max(recs, key=lambda r: r.get("grad_rel", float("inf"))).get("worst_param"),
+            "ref_grad_min": min((r.get("ref_grad_min", 0.0) for r in recs), default=0.0),
+            "loss_rel": max((r["loss_rel"] for r in recs if "loss_rel" in r), default=float("inf")),
             "kv_left": sum(r.get("kv_left", 0) for r in recs),
             "activations_left": max(r.get("activations_left", 0) for r in recs),
             "peaks": [r.get("peaks") for r in recs],
@@ -308,20 +317,22 @@ def run_variants(variants: list[Variant], tmp_path) -> list[dict]:
     return merged
 
 
-def assert_exact(r: dict, n_losses: int | None = None, activations_left: bool = False) -> None:
-    """A variant matched the reference: loss, every gradient, an empty KV context after the step.
-
-    Unless ``activations_left``, no saved activation may outlive the step either.
-    """
+def assert_exact(r: dict, n_losses: int | None = None) -> None:
+    """A variant matched the reference: loss and every gradient within ``TOL`` of their own
+    scale, an empty KV context and no saved activation left after the step."""
     assert r["error"] is None, f"{r['name']}:\n{r['error']}"
-    assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
+    assert r["ref_grad_min"] >= GRAD_FLOOR, r  # else a wrong gradient could hide in round-off
+    assert r["loss_rel"] <= TOL and r["grad_rel"] <= TOL, r
     assert r["kv_left"] == 0, r
-    assert activations_left or r["activations_left"] == 0, r
+    assert r["activations_left"] == 0, r
     if n_losses is not None:
         assert r["n_losses"] == n_losses, r  # one loss per microbatch, as torch's schedules
 
 
-def assert_breaks_exactness(r: dict, margin: float = 100) -> None:
-    """A negative control ran and missed the reference by more than ``margin`` x the tolerance."""
+def assert_breaks_exactness(r: dict, margin: float = 100) -> float:
+    """A mutation ran and missed the reference by more than ``margin`` x the tolerance;
+    returns its relative error."""
     assert r["error"] is None, f"{r['name']}:\n{r['error']}"
-    assert max(r["grad_diff"], r["loss_diff"]) > margin * TOL, r
+    error = max(r["grad_rel"], r["loss_rel"])
+    assert error > margin * TOL, r
+    return error

@@ -162,6 +162,7 @@ def test_resuming_from_a_dcp_checkpoint_logs_the_uninterrupted_losses(uninterrup
 # 4. Context parallelism cuts the sequence too: refused at start-up.
 
 
+@pytest.mark.slow
 def test_context_parallel_with_a_sequence_schedule_fails_fast_with_one_message(tmp_path):
     run = run_train("--parallelism.context_parallel_degree", "2", dump_folder=tmp_path, env={"NGPU": "4"},
                     timeout=60)

@@ -66,6 +66,7 @@ def test_torch_reference_figures():
 # --- every sequence schedule, every small shape ------------------------------
 
 
+@pytest.mark.slow
 def test_sweep_no_deadlock_no_ordering_violation():
     """p <= 8, N <= 16, k <= 8, split backward both ways for p <= 4 (BSIPipe: the
     shapes it runs, even p and N, k <= 4).

@@ -67,6 +67,7 @@ def test_tensorboard_events_hold_the_metrics(shared_run):
             "memory/peak_activation_bytes/rank1"} <= tags, tags
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,env,needle",
     [

@@ -16,9 +16,9 @@ from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 from torchtitan.models.llama3 import llama3_args as _llama3_flavors
 
 from .attention import AttentionKernel, SequenceAttention
-from .kv_context import KVContext
+from .kv_context import KVContext, Unit
 
-__all__ = ["SeqTransformer", "seq_llama3_flavors", "bind_kv_context"]
+__all__ = ["SeqTransformer", "seq_llama3_flavors", "bind_kv_context", "unit_positions"]
 
 
 class SeqTransformer(Transformer):
@@ -44,12 +44,17 @@ class SeqTransformer(Transformer):
         """tokens: (B, L) ids on the first stage, else (B, L, dim) activations (L / tp with SP)."""
         unit = self.kv_context.unit if self.kv_context is not None else None
         if unit is not None and positions is None:
-            # (Under sequence parallelism a stage's input holds only its shard of
-            # the unit; RoPE is applied after the gather, to the whole unit.)
-            positions = torch.arange(
-                unit.offset, unit.offset + unit.length, device=tokens.device
-            ).unsqueeze(0)
+            positions = unit_positions(unit, tokens.device)
         return super().forward(tokens, attention_masks, positions)
+
+
+def unit_positions(unit: Unit, device: torch.device) -> torch.Tensor:
+    """RoPE positions of ``unit``: (1, L), the range [offset, offset + L) of the whole sequence.
+
+    Under sequence parallelism a stage's input holds only its shard of the
+    unit; RoPE is applied after the gather, to the whole unit.
+    """
+    return torch.arange(unit.offset, unit.offset + unit.length, device=device).unsqueeze(0)
 
 
 def bind_kv_context(model: nn.Module, context: KVContext | None, kernel: AttentionKernel | None) -> int:

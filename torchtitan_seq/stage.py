@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.utils._pytree import tree_map_only
 
 from .attention import AttentionKernel, select_kernel
 from .kv_context import KVContext, Unit
@@ -89,7 +90,14 @@ class SequencePipelineStage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         timed = RECORDER.action(self.stage_index, F, fwd_chunk_id)
         with timed, self.kv_context.running(self.unit(fwd_chunk_id)):
-            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+            output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if self.is_last and save_forward_output:
+            # The outputs kept for the step's return value must not pin the unit's
+            # graph. torch detaches them in backward, but not views (the local
+            # logits under TP are), and a split backward's input pass retains the
+            # graph: what the weight pass does not free would outlive the step.
+            self.output_chunks[-1] = tree_map_only(torch.Tensor, torch.Tensor.detach, self.output_chunks[-1])
+        return output
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         timed = RECORDER.action(self.stage_index, B if full_backward else I, bwd_chunk_id)

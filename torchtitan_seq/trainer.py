@@ -37,8 +37,11 @@ __all__ = ["SeqTrainer"]
 def check_job(job_config, world_size: int) -> None:
     """Reject, before anything is built, a job that cannot run; each message names the setting.
 
-    Checks the schedule name, the model a sequence schedule needs, the
-    parallel degrees against ``world_size`` processes, and the sequence cut.
+    Checks the schedule name, the model flavor, the parallel degrees against
+    ``world_size`` processes, torch.compile and the activation checkpointing it
+    needs; for a sequence schedule also the model it needs, the settings it
+    cannot combine with (context parallelism, validation unlike training) and
+    the sequence cut.
     """
     par = job_config.parallelism
     name = par.pipeline_parallel_schedule
@@ -58,9 +61,15 @@ def check_job(job_config, world_size: int) -> None:
             "(e.g. parallelism.pipeline_parallel_degree) so that their product is the "
             "process count, or change the process count (NGPU)"
         )
+    spec = get_train_spec(job_config.model.name)
+    if job_config.model.flavor not in spec.model_args:
+        raise ValueError(
+            f"model.flavor = {job_config.model.flavor!r} is not a flavor of model.name = "
+            f"{job_config.model.name!r}: use one of {', '.join(spec.model_args)}"
+        )
+    _check_compile(job_config, name)
     if name not in SEQUENCE_SCHEDULES:
         return
-    spec = get_train_spec(job_config.model.name)
     if spec.pipelining_fn is not pipeline_sequence_llm:
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {name!r} needs a model with "
@@ -85,6 +94,8 @@ def check_job(job_config, world_size: int) -> None:
             "'selective' and selective_ac_option = 'op' (torch's op-level SAC allows one backward "
             "per region): use another AC option or a full backward"
         )
+    n_microbatches = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
+    _check_validation(job_config, name, n_microbatches)
     model_args = spec.model_args[job_config.model.flavor]
     stages_per_rank(job_config, model_args, par.pipeline_parallel_degree)
     lengths = sequence_lengths(job_config, model_args, par.tensor_parallel_degree)
@@ -92,10 +103,45 @@ def check_job(job_config, world_size: int) -> None:
         BidirectionalLayout(par.pipeline_parallel_degree, job_config.sequence_pipeline.bidirectional_placement)
     SEQUENCE_SCHEDULES[name].check_shape(
         par.pipeline_parallel_degree,
-        job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size,
+        n_microbatches,
         len(lengths),
         split_backward=job_config.sequence_pipeline.split_backward,
     )
+
+
+def _check_compile(job_config, schedule: str) -> None:
+    """torch.compile: not yet through the KV context; torchtitan's memory-budget AC needs it."""
+    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    if schedule in SEQUENCE_SCHEDULES and job_config.compile.enable:
+        raise ValueError(
+            f"compile.enable = true is not supported with the sequence schedule {schedule} yet "
+            "(dynamo cannot trace the KV context inside unit attention): set compile.enable = false"
+        )
+    if job_config.activation_checkpoint.mode == "memory_budget" and not compile_model:
+        raise ValueError(
+            "activation_checkpoint.mode = 'memory_budget' needs torch.compile of the model "
+            "(compile.enable = true, 'model' in compile.components), which "
+            + (f"the sequence schedule {schedule} does not support yet: " if schedule in SEQUENCE_SCHEDULES else "is off: ")
+            + "use activation_checkpoint.mode 'full', 'selective' or 'none'"
+        )
+
+
+def _check_validation(job_config, schedule: str, n_microbatches: int) -> None:
+    """Validation runs the training pipeline: the same sequence cut, whole microbatches."""
+    val = job_config.validation
+    if not val.enable:
+        return
+    if val.seq_len != job_config.training.seq_len:
+        raise ValueError(
+            f"validation.seq_len = {val.seq_len} differs from training.seq_len = "
+            f"{job_config.training.seq_len}, but the sequence schedule {schedule} cuts every "
+            "sequence as training's: set validation.seq_len to training.seq_len"
+        )
+    if val.local_batch_size % n_microbatches:
+        raise ValueError(
+            f"validation.local_batch_size = {val.local_batch_size} is not a multiple of the "
+            f"{n_microbatches} microbatches the sequence schedule {schedule} runs: make it one"
+        )
 
 
 class SeqTrainer(Trainer):

@@ -1,0 +1,176 @@
+"""Mutations: each breaks one mechanism of exactness on purpose.
+
+A mutation is a set of ``unittest.mock`` patches applied on every rank while
+the exactness harness (:mod:`exactness`) runs a schedule; ``test_mutations.py``
+asserts that each one misses the full-sequence reference by a wide margin.
+A mechanism whose mutation passes is not guarded by the exactness tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MutationContext", "MUTATIONS", "patches"]
+
+
+@dataclass
+class MutationContext:
+    """What a mutation may need to know about the run it breaks."""
+
+    schedule: str
+    units_per_step: int  # units over all data-parallel ranks: a per-unit mean divides by this
+    tp_group: dist.ProcessGroup | None
+
+
+def _prefix_grads(keep_k: bool, keep_v: bool) -> list:
+    """Later units' dK or dV never reach the prefix blocks they read."""
+    from torchtitan_seq.kv_context import KVBlock
+
+    accumulate = KVBlock.accumulate
+
+    def dropped(self, grad_k, grad_v):
+        accumulate(self, grad_k if keep_k else torch.zeros_like(grad_k), grad_v if keep_v else torch.zeros_like(grad_v))
+    return [mock.patch.object(KVBlock, "accumulate", dropped)]
+
+
+def _prefix_dq(ctx: MutationContext) -> list:
+    """The queries' gradient from the prefix blocks (the unmasked kernel calls) is dropped."""
+    from torchtitan_seq.attention import CpuSdpaKernel
+
+    backward = CpuSdpaKernel.backward
+
+    def no_prefix_dq(self, dout, q, k, v, out, lse, causal, scale):
+        dq, dk, dv = backward(self, dout, q, k, v, out, lse, causal, scale)
+        return (dq if causal else torch.zeros_like(dq)), dk, dv
+    return [mock.patch.object(CpuSdpaKernel, "backward", no_prefix_dq)]
+
+
+def _rope_offset(ctx: MutationContext) -> list:
+    """Units after the first read RoPE one position too early."""
+    from torchtitan_seq import model
+
+    positions = model.unit_positions
+
+    def shifted(unit, device):
+        return positions(unit, device) - int(unit.index > 0)
+    return [mock.patch.object(model, "unit_positions", shifted)]
+
+
+def _backward_order(ctx: MutationContext) -> list:
+    """Every backward kind runs in subsequence order on each stage (rule 2 broken); the
+    validator that would refuse such lists is switched off."""
+    from torchtitan_seq import schedules
+    from torchtitan_seq.ordering import F
+
+    cls = schedules.SEQUENCE_SCHEDULES[ctx.schedule]
+    actions_fn = cls.actions_fn
+
+    def first_subsequence_first(actions):
+        queues = {}
+        for a in actions:
+            if a.computation_type != F:
+                queues.setdefault((a.stage_index, a.computation_type), []).append(a.microbatch_index)
+        queues = {key: iter(sorted(ids)) for key, ids in queues.items()}
+        return [
+            a if a.computation_type == F
+            else a._replace(microbatch_index=next(queues[a.stage_index, a.computation_type]))
+            for a in actions
+        ]
+
+    def misordered(*args, **kwargs):
+        return {r: first_subsequence_first(acts) for r, acts in actions_fn(*args, **kwargs).items()}
+    return [
+        mock.patch.object(cls, "actions_fn", staticmethod(misordered)),
+        mock.patch.object(schedules, "validate_unit_order", lambda *a: None),
+    ]
+
+
+def _unit_mean_loss(ctx: MutationContext) -> list:
+    """Each unit's loss is its token mean over the number of units, not its token sum over
+    the step's tokens: the same for even units, wrong for uneven ones."""
+    from torchtitan_seq.loss import TokenNormalizedLoss
+
+    def unit_mean(self, pred, target):
+        return self.loss_fn(pred, target) / target.numel() / ctx.units_per_step
+    return [mock.patch.object(TokenNormalizedLoss, "__call__", unit_mean)]
+
+
+def _recompute_without_prefix(ctx: MutationContext) -> list:
+    """Recomputation under activation checkpointing attends to no prefix."""
+    from torchtitan_seq.kv_context import KVContext
+
+    recorded = KVContext.recorded
+    return [mock.patch.object(KVContext, "recorded", lambda self, layer: ([], recorded(self, layer)[1]))]
+
+
+def _split_w_without_kv_grad(ctx: MutationContext) -> list:
+    """With split backward, the input pass does not hand a unit the K/V gradient of later
+    units, so its weight pass computes wk/wv gradients without it."""
+    from torchtitan_seq.kv_context import KVBlock
+    from torchtitan_seq.stage import SequencePipelineStage
+
+    backward_one_chunk = SequencePipelineStage.backward_one_chunk
+
+    def input_pass_drops_side_buffers(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        if full_backward:
+            return backward_one_chunk(self, bwd_chunk_id, loss, full_backward, last_backward)
+        with mock.patch.object(KVBlock, "take_grads", lambda block: (None, None)):
+            return backward_one_chunk(self, bwd_chunk_id, loss, full_backward, last_backward)
+    return [mock.patch.object(SequencePipelineStage, "backward_one_chunk", input_pass_drops_side_buffers)]
+
+
+def _tp_wrong_shard(ctx: MutationContext) -> list:
+    """Under tensor parallelism each rank's KV context keeps its TP neighbour's K/V heads."""
+    from torchtitan_seq.kv_context import KVBlock
+
+    init = KVBlock.__init__
+    group = ctx.tp_group
+
+    def neighbours(self, k, v):
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        shards = []
+        for t in (k.detach().contiguous(), v.detach().contiguous()):
+            gathered = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(gathered, t, group=group)
+            shards.append(gathered[(me + 1) % size])
+        init(self, *shards)
+    return [mock.patch.object(KVBlock, "__init__", neighbours)]
+
+
+def _pairs_not_combined(ctx: MutationContext) -> list:
+    """BSIPipe: a chunk's two copies keep their own gradients; nothing adds them up."""
+    from torchtitan_seq.bidirectional import MirroredCopies
+
+    return [mock.patch.object(MirroredCopies, "combine_gradients", lambda self: None)]
+
+
+def _copies_not_synced(ctx: MutationContext) -> list:
+    """BSIPipe: after an optimizer step the chain-B copies keep their old values."""
+    from torchtitan_seq.bidirectional import MirroredCopies
+
+    return [mock.patch.object(MirroredCopies, "sync_parameters", lambda self: None)]
+
+
+MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
+    "prefix_dk_dropped": lambda ctx: _prefix_grads(keep_k=False, keep_v=True),
+    "prefix_dv_dropped": lambda ctx: _prefix_grads(keep_k=True, keep_v=False),
+    "prefix_dq_dropped": _prefix_dq,
+    "rope_offset": _rope_offset,
+    "backward_order": _backward_order,
+    "unit_mean_loss": _unit_mean_loss,
+    "recompute_without_prefix": _recompute_without_prefix,
+    "split_w_without_kv_grad": _split_w_without_kv_grad,
+    "tp_wrong_shard": _tp_wrong_shard,
+    "bsipipe_pairs_not_combined": _pairs_not_combined,
+    "bsipipe_copies_not_synced": _copies_not_synced,
+}
+
+
+def patches(name: str | None, ctx: MutationContext) -> list:
+    """The patches of mutation ``name`` (none for ``None``), not yet started."""
+    return MUTATIONS[name](ctx) if name else []

@@ -1,0 +1,45 @@
+"""The job check refuses, in one message naming the setting, every setting that would pass it
+and then crash on the ranks (torchtitan_seq.trainer.check_job, in this process)."""
+
+import pytest
+
+import torchtitan_seq.cpu_compat  # noqa: F401  (before torchtitan: no CUDA here)
+from torchtitan.config import ConfigManager
+
+from torchtitan_seq.registration import register
+from torchtitan_seq.train import resolve_args
+from torchtitan_seq.trainer import check_job
+
+CONFIG = ("--job.config_file", "train_configs/debug_model.toml")
+
+
+def _check(*overrides: str, world: int = 2) -> None:
+    register()
+    check_job(ConfigManager().parse_args(resolve_args([*CONFIG, *overrides])), world)
+
+
+def test_the_shipped_config_passes():
+    _check()
+    _check("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "4")
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (("--compile.enable",), "compile.enable = true is not supported with the sequence schedule Seq1F1B"),
+        (("--activation_checkpoint.mode", "memory_budget"), "activation_checkpoint.mode = 'memory_budget'"),
+        (("--activation_checkpoint.mode", "memory_budget", "--parallelism.pipeline_parallel_schedule", "1F1B"),
+         "activation_checkpoint.mode = 'memory_budget' needs torch.compile"),
+        (("--model.flavor", "debugmodel_flex_attn"), "model.flavor = 'debugmodel_flex_attn' is not a flavor"),
+        (("--model.flavor", "debugmodel_varlen_attn"), "model.flavor = 'debugmodel_varlen_attn' is not a flavor"),
+        (("--validation.enable", "--validation.seq_len", "1024"), "validation.seq_len = 1024 differs"),
+        (("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "3"),
+         "validation.local_batch_size = 3"),
+    ],
+    ids=["compile", "memory_budget", "memory_budget-without-compile", "flex_attn", "varlen_attn",
+         "validation-seq_len", "validation-batch"],
+)
+def test_refused_in_one_message_naming_the_setting(overrides, needle):
+    with pytest.raises(ValueError, match=None) as e:
+        _check(*overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -1,0 +1,99 @@
+"""Every mechanism of exactness, broken on purpose, misses the reference by a wide margin.
+
+Each test runs a real multi-rank schedule with one mutation (:mod:`mutations`)
+through the exactness harness and asserts that the loss or some parameter's
+gradient is off by more than 100x the tolerance, relative to its own scale.
+The clean twin of every variant (the same variant without its mutation)
+passes the same comparison in the exactness tests (test_seq1f1b.py,
+test_interleaved.py, test_compose.py, test_bsipipe.py), so what fails here is
+the mutation alone.
+"""
+
+import pytest
+from exactness import TOL, Variant, assert_breaks_exactness, run_variants
+from mutations import MUTATIONS
+
+pytestmark = pytest.mark.slow
+
+TWO_RANKS = [
+    Variant("prefix_dk_dropped", k=4, mutation="prefix_dk_dropped"),
+    Variant("prefix_dv_dropped", k=4, mutation="prefix_dv_dropped"),
+    Variant("prefix_dq_dropped", k=4, mutation="prefix_dq_dropped"),
+    Variant("rope_offset", k=4, mutation="rope_offset"),
+    Variant("backward_order", k=4, mutation="backward_order"),
+    Variant("backward_order-interleaved", schedule="InterleavedSeq1F1B", k=4, mutation="backward_order"),
+    Variant("backward_order-terapipe", schedule="TeraPipe", k=4, mutation="backward_order"),
+    Variant("unit_mean_loss", k=3, partition="compute", mutation="unit_mean_loss"),
+    Variant("recompute_without_prefix", k=3, partition="compute", ac="full", mutation="recompute_without_prefix"),
+    Variant("split_w_without_kv_grad", k=4, split_backward=True, mutation="split_w_without_kv_grad"),
+    Variant("bsipipe_pairs_not_combined", schedule="BSIPipe", k=2, mutation="bsipipe_pairs_not_combined"),
+    Variant("bsipipe_copies_not_synced", schedule="BSIPipe", k=2, optimizer_steps=3,
+            mutation="bsipipe_copies_not_synced"),
+]
+FOUR_RANKS = [
+    Variant("tp_wrong_shard", k=4, tp=2, seq_len=64, mutation="tp_wrong_shard"),
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = {}
+    for variants in (TWO_RANKS, FOUR_RANKS):
+        out.update({r["name"]: r for r in run_variants(variants, tmp_path_factory.mktemp("mutations"))})
+    return out
+
+
+def test_every_mutation_is_exercised():
+    assert {v.mutation for v in TWO_RANKS + FOUR_RANKS} == set(MUTATIONS)
+
+
+def _check(results, name: str) -> None:
+    error = assert_breaks_exactness(results[name])
+    print(f"{name}: relative error {error:.3g} ({error / TOL:.0f}x the tolerance)")
+
+
+def test_prefix_dk_dropped(results):
+    _check(results, "prefix_dk_dropped")
+
+
+def test_prefix_dv_dropped(results):
+    _check(results, "prefix_dv_dropped")
+
+
+def test_prefix_dq_dropped(results):
+    _check(results, "prefix_dq_dropped")
+
+
+def test_rope_offset_wrong_after_the_first_unit(results):
+    _check(results, "rope_offset")
+
+
+@pytest.mark.parametrize("name", ["backward_order", "backward_order-interleaved", "backward_order-terapipe"])
+def test_backward_first_subsequence_first(results, name):
+    _check(results, name)
+
+
+def test_per_unit_mean_loss(results):
+    _check(results, "unit_mean_loss")
+
+
+def test_recomputation_without_the_recorded_prefix(results):
+    _check(results, "recompute_without_prefix")
+
+
+def test_split_backward_w_pass_without_kv_gradient(results):
+    _check(results, "split_w_without_kv_grad")
+
+
+def test_tensor_parallel_kv_of_the_wrong_shard(results):
+    _check(results, "tp_wrong_shard")
+
+
+def test_bsipipe_pair_gradients_not_combined(results):
+    _check(results, "bsipipe_pairs_not_combined")
+
+
+def test_bsipipe_copies_not_resynchronised_after_the_optimizer_step(results):
+    """Judged against the reference trained by the same SGD steps in one process, not by
+    comparing the copies with the code that syncs them."""
+    _check(results, "bsipipe_copies_not_synced")
