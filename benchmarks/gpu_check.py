@@ -1,0 +1,478 @@
+"""The prepared GPU check: what only a GPU can show about unit attention and the KV context.
+
+On one CUDA device, in a few minutes: (1) unit attention (``SequenceAttention`` through a
+``KVContext``, units forward in order and backward last unit first, as a pipeline stage
+runs them) with ``CudaSdpaKernel`` and, where flash_attn imports, ``FlashAttnKernel``,
+against whole-sequence attention in float64: output and dq, dk, dv as max |error| / max
+|reference|; (2) the KV context's overhead on a 1B-class Llama 3 stack (4 layers, dim
+2048, 16 heads, 8 KV heads, bf16) at 8K-64K tokens: forward+backward time (CUDA events,
+median after warm-up) and peak memory of k units against torchtitan's own Llama 3 on the
+whole sequence. Goal: under 5% at 32K. Eager only.
+
+Writes into ``--out``: ``gpu_check.json`` (every figure, versions, date; rewritten after
+each part, so a run cut short keeps what it measured) and per run a cost file of
+``torchtitan_seq.simulate --cost`` (per-unit F and B seconds, as ``bench.py --calibrate``
+writes them). ``--device cpu --tiny`` is the dry run: the same code at toy sizes in
+seconds (tests/test_gpu_check.py), so the script keeps working between GPU runs.
+Exit status: 0 when every attention case passes, 1 when one does not (the figures are
+written anyway), 2 when the run cannot start (no CUDA device, an option not supported yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan_seq.attention import (
+    AttentionKernel,
+    CpuSdpaKernel,
+    CudaSdpaKernel,
+    FlashAttnKernel,
+    SequenceAttention,
+    select_kernel,
+)
+from torchtitan_seq.kv_context import KVContext, Unit
+from torchtitan_seq.partition import partition_sequence
+
+FP32_TOL = 1e-5
+# Low precision: the kernel alone on the whole sequence must be this close to the
+# float64 reference; cut into units, at most twice as far plus one epsilon of the dtype
+# (units sum their blocks' dq, dk, dv in the dtype, a rounding per block). A wrong
+# merge or a lost gradient block is off by far more.
+LOW_PRECISION_TOL = 5e-2
+GOAL_SEQ_LEN, GOAL_OVERHEAD = 32768, 0.05
+# fp16 as well as bf16: with 8x bf16's precision it is the sharpest check the CUDA
+# kernels allow (a 1% error in one gradient block fails it; it passes in bf16).
+ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# torch's CUDA flash kernel and flash-attn take fp16/bf16 only.
+HALF_ONLY_KERNELS = ("CudaSdpaKernel", "FlashAttnKernel")
+
+
+def _causal(seq_len: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+
+
+# Masks of the reference, by name. Units run causal attention only; block-causal
+# (packed documents, a later issue) adds its builder here and a document-aware unit path.
+MASKS: dict[str, Callable[[int, torch.device], torch.Tensor] | None] = {
+    "causal": _causal,
+    "block_causal": None,
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: :data:`FULL` on a GPU, :data:`TINY` for the dry run."""
+
+    attn_shape: tuple[int, int, int, int, int]  # batch, q heads, kv heads, seq, head dim
+    attn_cuts: tuple[tuple[int, ...], ...]  # unit lengths; the first, one unit, is the kernel alone
+    model: dict  # torchtitan TransformerModelArgs fields
+    seq_lens: tuple[int, ...]
+    ks: tuple[int, ...]
+    dtype: torch.dtype
+    warmup: int
+    repeats: int
+
+
+FULL = Sizes(
+    attn_shape=(1, 16, 8, 4096, 128),
+    # odd lengths too: kernels pad partial tiles, a classic place for bugs
+    attn_cuts=((4096,), (1024,) * 4, (1500, 1200, 900, 496)),
+    model=dict(dim=2048, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim_multiplier=1.5,
+               multiple_of=256, rope_theta=500000, vocab_size=2048),
+    seq_lens=(8192, 16384, 32768, 65536),
+    ks=(1, 2, 4, 8),
+    dtype=torch.bfloat16,
+    warmup=2,
+    repeats=5,
+)
+TINY = Sizes(
+    attn_shape=(1, 4, 2, 96, 16),
+    attn_cuts=((96,), (24,) * 4, (40, 30, 16, 10)),
+    model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, vocab_size=256),
+    seq_lens=(128, 256),
+    ks=(1, 2, 4),
+    dtype=torch.float32,
+    warmup=1,
+    repeats=2,
+)
+
+
+def _units(lengths: list[int] | tuple[int, ...]) -> list[Unit]:
+    offsets = [sum(lengths[:j]) for j in range(len(lengths))]
+    return [Unit(0, j, offsets[j], n, len(lengths)) for j, n in enumerate(lengths)]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------
+# 1. Attention exactness
+
+
+def _reference(q, k, v, dout, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Whole-sequence attention in float64 with an explicit mask, and its gradients."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    n_rep = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), attn_mask=mask
+    )
+    out.backward(dout.double())
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths) -> dict[str, torch.Tensor]:
+    """The sequence cut into ``lengths`` units, run as a pipeline stage runs them."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    context = KVContext()
+    attention = SequenceAttention(layer_id=0)
+    attention.bind(context, kernel)
+    units = _units(lengths)
+    outs = []
+    for u in units:
+        part = slice(u.offset, u.offset + u.length)
+        with context.running(u):
+            outs.append(attention(q[:, :, part], k[:, :, part], v[:, :, part]))
+    for u in reversed(units):  # last unit first: unit j+1 sends gradient into the K/V of 0..j
+        with context.backward(u):
+            outs[u.index].backward(dout[:, :, u.offset:u.offset + u.length])
+    return {"out": torch.cat(outs, 2).detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref).abs().max() / ref.abs().max())
+
+
+def _within_tolerance(dtype: torch.dtype, errors: dict[str, dict[str, float]]) -> bool:
+    if dtype == torch.float32:
+        return all(e < FP32_TOL for cut in errors.values() for e in cut.values())
+    alone, *cuts = errors.values()
+    return all(alone[t] < LOW_PRECISION_TOL for t in alone) and all(
+        cut[t] <= 2 * alone[t] + torch.finfo(dtype).eps for cut in cuts for t in cut
+    )
+
+
+def _kernels(device: torch.device) -> dict[str, AttentionKernel | str]:
+    """The kernels to check on ``device``; a string says why one is absent."""
+    if device.type == "cpu":
+        return {"CpuSdpaKernel": CpuSdpaKernel()}
+    kernels: dict[str, AttentionKernel | str] = {"CudaSdpaKernel": CudaSdpaKernel()}
+    try:
+        kernels["FlashAttnKernel"] = FlashAttnKernel()
+    except ImportError as e:
+        kernels["FlashAttnKernel"] = f"skipped: flash_attn does not import ({e})"
+    return kernels
+
+
+def check_attention(sizes: Sizes, device: torch.device) -> list[dict]:
+    """One record per (mask, kernel, dtype): relative errors per cut and tensor, or why not."""
+    b, hq, hkv, s, d = sizes.attn_shape
+    gen = torch.Generator().manual_seed(0)
+    # (batch, seq, heads, dim) transposed, as the model lays out q, k, v after RoPE
+    q, k, v, dout = (
+        torch.randn(b, s, h, d, generator=gen).transpose(1, 2) for h in (hq, hkv, hkv, hq)
+    )
+    records = []
+    for mask_name, build_mask in MASKS.items():
+        if build_mask is None:
+            records.append({"mask": mask_name, "status": "not yet supported"})
+            continue
+        mask = build_mask(s, device)
+        for name, kernel in _kernels(device).items():
+            for dtype in ATTN_DTYPES:
+                record = {"mask": mask_name, "kernel": name, "dtype": _dtype_name(dtype)}
+                records.append(record)
+                if isinstance(kernel, str):
+                    record["status"] = kernel
+                    continue
+                if name in HALF_ONLY_KERNELS and dtype == torch.float32:
+                    record["status"] = "skipped: the kernel takes fp16/bf16 only"
+                    continue
+                # Inputs rounded to the dtype first, so the reference sees the same values.
+                qd, kd, vd, dd = (t.to(device, dtype) for t in (q, k, v, dout))
+                ref = _reference(qd, kd, vd, dd, mask)
+                try:
+                    errors = {}
+                    for cut in sizes.attn_cuts:
+                        got = _unit_attention(kernel, qd, kd, vd, dd, cut)
+                        errors["-".join(map(str, cut))] = {t: _rel_error(got[t], ref[t]) for t in ref}
+                except Exception as e:  # noqa: BLE001 -- a failing kernel is a result; GPU runs are scarce
+                    record["status"] = f"error: {type(e).__name__}: {e}".splitlines()[0]
+                    continue
+                record["errors"] = errors
+                record["status"] = "ok" if _within_tolerance(dtype, errors) else "failed"
+    return records
+
+
+# --------------------------------------------------------------------------
+# 2. KV-context overhead
+
+
+class _Marks:
+    """Time stamps between passes: CUDA events on a GPU (no synchronisation between
+    passes, so the timing does not change the run), the clock on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+        return [b - a for a, b in pairs]
+
+
+def _one_step(model, context: KVContext | None, tokens, targets, lengths) -> tuple[list[float], list[float], float]:
+    """Forward and backward of one sequence as ``lengths`` units (the whole, plain,
+    without a context): per-unit forward and backward seconds, and the loss."""
+    seq_len = tokens.shape[1]
+    marks = _Marks(tokens.device)
+    marks.mark()
+    losses = []
+    for u in _units(lengths):
+        part = slice(u.offset, u.offset + u.length)
+        with context.running(u) if context is not None else contextlib.nullcontext():
+            logits = model(tokens[:, part])
+        # the last stage's loss, as the trainer computes it: token sum over the step's tokens
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets[:, part].flatten(), reduction="sum")
+        losses.append(loss / seq_len)
+        marks.mark()
+    for u in reversed(_units(lengths)):
+        with context.backward(u) if context is not None else contextlib.nullcontext():
+            losses[u.index].backward()
+        marks.mark()
+    times = marks.intervals()
+    k = len(lengths)
+    return times[:k], times[k:][::-1], float(sum(loss.detach() for loss in losses))
+
+
+def _measure(model, context, tokens, targets, lengths, sizes: Sizes) -> dict:
+    cuda = tokens.device.type == "cuda"
+    for _ in range(sizes.warmup):  # allocator, kernel selection, cuDNN plans
+        _one_step(model, context, tokens, targets, lengths)
+        model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    steps = []
+    for _ in range(sizes.repeats):
+        steps.append(_one_step(model, context, tokens, targets, lengths))
+        model.zero_grad(set_to_none=True)
+    k = len(lengths)
+    return {
+        "time_s": statistics.median(sum(f) + sum(b) for f, b, _ in steps),
+        "F": [statistics.median(s[0][j] for s in steps) for j in range(k)],
+        "B": [statistics.median(s[1][j] for s in steps) for j in range(k)],
+        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "loss": steps[-1][2],
+    }
+
+
+def _models(sizes: Sizes, device: torch.device):
+    """torchtitan's Llama 3 and the sequence model, same weights, in ``sizes.dtype``."""
+    # Imported here: torchtitan takes seconds to import, and the error path needs none of it.
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    from torchtitan_seq.model import SeqTransformer
+
+    args = TransformerModelArgs(**sizes.model, max_seq_len=max(sizes.seq_lens))
+    torch.manual_seed(0)
+    with torch.device(device), torch.no_grad():
+        seq = SeqTransformer(args)
+        seq.init_weights()
+        plain = Transformer(args)
+    plain.load_state_dict(seq.state_dict())
+    for model in (seq, plain):
+        # Children only: the model's own buffer is the complex RoPE table, whose
+        # imaginary part a cast to a real dtype would drop.
+        for child in model.children():
+            child.to(sizes.dtype)
+    return plain, seq, args
+
+
+def measure_overhead(sizes: Sizes, device: torch.device, kernel: AttentionKernel, out: Path) -> dict:
+    """Plain Llama 3 and k units through the KV context at each length; writes cost files."""
+    from torchtitan_seq.model import bind_kv_context
+
+    plain, seq, args = _models(sizes, device)
+    context = KVContext()
+    bind_kv_context(seq, context, kernel)
+    runs = []
+    for seq_len in sizes.seq_lens:
+        gen = torch.Generator().manual_seed(seq_len)
+        tokens = torch.randint(args.vocab_size, (1, seq_len), generator=gen).to(device)
+        targets = torch.randint(args.vocab_size, (1, seq_len), generator=gen).to(device)
+        configs = [("whole", plain, None, [seq_len])]
+        configs += [("units", seq, context, partition_sequence(seq_len, k, "even")) for k in sizes.ks]
+        base = None
+        for path, model, ctx, lengths in configs:
+            run = {"seq_len": seq_len, "path": path, "k": len(lengths), "lengths": lengths}
+            runs.append(run)
+            try:
+                run.update(_measure(model, ctx, tokens, targets, lengths, sizes))
+            except torch.cuda.OutOfMemoryError:
+                run["status"] = "OOM"
+            else:
+                run["status"] = "ok"
+            # after the except block, so the failed step's tensors are already unreferenced
+            context.clear()
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if run["status"] != "ok":
+                print(f"  {seq_len:>6} {path:5} k={len(lengths)}: OOM", flush=True)
+                continue
+            name = f"cost_s{seq_len}_{path}_{'-'.join(map(str, lengths))}.json"
+            cost = {"F": run["F"], "B": run["B"], "unit": "s", "seq_len": seq_len, "lengths": lengths,
+                    "model": "llama3 " + json.dumps(sizes.model), "dtype": _dtype_name(sizes.dtype),
+                    "repeats": sizes.repeats, "device": _device_name(device)}
+            (out / name).write_text(json.dumps(cost, indent=1) + "\n")
+            run["cost_file"] = name
+            if path == "whole":
+                base = run
+            elif base is not None:
+                run["overhead"] = run["time_s"] / base["time_s"] - 1
+                run["loss_rel_diff"] = abs(run["loss"] / base["loss"] - 1)
+                if run["peak_bytes"] is not None:
+                    run["memory_ratio"] = run["peak_bytes"] / base["peak_bytes"]
+            print(f"  {seq_len:>6} {path:5} k={len(lengths)}: {run['time_s'] * 1e3:9.2f} ms"
+                  + (f"  overhead {run['overhead']:+.3f}" if "overhead" in run else ""), flush=True)
+    at_goal = [r for r in runs if r["seq_len"] == GOAL_SEQ_LEN and r["path"] == "units" and r["k"] > 1]
+    return {
+        "model": {**sizes.model, "ffn_hidden": seq.layers["0"].feed_forward.w1.out_features,
+                  "parameters": sum(p.numel() for p in seq.parameters())},
+        "dtype": _dtype_name(sizes.dtype),
+        "batch": 1,
+        "kernel": type(kernel).__name__,
+        "baseline": "torchtitan's Llama 3 Transformer on the whole sequence (its SDPA wrapper)",
+        "compiled": "not measured yet: eager only",
+        "warmup": sizes.warmup,
+        "repeats": sizes.repeats,
+        "runs": runs,
+        "goal": {
+            "line": f"KV-context overhead under {GOAL_OVERHEAD:.0%} at {GOAL_SEQ_LEN} tokens, k > 1",
+            "met": all(r.get("overhead", 1) < GOAL_OVERHEAD for r in at_goal) if at_goal else None,
+        },
+    }
+
+
+# --------------------------------------------------------------------------
+# Driver
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _flash_attn_version() -> str | None:
+    try:
+        import flash_attn
+    except ImportError:
+        return None
+    return flash_attn.__version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and the cost files")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes: the dry run with --device cpu, "
+                    "a smoke run with cuda")
+    ap.add_argument("--seq-lens", help="comma-separated lengths instead of the default ones")
+    ap.add_argument("--attention-backend", choices=("auto", "flash", "sdpa"), default="auto",
+                    help="the unit kernel of the overhead runs")
+    ap.add_argument("--compile", action="store_true", help="not supported yet")
+    args = ap.parse_args(argv)
+
+    if args.compile:
+        print("error: --compile is not supported yet (compiled units land in a later issue)", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device: run on a GPU, or use --device cpu --tiny for the dry run", file=sys.stderr)
+        return 2
+    if args.device == "cpu" and not args.tiny:
+        print("error: --device cpu runs only the dry run: add --tiny", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    try:
+        kernel = select_kernel(device, args.attention_backend)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sizes = TINY if args.tiny else FULL
+    if args.tiny and device.type == "cuda":
+        sizes = replace(sizes, dtype=torch.bfloat16)  # the CUDA kernels take no fp32
+    if args.seq_lens:
+        sizes = replace(sizes, seq_lens=tuple(int(s) for s in args.seq_lens.split(",")))
+    args.out.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    results: dict = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mode": "tiny" if args.tiny else "full",
+        "device": _device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+        "flash_attn": _flash_attn_version(),
+    }
+
+    def write() -> None:
+        results["elapsed_s"] = round(time.monotonic() - began, 1)
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1) + "\n")
+
+    print(f"attention check on {results['device']}", flush=True)
+    b, hq, hkv, s, d = sizes.attn_shape
+    results["attention"] = {
+        "shape": {"batch": b, "q_heads": hq, "kv_heads": hkv, "seq_len": s, "head_dim": d},
+        "reference": "whole-sequence SDPA in float64, explicit mask",
+        "error": "max |unit - reference| / max |reference|, per tensor",
+        "tolerance": {"float32": FP32_TOL, "low_precision": f"one unit < {LOW_PRECISION_TOL}; "
+                      f"cuts <= 2 x one unit + dtype epsilon"},
+        "cases": check_attention(sizes, device),
+    }
+    cases = results["attention"]["cases"]
+    for case in cases:
+        worst = max((e for cut in case.get("errors", {}).values() for e in cut.values()), default=None)
+        print(f"  {case['mask']:12} {case.get('kernel', ''):15} {case.get('dtype', ''):9} {case['status']}"
+              + (f" (largest error {worst:.2e})" if worst is not None else ""), flush=True)
+    write()
+
+    broken = {c.get("kernel") for c in cases if c["status"].startswith("error")}
+    if args.attention_backend == "auto" and type(kernel).__name__ in broken:
+        # One GPU run should still measure the overhead: with torch's own kernel, then.
+        print(f"{type(kernel).__name__} failed above: overhead runs use CudaSdpaKernel", flush=True)
+        kernel = CudaSdpaKernel()
+    print(f"KV-context overhead ({type(kernel).__name__})", flush=True)
+    results["overhead"] = measure_overhead(sizes, device, kernel, args.out)
+    write()
+    print(f"goal: {results['overhead']['goal']['line']}: met = {results['overhead']['goal']['met']}")
+    print(f"wrote {args.out / 'gpu_check.json'} ({results['elapsed_s']:.0f} s)", flush=True)
+    failed = [c for c in cases if c["status"] == "failed" or c["status"].startswith("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
