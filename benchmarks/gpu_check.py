@@ -42,6 +42,7 @@ from torchtitan_seq.attention import (
     SequenceAttention,
     select_kernel,
 )
+from torchtitan_seq import cpu_compat
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.partition import partition_sequence
 
@@ -296,7 +297,7 @@ def _models(sizes: Sizes, device: torch.device):
     # Imported here: torchtitan takes seconds to import, and the error path needs none of it.
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
-    from torchtitan_seq.model import SeqTransformer
+    from torchtitan_seq.models.llama3_seq import SeqTransformer
 
     args = TransformerModelArgs(**sizes.model, max_seq_len=max(sizes.seq_lens))
     torch.manual_seed(0)
@@ -315,7 +316,7 @@ def _models(sizes: Sizes, device: torch.device):
 
 def measure_overhead(sizes: Sizes, device: torch.device, kernel: AttentionKernel, out: Path) -> dict:
     """Plain Llama 3 and k units through the KV context at each length; writes cost files."""
-    from torchtitan_seq.model import bind_kv_context
+    from torchtitan_seq.attention import bind_kv_context
 
     plain, seq, args = _models(sizes, device)
     context = KVContext()
@@ -416,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and not args.tiny:
         print("error: --device cpu runs only the dry run: add --tiny", file=sys.stderr)
         return 2
+    cpu_compat.apply()  # an entry point: torchtitan (imported later) reads the device type at import
     device = torch.device(args.device)
     try:
         kernel = select_kernel(device, args.attention_backend)

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
-from titan import run_train
+
+from torchtitan_seq import cpu_compat
+
+cpu_compat.apply()  # the tests' entry point, as torchtitan_seq.train is the trainer's
+
+# The benchmark is no part of the package: its modules (bench, training_run,
+# calibration) import from benchmarks/, and titan.py runs training through them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from titan import run_train  # noqa: E402  (after the two lines above: it imports torchtitan)
 
 
 @pytest.fixture(scope="session")

@@ -162,7 +162,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
     from torchtitan_seq import schedules
     from torchtitan_seq.loss import TokenNormalizedLoss
     from torchtitan_seq.memory import ActivationMemory
-    from torchtitan_seq.model import SeqTransformer
+    from torchtitan_seq.models.llama3_seq import SeqTransformer
     from torchtitan_seq.partition import UnitCost, partition_sequence
     from torchtitan_seq.stage import SequencePipelineStage
 
@@ -237,8 +237,8 @@ def _run_variant(v: Variant, rank: int) -> dict:
             reference_step()
             opt.step()
             reference_opt.step()
-            if hasattr(sched, "sync_copies"):  # as the trainer's optimizer hook does
-                sched.sync_copies()
+            sched.after_optimizer_step()  # as the trainer's optimizer hook does
+            if hasattr(sched, "copies"):  # BSIPipe
                 copies_diff.append(sched.copies.max_difference())
         losses = step(v.steps)
         ref_loss, ref_grads = reference_step()
@@ -271,7 +271,9 @@ def _run_variant(v: Variant, rank: int) -> dict:
 def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: str) -> None:
     import json
 
-    import torchtitan_seq  # noqa: F401  (CPU compatibility before torchtitan is imported)
+    from torchtitan_seq import cpu_compat
+
+    cpu_compat.apply()  # before torchtitan is imported
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -52,7 +52,7 @@ def _prefix_dq(ctx: MutationContext) -> list:
 
 def _rope_offset(ctx: MutationContext) -> list:
     """Units after the first read RoPE one position too early."""
-    from torchtitan_seq import model
+    from torchtitan_seq.models.llama3_seq import model
 
     positions = model.unit_positions
 
@@ -64,10 +64,10 @@ def _rope_offset(ctx: MutationContext) -> list:
 def _backward_order(ctx: MutationContext) -> list:
     """Every backward kind runs in subsequence order on each stage (rule 2 broken); the
     validator that would refuse such lists is switched off."""
-    from torchtitan_seq import schedules
     from torchtitan_seq.ordering import F
+    from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, base
 
-    cls = schedules.SEQUENCE_SCHEDULES[ctx.schedule]
+    cls = SEQUENCE_SCHEDULES[ctx.schedule]
     actions_fn = cls.actions_fn
 
     def first_subsequence_first(actions):
@@ -86,7 +86,7 @@ def _backward_order(ctx: MutationContext) -> list:
         return {r: first_subsequence_first(acts) for r, acts in actions_fn(*args, **kwargs).items()}
     return [
         mock.patch.object(cls, "actions_fn", staticmethod(misordered)),
-        mock.patch.object(schedules, "validate_unit_order", lambda *a: None),
+        mock.patch.object(base, "validate_unit_order", lambda *a: None),
     ]
 
 
@@ -144,14 +144,14 @@ def _tp_wrong_shard(ctx: MutationContext) -> list:
 
 def _pairs_not_combined(ctx: MutationContext) -> list:
     """BSIPipe: a chunk's two copies keep their own gradients; nothing adds them up."""
-    from torchtitan_seq.bidirectional import MirroredCopies
+    from torchtitan_seq.schedules import MirroredCopies
 
     return [mock.patch.object(MirroredCopies, "combine_gradients", lambda self: None)]
 
 
 def _copies_not_synced(ctx: MutationContext) -> list:
     """BSIPipe: after an optimizer step the chain-B copies keep their old values."""
-    from torchtitan_seq.bidirectional import MirroredCopies
+    from torchtitan_seq.schedules import MirroredCopies
 
     return [mock.patch.object(MirroredCopies, "sync_parameters", lambda self: None)]
 

@@ -1,4 +1,4 @@
-"""The benchmark (log parsing, variants, calibration, CLI) and the per-action timeline."""
+"""The benchmark (the trainer's record read back, variants, calibration, CLI) and the per-action timeline."""
 
 from __future__ import annotations
 
@@ -6,31 +6,39 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import bench
 import pytest
+import training_run
 from titan import assert_trained, run_train
 from torch.distributed.pipelining.schedules import _Action
 
-from torchtitan_seq import bench, timeline
+from torchtitan_seq import metrics, timeline
 from torchtitan_seq.ordering import B, F
-from torchtitan_seq.simulate import chrome_trace
-
-LOG = """\
-[rank0]:[titan] 2026-01-02 10:00:00,000 - root - INFO - Sequence pipeline Seq1F1B: 4 microbatches x 2 subsequences, 'even' partition, lengths [128, 128]
-[rank0]:[titan] 2026-01-02 10:00:01,000 - root - INFO - Training starts at step 1
-[rank0]:[titan] 2026-01-02 10:00:03,500 - root - INFO - step:  1  loss:  8.10000  grad_norm:  1.0  memory:  0.82GiB(3.49%)  tps: 428  tflops: 0.03  mfu: 0.01%
-[rank0]:[titan] 2026-01-02 10:00:03,501 - root - INFO - step:  1  peak activations (MiB): rank0 2.0, rank1 1.0  bytes: 2097152, 1048576  bubble ratio: rank0 0.2500, rank1 0.1250  pipeline: 2250.5 ms
-[rank0]:[titan] 2026-01-02 10:00:04,750 - root - INFO - step:  2  loss:  7.90000  grad_norm:  1.7  memory:  0.85GiB(3.61%)  tps: 1,380  tflops: 0.03  mfu: 0.01%
-[rank0]:[titan] 2026-01-02 10:00:04,751 - root - INFO - step:  2  peak activations (MiB): rank0 2.0, rank1 1.0  bytes: 2097152, 1048577
-"""
+from torchtitan_seq.render import chrome_trace
 
 
-def test_parse_log_reads_steps_times_bytes_bubbles_and_lengths():
-    run = bench.parse_log(0, LOG)
+def test_run_reads_the_latest_record_steps_times_bytes_bubbles_and_lengths(tmp_path, monkeypatch):
+    """The record as SeqMetricsProcessor writes it (torchtitan's metric names in) read back as a Run."""
+    clock = iter([500.0, 1000.0, 1002.5, 1003.0, 1003.75])  # step 1 of an earlier run, start, ...
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(time=lambda: next(clock)))
+    record = metrics.MetricsRecord(tmp_path / metrics.RECORD_FILE)
+    record.append({"event": "start", "time": 0.0, "schedule": "1F1B", "lengths": None})  # an earlier run
+    record.log({"loss_metrics/global_avg_loss": 9.0}, 1)
+    record.append({"event": "start", "time": next(clock), "schedule": "Seq1F1B", "lengths": [128, 128]})
+    common = {"memory/max_reserved(GiB)": 0.82, "memory/peak_activation_bytes/rank0": 2097152}
+    record.log({**common, "loss_metrics/global_avg_loss": 8.1, "throughput(tps)": 428.0,
+                "memory/peak_activation_bytes/rank1": 1048576, "pipeline/bubble_ratio/rank0": 0.25,
+                "pipeline/bubble_ratio/rank1": 0.125, "pipeline/makespan(s)": 2.2505}, 1)
+    record.log({"validation_metrics/loss": 8.0}, 1)
+    record.log({**common, "loss_metrics/global_avg_loss": 7.9, "throughput(tps)": 1380.0,
+                "memory/peak_activation_bytes/rank1": 1048577}, 2)
+    run = training_run.Run.from_record(0, "", training_run.read_record(tmp_path / metrics.RECORD_FILE))
     assert run.losses == [8.1, 7.9]
     assert run.tps == [428, 1380]
     assert run.step_times_s == pytest.approx([2.5, 1.25])
-    assert run.activations_mib == [[2.0, 1.0], [2.0, 1.0]]
+    assert run.activations_mib == [[2.0, 1.0], [2.0, 1048577 / 2**20]]  # exact, not the console's 0.1 MiB
     assert run.activation_bytes == [[2097152, 1048576], [2097152, 1048577]]
     assert run.bubble_ratios == [[0.25, 0.125], []]  # step 2: stages not timed
     assert run.pipeline_s == [2.2505, None]
@@ -119,7 +127,7 @@ def test_calibration_writes_a_cost_file_the_simulator_reads(tmp_path):
 def test_bench_cli_smoke(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "torchtitan_seq.bench", "--seq-lens", "256", "--steps", "3", "--rounds", "1",
+        [sys.executable, bench.__file__, "--seq-lens", "256", "--steps", "3", "--rounds", "1",
          "--schedules", "1F1B,Seq1F1B", "--calibrate", "--repeats", "1", "--out", str(out)],
         # Valid jobs: run_train.sh may skip its start-up check (every rank checks the job).
         env={**os.environ, "TORCHTITAN_SEQ_SKIP_CHECK": "1"},

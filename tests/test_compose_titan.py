@@ -9,7 +9,7 @@ trainer, mesh, checkpointer and data loader, on the Llama 3 debug model.
 from pathlib import Path
 
 import pytest
-from titan import REFERENCE, assert_trained, run_train
+from titan import REFERENCE, assert_same_losses, assert_trained, max_diff, run_train
 
 STEPS = 10
 # lr_scheduler.total_steps fixes the LR schedule (warm-up 2, then decay over
@@ -27,11 +27,6 @@ LOSS = "loss_metrics/global_avg_loss"
 # every rank checks the job anyway): these tests are about torchtitan's
 # parallelisms, not the check, which the context-parallel test below and
 # tests/test_train.py exercise.
-
-
-def max_diff(a, b) -> float:
-    assert len(a) == len(b), (a, b)
-    return max(abs(x - y) for x, y in zip(a, b))
 
 
 def tensorboard_losses(dump_folder: Path) -> dict[int, float]:
@@ -87,7 +82,7 @@ def test_seq1f1b_logs_the_losses_of_1f1b_on_the_same_mesh(mesh, tmp_path):
     for run in (seq, ref):
         assert f"Building device mesh with parallelism: {layout}" in run.output, run.output[-3000:]
     assert "Sequence pipeline Seq1F1B: 4 microbatches x 4 subsequences" in seq.output
-    assert max_diff(seq.losses, ref.losses) <= TOL_SCHEDULES, (seq.losses, ref.losses)
+    assert_same_losses(seq, ref, TOL_SCHEDULES)
     assert min(seq.losses) < seq.losses[0] - 0.3  # it learns
 
 

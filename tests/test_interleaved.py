@@ -84,7 +84,7 @@ def _job(schedule, layers_per_stage):
 )
 def test_stages_per_rank_as_torchtitan_picks_them(schedule, layers_per_stage, v):
     """6 layers + embeddings + output on 2 ranks: torchtitan's pipeline_llm arithmetic."""
-    from torchtitan_seq.model import seq_llama3_flavors
+    from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
     from torchtitan_seq.pipeline import stages_per_rank
 
     assert stages_per_rank(_job(schedule, layers_per_stage), seq_llama3_flavors["debugmodel"], 2) == v
@@ -93,7 +93,7 @@ def test_stages_per_rank_as_torchtitan_picks_them(schedule, layers_per_stage, v)
 @pytest.mark.parametrize("schedule,layers_per_stage,pp", [("Seq1F1B", 2, 2), ("InterleavedSeq1F1B", 4, 2),
                                                           ("InterleavedSeq1F1B", 1, 3)])
 def test_stages_per_rank_rejects_a_layout_the_schedule_cannot_run(schedule, layers_per_stage, pp):
-    from torchtitan_seq.model import seq_llama3_flavors
+    from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
     from torchtitan_seq.pipeline import stages_per_rank
 
     with pytest.raises(ValueError, match="parallelism.pipeline_parallel_layers_per_stage"):
@@ -117,7 +117,7 @@ def test_torchtitan_run_logs_the_losses_of_interleaved_1f1b(shared_run, tmp_path
     """./run_train.sh against torch's Interleaved1F1B: the same loop layout (2 stages per rank),
     so the same initial weights; 10 steps at seq 512, 4 microbatches of 4 subsequences. The
     Interleaved1F1B run is shared (test_train.py's smoke test of torch's schedules reads it)."""
-    from titan import REFERENCE, assert_trained, run_train
+    from titan import REFERENCE, assert_same_losses, assert_trained, run_train
 
     seq = run_train(*REFERENCE, "--parallelism.pipeline_parallel_schedule", "InterleavedSeq1F1B",
                     dump_folder=tmp_path / "seq", check=False)
@@ -125,4 +125,4 @@ def test_torchtitan_run_logs_the_losses_of_interleaved_1f1b(shared_run, tmp_path
     assert_trained(seq, 10)
     assert_trained(ref, 10)
     assert "building stage_idx 2" in seq.output  # rank 0 holds stages 0 and 2
-    assert max(abs(a - b) for a, b in zip(seq.losses, ref.losses)) <= 1e-3, (seq.losses, ref.losses)
+    assert_same_losses(seq, ref)

@@ -3,7 +3,6 @@ and then crash on the ranks (torchtitan_seq.trainer.check_job, in this process).
 
 import pytest
 
-import torchtitan_seq.cpu_compat  # noqa: F401  (before torchtitan: no CUDA here)
 from torchtitan.config import ConfigManager
 
 from torchtitan_seq.registration import register

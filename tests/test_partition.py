@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from torchtitan_seq.model import seq_llama3_flavors
+from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
 from torchtitan_seq.partition import UnitCost, partition_sequence
 
 DEBUG = UnitCost.from_model_args(seq_llama3_flavors["debugmodel"])

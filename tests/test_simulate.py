@@ -175,7 +175,7 @@ def test_lowering_is_the_runtimes(name):
     assert r.deadlock is None
     cls = get_schedule_class(name)
     placement = "v" if name in ("ZBVZeroBubble", "DualPipeV") else "loop"
-    stages = [sim._MockStage(s, 8, 4) for s in ((0, 7) if placement == "v" else (0, 4))]
+    stages = [sim.MockStage(s, 8, 4) for s in ((0, 7) if placement == "v" else (0, 4))]
     assert r.lowered == cls(stages, 8).pipeline_order_with_comms
 
 
@@ -232,7 +232,7 @@ def test_csv_round_trip(tmp_path, name, k):
     v = r.stages_per_rank
     placement = "v" if name == "DualPipeV" else "loop"
     stages = [s for s, rank in generate_stage_to_rank_mapping(4, 4 * v, placement).items() if rank == 0]
-    runtime = _PipelineScheduleRuntime([sim._MockStage(s, 4 * v, 4) for s in stages], 8 * k)
+    runtime = _PipelineScheduleRuntime([sim.MockStage(s, 4 * v, 4) for s in stages], 8 * k)
     runtime._load_csv(str(path))
     assert runtime.pipeline_order == r.compute_order
     assert runtime.pipeline_order_with_comms == r.lowered

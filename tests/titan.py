@@ -1,14 +1,16 @@
-"""Run ./run_train.sh as a user would and read its step lines (the parser is the benchmark's)."""
+"""Run ./run_train.sh as a user would and read its metrics record (the benchmark's reader).
+
+Needs ``benchmarks/`` on ``sys.path`` (conftest.py puts it there)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from torchtitan_seq import bench
-from torchtitan_seq.bench import Run
+import training_run
+from training_run import Run
 
-__all__ = ["Run", "run_train", "assert_trained", "REFERENCE"]
+__all__ = ["Run", "run_train", "assert_trained", "assert_same_losses", "max_diff", "REFERENCE"]
 
 # The 2-rank pp=2 runs several files compare against, shared through the
 # ``shared_run`` fixture (conftest.py): Seq1F1B (the config's schedule) with
@@ -31,7 +33,7 @@ def run_train(*overrides: str, dump_folder: Path, env: dict | None = None, timeo
     """
     if not check:
         env = {**(env or {}), "TORCHTITAN_SEQ_SKIP_CHECK": "1"}
-    return bench.run_train(*overrides, dump_folder=dump_folder, env=env, timeout=timeout)
+    return training_run.run_train(*overrides, dump_folder=dump_folder, env=env, timeout=timeout)
 
 
 def assert_trained(run: Run, steps: int) -> None:
@@ -39,3 +41,14 @@ def assert_trained(run: Run, steps: int) -> None:
     assert len(run.losses) == steps, run.output[-4000:]
     assert all(math.isfinite(x) and x > 0 for x in run.losses), run.losses
     assert all(t > 0 for t in run.tps) and all(m > 0 for m in run.memory_gib)
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def assert_same_losses(run: Run, ref: Run, tol: float = 1e-3) -> None:
+    """Two runs logged the same losses, step by step, within ``tol`` (1e-3: the same maths
+    summed in another order, as the console rounds it)."""
+    assert max_diff(run.losses, ref.losses) <= tol, (run.losses, ref.losses)

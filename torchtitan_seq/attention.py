@@ -25,7 +25,7 @@ from torch import nn
 
 from .kv_context import KVBlock, KVContext
 
-__all__ = ["AttentionKernel", "select_kernel", "SequenceAttention", "unit_attention"]
+__all__ = ["AttentionKernel", "select_kernel", "SequenceAttention", "unit_attention", "bind_kv_context"]
 
 
 class AttentionKernel(Protocol):
@@ -260,3 +260,21 @@ class SequenceAttention(nn.Module):
         if not is_causal:
             raise ValueError("SequenceAttention runs units of causal attention only")
         return unit_attention(context, self.layer_id, q, k, v, self.kernel, scale)
+
+
+def bind_kv_context(model: nn.Module, context: KVContext | None, kernel: AttentionKernel | None) -> int:
+    """Attach ``context`` (and the attention kernel) to every :class:`SequenceAttention` of a
+    model chunk, and to the chunk itself where it reads the context (RoPE at the unit's
+    offset: ``model.kv_context``). Returns the number of attention layers bound.
+    """
+    layers = [m for m in model.modules() if isinstance(m, SequenceAttention)]
+    if not layers:
+        raise TypeError(
+            f"{type(model).__name__} has no chunk-aware attention: sequence schedules need "
+            "[model] name = \"llama3_seq\" (or SequenceAttention layers in a model of your own)"
+        )
+    for m in layers:
+        m.bind(context, kernel)
+    if hasattr(model, "kv_context"):
+        model.kv_context = context
+    return len(layers)

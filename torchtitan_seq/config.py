@@ -8,6 +8,7 @@ line, e.g. ``--sequence_pipeline.num_subsequences 4``.
 
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 __all__ = ["SequencePipeline", "JobConfig"]
 
@@ -23,7 +24,7 @@ class SequencePipeline:
     num_subsequences: int = 4
     """k: subsequences each microbatch's sequence is cut into."""
 
-    partition: str = "compute"
+    partition: Literal["compute", "even", "latency"] = "compute"
     """'compute' (every unit costs the same forward + backward under the causal
     mask), 'even' (equal lengths) or 'latency' (TeraPipe's slicing: the cut on the
     length_multiple grid whose costliest unit costs least, which minimises the
@@ -35,10 +36,10 @@ class SequencePipeline:
     split_backward: bool = False
     """Run each unit's backward as separate input- and weight-gradient passes."""
 
-    attention_backend: str = "auto"
+    attention_backend: Literal["auto", "flash", "sdpa"] = "auto"
     """'auto' (flash-attn on CUDA when installed, SDPA otherwise), 'flash' or 'sdpa'."""
 
-    bidirectional_placement: str = "paired"
+    bidirectional_placement: Literal["paired", "linear"] = "paired"
     """BSIPipe only: 'paired' puts each mirrored pair of pipeline positions
     (q, p - 1 - q), whose gradients are all-reduced, on neighbouring ranks;
     'linear' puts position q on pipeline rank q."""

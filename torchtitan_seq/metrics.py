@@ -1,4 +1,4 @@
-"""torchtitan's metrics, plus what sequence pipelines need to show.
+"""torchtitan's metrics, plus what sequence pipelines need to show, and a structured record.
 
 Per logged step, every rank's peak activation bytes (measured by
 :class:`~torchtitan_seq.memory.ActivationMemory`) join torchtitan's metrics:
@@ -12,30 +12,146 @@ the steps torchtitan's profiler traces, or every N steps with
 the step's pipeline timeline is written as a Chrome trace in torchtitan's
 profiling folder (``iteration_{step}/pipeline_timeline.json``) and as the
 TensorBoard image ``pipeline/timeline``.
+
+Console lines are for people. Programs (the benchmark, the tests) read
+``<dump_folder>/metrics.jsonl`` (:data:`RECORD_FILE`), which rank 0 appends
+to, one JSON object a line, TensorBoard or not:
+
+* ``{"event": "start", "time", "schedule", "lengths"}`` once the trainer is
+  built (:meth:`SeqMetricsProcessor.record_start`); ``lengths`` are the
+  subsequence lengths the sequence schedule runs, null for torch's schedules.
+  A dump folder used again gets another start record: the latest run is what
+  follows the last one.
+* ``{"event": "step", "step", "time", ...}`` per logged step, with the values
+  torchtitan's ``MetricsProcessor.log`` computed, unrounded (see
+  :data:`STEP_FIELDS`): ``loss``, ``max_loss``, ``grad_norm``, ``lr``,
+  ``n_tokens_seen``, ``tps`` (tokens/s per device), ``tflops``, ``mfu_pct``,
+  ``end_to_end_s``, ``data_loading_s``, ``memory_gib`` and ``memory_pct``
+  (max reserved: the console's ``memory``), ``max_active_gib``; and ours:
+  ``peak_activation_bytes`` and ``bubble_ratio`` (lists by rank; the bubble
+  ratios are [] when the stages are not timed, torch's schedules) and
+  ``pipeline_s`` (the makespan; null when not timed).
+* ``{"event": "validation", "step", "time", "loss", "tps", "memory_gib"}``
+  per validation.
+
+``time`` is ``time.time()`` when the record was written: step wall times are
+differences of consecutive records (the first step's since the start record).
+Rank 0 writes it because every rank knows the loss
+(:class:`~torchtitan_seq.trainer.SeqTrainer`) and the per-rank figures are
+gathered on every rank; ``tps`` and the memory figures are rank 0's own.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
+from torchtitan.components.metrics import (
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    TensorBoardLogger,
+)
 from torchtitan.tools.logging import logger
 
 from . import timeline
 from .memory import ActivationMemory
-from .schedules import SEQUENCE_SCHEDULES
+from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 
-__all__ = ["SeqMetricsProcessor", "build_seq_metrics_processor"]
+__all__ = ["RECORD_FILE", "STEP_FIELDS", "MetricsRecord", "SeqMetricsProcessor", "build_seq_metrics_processor"]
+
+RECORD_FILE = "metrics.jsonl"
+"""The structured record's file name in the job's dump folder."""
+
+STEP_FIELDS = {
+    "loss": "loss_metrics/global_avg_loss",
+    "max_loss": "loss_metrics/global_max_loss",
+    "grad_norm": "grad_norm",
+    "lr": "lr",
+    "n_tokens_seen": "n_tokens_seen",
+    "tps": "throughput(tps)",
+    "tflops": "tflops",
+    "mfu_pct": "mfu(%)",
+    "end_to_end_s": "time_metrics/end_to_end(s)",
+    "data_loading_s": "time_metrics/data_loading(s)",
+    "memory_gib": "memory/max_reserved(GiB)",
+    "memory_pct": "memory/max_reserved(%)",
+    "max_active_gib": "memory/max_active(GiB)",
+    "pipeline_s": "pipeline/makespan(s)",
+}
+"""A step record's fields: the name of each in the metrics torchtitan logs (TensorBoard's tags)."""
+
+VALIDATION_FIELDS = {
+    "loss": "validation_metrics/loss",
+    "tps": "validation_metrics/throughput(tps)",
+    "memory_gib": "validation_metrics/memory/max_reserved(GiB)",
+}
+
+PER_RANK_FIELDS = {
+    "peak_activation_bytes": "memory/peak_activation_bytes",
+    "bubble_ratio": "pipeline/bubble_ratio",
+}
+"""A step record's lists by rank: the prefix of their per-rank metrics, ``{prefix}/rank{r}``."""
+
+
+def _per_rank(metrics: dict[str, Any], prefix: str) -> list[Any]:
+    values = []
+    while (name := f"{prefix}/rank{len(values)}") in metrics:
+        values.append(metrics[name])
+    return values
+
+
+class MetricsRecord(BaseLogger):
+    """One of torchtitan's metric loggers: appends each step's metrics to ``path`` as a JSON line.
+
+    It receives exactly the metrics torchtitan hands its TensorBoard logger.
+    Each line is written and closed at once, so a run that dies keeps every
+    step it logged."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            # default=float: torchtitan may hand over 0-dim tensors (e.g. a dp-reduced token count).
+            f.write(json.dumps(record, default=float) + "\n")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        validation = VALIDATION_FIELDS["loss"] in metrics
+        fields = VALIDATION_FIELDS if validation else STEP_FIELDS
+        record = {"event": "validation" if validation else "step", "step": step, "time": time.time()}
+        record.update({field: metrics.get(name) for field, name in fields.items()})
+        if not validation:
+            record.update({field: _per_rank(metrics, prefix) for field, prefix in PER_RANK_FIELDS.items()})
+        self.append(record)
 
 
 class SeqMetricsProcessor(MetricsProcessor):
     """torchtitan's ``MetricsProcessor`` that also reports, per rank, activation memory and
-    the pipeline's bubble ratio."""
+    the pipeline's bubble ratio, and keeps the structured record on rank 0."""
 
     activation_memory: ActivationMemory | None = None
+    record: MetricsRecord | None = None
+
+    def __init__(self, job_config, parallel_dims, tag: str | None = None):
+        super().__init__(job_config, parallel_dims, tag)
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            self.record = MetricsRecord(Path(job_config.job.dump_folder) / RECORD_FILE)
+            if not isinstance(self.logger, LoggerContainer):
+                self.logger = LoggerContainer()  # torchtitan's plain BaseLogger: no backend here
+            self.logger.add_logger(self.record)
+
+    def record_start(self, schedule: object | None) -> None:
+        """The start record, with the subsequence lengths ``schedule`` (the trainer's) runs."""
+        if self.record is not None:
+            lengths = schedule.lengths if isinstance(schedule, SequenceSchedule) else None
+            name = self.job_config.parallelism.pipeline_parallel_schedule
+            self.record.append({"event": "start", "time": time.time(), "schedule": name, "lengths": lengths})
 
     def _gather_per_rank(self) -> list[tuple[int, float, float]]:
         """Every rank's (peak activation bytes, busy ms, latest action end ms), in one all-gather."""
@@ -62,10 +178,10 @@ class SeqMetricsProcessor(MetricsProcessor):
         bubbles = timeline.bubble_ratios([busy for _, busy, _ in per_rank], ends)
         makespan_ms = max(ends)
         metrics = dict(extra_metrics or {})
-        metrics.update({f"memory/peak_activation_bytes/rank{r}": b for r, b in enumerate(peaks)})
-        metrics.update({f"pipeline/bubble_ratio/rank{r}": x for r, x in enumerate(bubbles)})
+        for field, values in (("peak_activation_bytes", peaks), ("bubble_ratio", bubbles)):
+            metrics.update({f"{PER_RANK_FIELDS[field]}/rank{r}": x for r, x in enumerate(values)})
         if bubbles:
-            metrics["pipeline/makespan(s)"] = makespan_ms / 1e3
+            metrics[STEP_FIELDS["pipeline_s"]] = makespan_ms / 1e3
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=metrics)
         mib = ", ".join(f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(peaks))
         line = f"step: {step:2}  peak activations (MiB): {mib}  bytes: {', '.join(map(str, peaks))}"

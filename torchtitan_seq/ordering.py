@@ -18,14 +18,10 @@ torch's own ``_validate_schedule`` checks none of these.
 
 from __future__ import annotations
 
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
+from torch.distributed.pipelining.schedules import FULL_BACKWARD as B
+from torch.distributed.pipelining.schedules import F, I, W, _Action, _ComputationType
 
-__all__ = ["ScheduleOrderError", "validate_unit_order"]
-
-F = _ComputationType.FORWARD
-B = _ComputationType.FULL_BACKWARD
-I = _ComputationType.BACKWARD_INPUT  # noqa: E741
-W = _ComputationType.BACKWARD_WEIGHT
+__all__ = ["B", "F", "I", "W", "ScheduleOrderError", "validate_unit_order", "chain_neighbour", "feeds", "fed_by"]
 
 _BACKWARDS = (B, I, W)
 
@@ -75,3 +71,30 @@ def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences
                         f"its {kind.value} of subsequence {j + 1}"
                     )
             done.add((stage, kind, uid))
+
+
+# --- what flows between stages ------------------------------------------------
+# Stages form chains of ``chain_length`` consecutive indices (one chain of all
+# stages, or BSIPipe's two): a forward feeds the next stage of its chain, an
+# input-gradient pass the previous one, and nothing crosses a chain's end. The
+# lowering and the simulator both follow these three functions.
+
+
+def chain_neighbour(stage: int, step: int, chain_length: int) -> int | None:
+    """The stage ``step`` places along ``stage``'s chain, or None past the chain's end."""
+    n = stage + step
+    return n if n >= 0 and n // chain_length == stage // chain_length else None
+
+
+def feeds(action: _Action, chain_length: int) -> int | None:
+    """The stage that receives what compute ``action`` makes (activations of F, input
+    gradients of B and I); None for W and at a chain's end."""
+    step = {F: 1, B: -1, I: -1}.get(action.computation_type)
+    return None if step is None else chain_neighbour(action.stage_index, step, chain_length)
+
+
+def fed_by(action: _Action, chain_length: int) -> int | None:
+    """The stage whose output compute ``action`` consumes (F: the previous stage's
+    activations; B and I: the next stage's gradients); None for W and at a chain's start."""
+    step = {F: -1, B: 1, I: 1}.get(action.computation_type)
+    return None if step is None else chain_neighbour(action.stage_index, step, chain_length)

@@ -2,8 +2,8 @@
 
 For a sequence schedule it splits the model with torchtitan's own
 ``pipeline_module_split`` (:func:`split_model`: loop placement, rank r holds
-stages r, r + p, ..., v per rank; BSIPipe's four per rank are placed by
-:class:`~torchtitan_seq.bidirectional.BidirectionalLayout`), applies torchtitan's
+stages r, r + p, ..., v per rank, or as the schedule's ``place_stages``
+says), applies torchtitan's
 SPMD parallelisms per chunk, cuts the sequence
 (:func:`~torchtitan_seq.partition.partition_sequence`) and wraps each chunk in
 a :class:`~torchtitan_seq.stage.SequencePipelineStage`.
@@ -13,6 +13,7 @@ Any other schedule name goes to torchtitan's ``pipeline_llm`` unchanged.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,9 +26,8 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.tools.logging import logger
 
 from .attention import select_kernel
-from .bidirectional import BidirectionalLayout
 from .partition import UnitCost, partition_sequence
-from .schedules import SEQUENCE_SCHEDULES, ScheduleBSIPipe, SequenceSchedule
+from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, SequenceSchedule
 from .stage import SequencePipelineStage
 
 __all__ = [
@@ -48,8 +48,7 @@ def check_schedule_name(name: str) -> None:
     except ValueError:
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {name!r} is unknown: use a sequence "
-            f"schedule ({', '.join(SEQUENCE_SCHEDULES)}) or one of torch's (1F1B, "
-            "Interleaved1F1B, GPipe, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)"
+            f"schedule ({', '.join(SEQUENCE_SCHEDULES)}) or one of torch's ({', '.join(TORCH_SCHEDULES)})"
         ) from None
 
 
@@ -115,27 +114,24 @@ def split_model(
     name: str,
     device: torch.device,
     module_names: list[list[str]],
-    placement: str = "paired",
+    **options: Any,
 ) -> list[tuple[int, int, nn.Module]]:
     """This rank's model chunks for schedule ``name``: [(stage index, chain length, chunk)].
 
     ``module_names`` names the modules of each of the model's chunks, in
-    model order. torchtitan's ``pipeline_module_split`` does the module
-    surgery; it places chunks in a loop (rank r: r, r + p, ...), so for
-    BSIPipe, whose ranks hold four chunks of two chains, the chunks are
-    listed in the order that makes the loop hand each rank its own.
+    model order; the schedule's :meth:`~SequenceSchedule.place_stages` says
+    which stages each rank holds and which chunk each runs. torchtitan's
+    ``pipeline_module_split`` does the module surgery; it hands chunks out in
+    a loop (rank r: r, r + p, ...), so the chunks are listed in the order that
+    makes the loop hand each rank its own.
     """
     p = pp_mesh.size()
-    if SEQUENCE_SCHEDULES[name] is not ScheduleBSIPipe:
-        torch_stages, chunks = pipeline_module_split(model, pp_mesh, "Interleaved1F1B", device, module_names)
-        return [(s.stage_index, s.num_stages, chunk) for s, chunk in zip(torch_stages, chunks)]
-    layout = BidirectionalLayout(p, placement)
-    if len(module_names) != layout.chain_length:
-        raise ValueError(f"BSIPipe cuts the model into 2p = {layout.chain_length} chunks, got {len(module_names)}")
-    held = [layout.stages_of_rank(r) for r in range(p)]
-    looped = [module_names[layout.chunk(held[r][i])] for i in range(len(held[0])) for r in range(p)]
+    cls = SEQUENCE_SCHEDULES[name]
+    held = cls.place_stages(p, len(module_names), **options)
+    looped = [module_names[held[r][i][1]] for i in range(len(held[0])) for r in range(p)]
     _, chunks = pipeline_module_split(model, pp_mesh, "Interleaved1F1B", device, looped)
-    return [(index, layout.chain_length, chunk) for index, chunk in zip(held[pp_mesh.get_local_rank()], chunks)]
+    chain_length = len(module_names)
+    return [(stage, chain_length, chunk) for (stage, _), chunk in zip(held[pp_mesh.get_local_rank()], chunks)]
 
 
 def pipeline_sequence_llm(
@@ -172,7 +168,8 @@ def pipeline_sequence_llm(
         par.pipeline_parallel_first_stage_less_layers,
         par.pipeline_parallel_last_stage_less_layers,
     )
-    chunks = split_model(model, pp_mesh, name, device, names, cfg.bidirectional_placement)
+    options = cls.options_from_config(cfg)
+    chunks = split_model(model, pp_mesh, name, device, names, **options)
     kernel = select_kernel(torch.device(device), cfg.attention_backend)
     stages, model_parts = [], []
     for index, chain_length, chunk in chunks:
@@ -189,10 +186,9 @@ def pipeline_sequence_llm(
                 group=pp_mesh.get_group("pp"),
             )
         )
-    options = {"placement": cfg.bidirectional_placement} if cls is ScheduleBSIPipe else {}
     schedule = cls(stages, n_microbatches, loss_fn, split_backward=cfg.split_backward, **options)
-    if cls is ScheduleBSIPipe:
-        logger.info(f"BSIPipe placement '{cfg.bidirectional_placement}':\n{schedule.layout.describe()}")
+    if (layout := schedule.describe()) is not None:
+        logger.info(layout)
     return (
         schedule,
         model_parts,

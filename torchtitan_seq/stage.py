@@ -22,9 +22,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_map_only
 
-from .attention import AttentionKernel, select_kernel
+from .attention import AttentionKernel, bind_kv_context, select_kernel
 from .kv_context import KVContext, Unit
-from .model import bind_kv_context
 from .ordering import B, F, I, W
 from .timeline import RECORDER
 
@@ -35,7 +34,8 @@ class SequencePipelineStage(PipelineStage):
     """A pipeline stage whose microbatches are cut into subsequences.
 
     Args:
-        submodule: the model chunk; a :class:`~torchtitan_seq.model.SeqTransformer`
+        submodule: the model chunk; a model with :class:`~torchtitan_seq.attention.SequenceAttention`
+            layers, e.g. :class:`~torchtitan_seq.models.llama3_seq.SeqTransformer`
             (after torchtitan's pipeline split).
         stage_index, num_stages, device, group: as for ``PipelineStage``.
         lengths: subsequence lengths [L_0, ..., L_{k-1}] of every microbatch.

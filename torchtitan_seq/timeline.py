@@ -11,55 +11,50 @@ read when the step is summarised, so that a time is when the work ran on the
 GPU, not when it was queued.
 
 Times are milliseconds since the rank's own step start. Ranks start a step
-together (the previous step ends in collectives), so the step's makespan is
-the latest action end over all ranks, and a rank's **bubble ratio** is its
-idle time over that makespan: ``1 - busy / makespan``, as in
-:mod:`torchtitan_seq.simulate`. The makespan is the pipeline's part of the
-training step (no optimizer, data loading or logging). Idle time includes waiting for a neighbour's
-activations or gradients; the loss computed on the last stage between its
-forward and backward counts as idle (it runs outside the stage's passes).
-With gradient accumulation the recorder holds the last schedule step of the
-training step.
+together (the previous step ends in collectives), so the step's makespan (the
+pipeline's part of the training step) is the latest action end over all
+ranks, and a rank's bubble ratio is its idle time over that makespan
+(:func:`~torchtitan_seq.render.bubble_ratios`, the simulator's formula).
+Idle time includes waiting for a neighbour's activations or gradients and the
+last stage's loss (it runs outside the stage's passes). With gradient
+accumulation the recorder holds the last schedule step of the training step.
 
 :func:`export_timeline` is a collective: every rank calls it; the metrics
-processor gathers every rank's :func:`local_step` with its other per-rank figures. The exported timeline is a
-:class:`~torchtitan_seq.simulate.SimResult` of measured times, written with
-the simulator's Chrome/Perfetto trace writer and drawn (matplotlib, the
-``bench`` extra) for TensorBoard.
+processor gathers every rank's :func:`local_step` with its other per-rank
+figures. The exported step is a :class:`~torchtitan_seq.render.Timeline` in ms
+(:func:`measured_result`), written and drawn by :mod:`torchtitan_seq.render`.
+Neither the simulator nor torchtitan is needed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from torchtitan.tools.logging import logger
+from .ordering import I, W
+from .render import (
+    Interval,
+    Timeline,
+    bubble_ratios,
+    busy_and_end,
+    chrome_trace,
+    timeline_figure,
+)
 
-from .ordering import B, F, I, W
+# bubble_ratios and timeline_figure are render's, here for the metrics processor and tests.
+__all__ = ["StepTimeline", "RECORDER", "bubble_ratios", "local_step", "measured_result", "timeline_figure",
+           "export_due", "export_timeline"]
 
-# simulate is imported where it is used: it imports the schedules, which
-# import the stage, which imports this module.
-if TYPE_CHECKING:
-    from .simulate import Interval, SimResult
-
-__all__ = [
-    "StepTimeline",
-    "RECORDER",
-    "bubble_ratios",
-    "local_step",
-    "measured_result",
-    "timeline_figure",
-    "export_due",
-    "export_timeline",
-]
+logger = logging.getLogger(__name__)
 
 FREQ_ENV = "TORCHTITAN_SEQ_TIMELINE_FREQ"
 """Environment variable: export the timeline every N steps, profiler or not."""
@@ -123,83 +118,32 @@ RECORDER = StepTimeline()
 """This process's recorder (one pipeline rank per process)."""
 
 
-def bubble_ratios(busy: list[float], ends: list[float]) -> list[float]:
-    """Per rank ``1 - busy / makespan``, the makespan being the latest end; [] when nothing ran."""
-    makespan = max(ends, default=0.0)
-    return [1 - b / makespan for b in busy] if makespan > 0 else []
-
-
 def local_step() -> tuple[float, float]:
     """This rank's busy time and latest action end in the latest step, in ms."""
-    ivs = RECORDER.intervals()
-    return sum(e - s for s, e, _ in ivs), max((e for _, e, _ in ivs), default=0.0)
+    return busy_and_end(RECORDER.intervals())
 
 
-def measured_result(timelines: dict[int, list[Interval]], schedule: str, num_subsequences: int) -> SimResult:
-    """The measured step as a :class:`SimResult` (times in ms), for the simulator's writers.
+def measured_result(timelines: dict[int, list[Interval]], schedule: str, num_subsequences: int) -> Timeline:
+    """The measured step as a :class:`~torchtitan_seq.render.Timeline` in ms.
 
-    ``timelines``: per rank, (start, end, action) in ms since the step start.
-    Measured runs know no per-unit lengths or activation weights: ``lengths``
-    and ``peak_activations`` are left empty.
+    ``timelines``: per rank, (start, end, action) in ms since the step start;
+    the shape (microbatches, stages per rank, split backward) is read off the
+    actions that ran.
     """
-    from .simulate import SimResult
-
     k = num_subsequences
-    busy = [sum(e - s for s, e, _ in timelines[r]) for r in sorted(timelines)]
-    ends = [max((e for _, e, _ in timelines[r]), default=0.0) for r in sorted(timelines)]
-    ratios = bubble_ratios(busy, ends)
     actions = [a for ivs in timelines.values() for _, _, a in ivs]
     units = 1 + max((a.microbatch_index for a in actions), default=-1)
     stages = {a.stage_index for a in actions}
-    order = {r: [a for _, _, a in timelines[r]] for r in sorted(timelines)}
-    return SimResult(
+    return Timeline(
         schedule=schedule,
         pp=len(timelines),
         microbatches=-(-units // k),
         subsequences=k,
         stages_per_rank=max(1, len(stages) // max(1, len(timelines))),
         split_backward=any(a.computation_type in (I, W) for a in actions),
-        cost="measured (ms)",
-        lengths=[],
-        bubble_ratio=sum(ratios) / len(ratios) if ratios else 0.0,
-        makespan=max(ends, default=0.0),
-        peak_activations=[],
-        parameter_copies=1,
-        deadlock=None,
         timeline=dict(timelines),
-        compute_order=order,
-        lowered={},
+        compute_order={r: [a for _, _, a in timelines[r]] for r in sorted(timelines)},
     )
-
-
-def timeline_figure(result: SimResult):
-    """The timeline as a matplotlib figure: a row per rank, time on x, colour = microbatch,
-    shade = subsequence (the simulator's SVG colours), hatching = backward passes."""
-    from matplotlib.figure import Figure  # the ``bench`` extra
-
-    from .simulate import _colour  # the simulator's SVG colours
-
-    hatches = {F: "", B: "///", I: "\\\\\\", W: ".."}
-    fig = Figure(figsize=(12, 1.2 + 0.6 * result.pp))
-    ax = fig.add_subplot()
-    k = result.subsequences
-    for rank, ivs in result.timeline.items():
-        for start, end, a in ivs:
-            m, j = divmod(a.microbatch_index, k)
-            ax.broken_barh(
-                [(start, end - start)], (rank - 0.4, 0.8), facecolors=_colour(m, j, k)[0],
-                edgecolor="white", linewidth=0.5, hatch=hatches[a.computation_type],
-            )
-    ax.set_yticks(range(result.pp), [f"rank {r}" for r in range(result.pp)])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since step start")
-    ax.set_title(
-        f"{result.schedule} k={k}: measured, makespan {result.makespan:.1f} ms, "
-        f"bubble ratio {result.bubble_ratio:.3f} (hatched: backward)",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    return fig
 
 
 def export_due(step: int, profiling) -> bool:
@@ -216,8 +160,6 @@ def export_timeline(step: int, schedule: str, num_subsequences: int, trace_dir: 
     """Gather every rank's timeline of the latest step (collective); rank 0 writes the Chrome trace
     ``trace_dir/iteration_{step}/pipeline_timeline.json``, and each TensorBoard
     ``SummaryWriter`` in ``writers`` gets the figure as ``pipeline/timeline``."""
-    from .simulate import chrome_trace
-
     local = RECORDER.intervals()
     if dist.is_initialized():
         gathered: list = [None] * dist.get_world_size()

@@ -69,7 +69,10 @@ if __name__ == "__main__":
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torchtitan_seq  # noqa: E402,F401  (CPU compatibility before torchtitan)
+from . import cpu_compat  # noqa: E402
+
+cpu_compat.apply()  # before torchtitan is imported
+
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.train import main  # noqa: E402
 

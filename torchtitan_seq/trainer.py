@@ -27,9 +27,13 @@ from . import cpu_compat
 from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
 from .metrics import SeqMetricsProcessor
-from .pipeline import check_schedule_name, pipeline_sequence_llm, sequence_lengths, stages_per_rank
-from .bidirectional import BidirectionalLayout
-from .schedules import SEQUENCE_SCHEDULES, ScheduleBSIPipe
+from .pipeline import (
+    check_schedule_name,
+    pipeline_sequence_llm,
+    sequence_lengths,
+    stages_per_rank,
+)
+from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 
 __all__ = ["SeqTrainer"]
 
@@ -99,13 +103,13 @@ def check_job(job_config, world_size: int) -> None:
     model_args = spec.model_args[job_config.model.flavor]
     stages_per_rank(job_config, model_args, par.pipeline_parallel_degree)
     lengths = sequence_lengths(job_config, model_args, par.tensor_parallel_degree)
-    if SEQUENCE_SCHEDULES[name] is ScheduleBSIPipe:
-        BidirectionalLayout(par.pipeline_parallel_degree, job_config.sequence_pipeline.bidirectional_placement)
-    SEQUENCE_SCHEDULES[name].check_shape(
+    cls = SEQUENCE_SCHEDULES[name]
+    cls.check_shape(
         par.pipeline_parallel_degree,
         n_microbatches,
         len(lengths),
         split_backward=job_config.sequence_pipeline.split_backward,
+        **cls.options_from_config(job_config.sequence_pipeline),
     )
 
 
@@ -152,11 +156,12 @@ class SeqTrainer(Trainer):
         self.activation_memory = ActivationMemory()
         super().__init__(job_config)
         cpu_compat.fsdp_for_gloo(self.model_parts)
-        if isinstance(getattr(self, "pp_schedule", None), ScheduleBSIPipe):
-            # The optimizer steps each chunk's primary copy; the mirror copy follows.
-            self.optimizers.register_step_post_hook(lambda *_: self.pp_schedule.sync_copies())
+        if isinstance(getattr(self, "pp_schedule", None), SequenceSchedule):
+            # e.g. BSIPipe: the optimizer steps each chunk's primary copy; the mirror copy follows.
+            self.optimizers.register_step_post_hook(lambda *_: self.pp_schedule.after_optimizer_step())
         if isinstance(self.metrics_processor, SeqMetricsProcessor):
             self.metrics_processor.activation_memory = self.activation_memory
+            self.metrics_processor.record_start(getattr(self, "pp_schedule", None))
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         with self.activation_memory.track():

@@ -30,20 +30,19 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
     _Action,
     _add_reduce_grad,
     _add_unshard_reshard,
-    _ComputationType,
 )
 from torch.distributed.tensor import DTensor
 
-__all__ = ["PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies"]
+from ..ordering import B, F, I, fed_by, feeds
 
-F = _ComputationType.FORWARD
-B = _ComputationType.FULL_BACKWARD
-I = _ComputationType.BACKWARD_INPUT  # noqa: E741
-SEND_F, RECV_F = _ComputationType.SEND_F, _ComputationType.RECV_F
-SEND_B, RECV_B = _ComputationType.SEND_B, _ComputationType.RECV_B
+__all__ = ["PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies"]
 
 PLACEMENTS = ("paired", "linear")
 
@@ -143,31 +142,21 @@ def lower_chains(
     chain.
     """
 
-    def neighbour(stage: int, step: int) -> int | None:
-        n = stage + step
-        return n if n // chain_length == stage // chain_length and n >= 0 else None
-
     def comms(a: _Action) -> tuple[_Action, _Action] | None:
-        s, kind, u = a.stage_index, a.computation_type, a.microbatch_index
-        if kind == F:
-            n = neighbour(s, 1)
-            if n is not None and stage_to_rank[n] != stage_to_rank[s]:
-                return _Action(s, SEND_F, u), _Action(n, RECV_F, u)
-        elif kind in (B, I):
-            n = neighbour(s, -1)
-            if n is not None and stage_to_rank[n] != stage_to_rank[s]:
-                return _Action(s, SEND_B, u), _Action(n, RECV_B, u)
-        return None
+        s, u, n = a.stage_index, a.microbatch_index, feeds(a, chain_length)
+        if n is None or stage_to_rank[n] == stage_to_rank[s]:
+            return None
+        if a.computation_type == F:
+            return _Action(s, SEND_F, u), _Action(n, RECV_F, u)
+        return _Action(s, SEND_B, u), _Action(n, RECV_B, u)
 
     def ready(a: _Action, seen: set[_Action]) -> bool:
-        s, kind, u = a.stage_index, a.computation_type, a.microbatch_index
+        s, kind, u, n = a.stage_index, a.computation_type, a.microbatch_index, fed_by(a, chain_length)
+        if n is None:
+            return True
         if kind == F:
-            n = neighbour(s, -1)
-            return n is None or _Action(s, RECV_F, u) in seen or _Action(n, F, u) in seen
-        if kind in (B, I):
-            n = neighbour(s, 1)
-            return n is None or any(x in seen for x in (_Action(s, RECV_B, u), _Action(n, B, u), _Action(n, I, u)))
-        return True
+            return _Action(s, RECV_F, u) in seen or _Action(n, F, u) in seen
+        return any(x in seen for x in (_Action(s, RECV_B, u), _Action(n, B, u), _Action(n, I, u)))
 
     pending = {
         r: [a for a in _add_reduce_grad(_add_unshard_reshard(acts), units_per_stage) if a is not None]

@@ -3,6 +3,8 @@
 ``SeqTransformer`` is torchtitan's ``Transformer`` with each layer's inner
 attention replaced by :class:`~torchtitan_seq.attention.SequenceAttention`.
 Its parameters, FQNs, initialisation, TP plan and checkpoints are Llama 3's.
+A stage binds its KV context with
+:func:`~torchtitan_seq.attention.bind_kv_context`.
 While a pipeline stage runs a unit at offset s, the model reads RoPE at
 positions [s, s+L) (torchtitan's ``positions`` argument) and each layer
 attends through the stage's KV context; otherwise it is plain Llama 3.
@@ -11,14 +13,13 @@ attends through the stage's KV context; otherwise it is plain Llama 3.
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 from torchtitan.models.llama3 import llama3_args as _llama3_flavors
 
-from .attention import AttentionKernel, SequenceAttention
-from .kv_context import KVContext, Unit
+from ...attention import SequenceAttention
+from ...kv_context import KVContext, Unit
 
-__all__ = ["SeqTransformer", "seq_llama3_flavors", "bind_kv_context", "unit_positions"]
+__all__ = ["SeqTransformer", "seq_llama3_flavors", "unit_positions"]
 
 
 class SeqTransformer(Transformer):
@@ -55,26 +56,6 @@ def unit_positions(unit: Unit, device: torch.device) -> torch.Tensor:
     unit; RoPE is applied after the gather, to the whole unit.
     """
     return torch.arange(unit.offset, unit.offset + unit.length, device=device).unsqueeze(0)
-
-
-def bind_kv_context(model: nn.Module, context: KVContext | None, kernel: AttentionKernel | None) -> int:
-    """Attach ``context`` (and the attention kernel) to a model chunk.
-
-    Returns the number of attention layers bound; a chunk that is not a
-    :class:`SeqTransformer` cannot run units.
-    """
-    if not isinstance(model, SeqTransformer):
-        raise TypeError(
-            f"{type(model).__name__} has no chunk-aware attention: sequence schedules need "
-            "[model] name = \"llama3_seq\""
-        )
-    model.kv_context = context
-    n = 0
-    for m in model.modules():
-        if isinstance(m, SequenceAttention):
-            m.bind(context, kernel)
-            n += 1
-    return n
 
 
 # Llama 3's flavors whose attention is SDPA, with their own names.

@@ -1,9 +1,14 @@
 """Benchmark of pipeline schedules on real training steps.
 
-Usage (from the source checkout: each run is its ``./run_train.sh``)::
+Usage, from the source checkout (each run is its ``./run_train.sh``)::
 
-    python -m torchtitan_seq.bench --schedules 1F1B,Seq1F1B,Seq1F1B:8:even \\
+    python benchmarks/bench.py --schedules 1F1B,Seq1F1B,Seq1F1B:8:even \\
         --seq-lens 2048,4096 --steps 4 --rounds 2 --out bench_out [--calibrate]
+
+Not part of the installed package: it imports :mod:`training_run` (a run
+through ``./run_train.sh`` and its figures) and :mod:`calibration` beside it as
+top-level modules, with ``benchmarks/`` on ``sys.path`` (a script's own folder;
+the tests' ``conftest.py`` puts it there), and the checkout's ``torchtitan_seq``.
 
 A schedule is ``NAME[:K[:PARTITION]]``: a sequence schedule's k and partition
 default to ``--subsequences`` and ``--partition``; torch's schedules (1F1B,
@@ -15,18 +20,19 @@ length the schedules alternate run by run (A B C A B C ...) for ``--rounds``
 rounds, so that drift in the machine's speed spreads over all of them.
 
 What is measured, per schedule and length, over the steps of all rounds
-after the first ``--warmup`` of each run:
+after the first ``--warmup`` of each run, all of it read from the trainer's
+structured record, ``metrics.jsonl`` in the run's dump folder
+(:mod:`torchtitan_seq.metrics`), as rank 0 writes it:
 
-* step time: the median wall time between consecutive step lines of
-  torchtitan on rank 0 (log timestamps, 1 ms resolution): a whole training
-  step, pipeline, optimizer and logging. (torchtitan's own tps is rounded to
-  a whole token; the timestamps are finer.)
+* step time: the median wall time between consecutive step records
+  (``time.time()`` stamps): a whole training step, pipeline, optimizer and
+  logging.
 * tokens/s: the pipeline's tokens per step (microbatches x sequence length)
   over that median. torchtitan's tps is this divided by the ranks.
 * peak activation bytes per rank: the largest of the steps, as the trainer
-  logs it (bytes autograd keeps for backward, :mod:`torchtitan_seq.memory`).
+  measures it (bytes autograd keeps for backward, :mod:`torchtitan_seq.memory`).
 * bubble ratio per rank and pipeline time: the median over the steps, as
-  the trainer logs them (:mod:`torchtitan_seq.timeline`; the pipeline time
+  the trainer measures them (:mod:`torchtitan_seq.timeline`; the pipeline time
   is the makespan of the schedule's compute, without optimizer and logging);
   None for torch's schedules, whose stages are not timed.
 * ratios of tokens/s and of rank 0's peak to 1F1B's at the same length.
@@ -34,8 +40,8 @@ after the first ``--warmup`` of each run:
 ``--calibrate`` then times the passes of every unit on every pipeline
 stage, each stage in its own process (one thread, like a training rank) and
 all at once, as the ranks share the machine, at each run's subsequence
-lengths (:func:`calibrate`); writes the slowest stage's times as a cost file
-of :mod:`torchtitan_seq.simulate` (seconds) in ``--out``; and records the
+lengths (:func:`calibration.calibrate`); writes the slowest stage's times as a
+cost file of :mod:`torchtitan_seq.simulate` (seconds) in ``--out``; and records the
 simulator's predicted step time (makespan of the pipeline alone, no
 optimizer, no communication time) and its error against the measured step
 and against the measured pipeline time. Calibration and runs are minutes
@@ -45,130 +51,37 @@ the load is steady (``benchmarks/README.md``).
 Outputs in ``--out``: ``bench.json`` (a list of records, see :class:`Record`),
 ``bench.md`` (a table) and ``bench.png`` (tokens/s and rank 0's peak against
 the length, one line per schedule; needs matplotlib, the ``bench`` extra),
-and under ``runs/`` each run's dump folder with its log, ``train.log``.
+and under ``runs/`` each run's dump folder with its ``metrics.jsonl`` and its
+console output, ``train.log``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
 
-import torch
+# The checkout's package, the one ./run_train.sh trains, whichever one is installed.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
-from .partition import PARTITIONS
-from .schedules import SEQUENCE_SCHEDULES
+from calibration import calibrate  # noqa: E402
+from training_run import ROOT, Run, run_train  # noqa: E402
 
-__all__ = [
-    "Run",
-    "parse_log",
-    "run_train",
-    "Variant",
-    "parse_variants",
-    "Record",
-    "calibrate",
-    "predicted_step_time",
-    "main",
-]
+from torchtitan_seq.partition import PARTITIONS  # noqa: E402
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: E402
+from torchtitan_seq.simulate import SimConfig, simulate  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["Variant", "parse_variants", "Record", "measure", "calibrate", "predicted_step_time",
+           "add_predictions", "main"]
+
 BASELINE = "1F1B"
-
-# --------------------------------------------------------------------------
-# One training run and its log
-
-_TIME = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - \S+ - INFO - "
-_START = re.compile(_TIME + r"Training starts")
-_STEP = re.compile(
-    _TIME + r"step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:.*memory:\s*([\d.]+)GiB.*tps:\s*([\d,]+)"
-)
-_ACT = re.compile(
-    r"step:\s*(\d+)\s+peak activations \(MiB\): (.*?)  bytes: ([\d, ]+?)"
-    r"(?:  bubble ratio: (.*)  pipeline: ([\d.]+) ms)?$",
-    re.MULTILINE,
-)
-_LENGTHS = re.compile(r"Sequence pipeline \S+: .* lengths \[([\d, ]+)\]")
-
-
-def _timestamp(text: str) -> float:
-    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
-def _per_rank(text: str) -> list[float]:
-    """``"rank0 1.5, rank1 2.5"`` -> [1.5, 2.5]."""
-    return [float(item.split()[1]) for item in text.split(",")]
-
-
-@dataclass
-class Run:
-    """A training run's exit status, output and per-step figures (rank 0's log)."""
-
-    returncode: int
-    output: str
-    losses: list[float] = field(default_factory=list)
-    memory_gib: list[float] = field(default_factory=list)
-    tps: list[int] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
-    """Wall time of each step: since the previous step line (step 1: since training started)."""
-    activations_mib: list[list[float]] = field(default_factory=list)  # per step, per rank
-    activation_bytes: list[list[int]] = field(default_factory=list)  # per step, per rank
-    bubble_ratios: list[list[float]] = field(default_factory=list)  # per step, per rank; [] untimed
-    pipeline_s: list[float | None] = field(default_factory=list)
-    """Per step, the pipeline's makespan (None: stages not timed)."""
-    lengths: list[int] | None = None
-    """The subsequence lengths a sequence schedule logged at start-up."""
-
-
-def parse_log(returncode: int, output: str) -> Run:
-    """The figures of a training log (torchtitan's step lines and ours)."""
-    run = Run(returncode, output)
-    start = _START.search(output)
-    last = _timestamp(start.group(1)) if start else None
-    for m in _STEP.finditer(output):
-        now = _timestamp(m.group(1))
-        if last is not None:
-            run.step_times_s.append(now - last)
-        last = now
-        run.losses.append(float(m.group(3)))
-        run.memory_gib.append(float(m.group(4)))
-        run.tps.append(int(m.group(5).replace(",", "")))
-    for m in _ACT.finditer(output):
-        run.activations_mib.append(_per_rank(m.group(2)))
-        run.activation_bytes.append([int(b) for b in m.group(3).split(",")])
-        run.bubble_ratios.append(_per_rank(m.group(4)) if m.group(4) else [])
-        run.pipeline_s.append(float(m.group(5)) / 1e3 if m.group(5) else None)
-    lengths = _LENGTHS.search(output)
-    if lengths:
-        run.lengths = [int(x) for x in lengths.group(1).split(",")]
-    return run
-
-
-def run_train(*overrides: str, dump_folder: Path, env: dict | None = None, timeout: int = 600) -> Run:
-    """``./run_train.sh`` with torchtitan overrides; the job writes under ``dump_folder``."""
-    script = ROOT / "run_train.sh"
-    if not script.is_file():
-        raise FileNotFoundError(f"{script} not found: the benchmark runs from the source checkout")
-    proc = subprocess.run(
-        [str(script), "--job.dump_folder", str(dump_folder), *overrides],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return parse_log(proc.returncode, proc.stdout + proc.stderr)
-
 
 # --------------------------------------------------------------------------
 # What runs
@@ -348,190 +261,11 @@ def _add_ratios(records: list[Record]) -> None:
 
 
 # --------------------------------------------------------------------------
-# Calibration: measured unit times for the simulator
-
-
-def _stage_model(flavor: str, seq_len: int, pp: int, stage: int) -> tuple[torch.nn.Module, object]:
-    """Stage ``stage`` of ``pp`` of the flavor's SeqTransformer, cut as torchtitan's pipeline split
-    cuts it (its default first- and last-stage weights), and the model args."""
-    from torchtitan.config import Parallelism
-    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
-
-    from .model import SeqTransformer, seq_llama3_flavors
-
-    args = dataclasses.replace(seq_llama3_flavors[flavor], max_seq_len=seq_len)
-    defaults = Parallelism()
-    keep = set(
-        generate_llm_fqn_per_model_part(
-            pp,
-            args.n_layers,
-            defaults.pipeline_parallel_first_stage_less_layers,
-            defaults.pipeline_parallel_last_stage_less_layers,
-        )[stage]
-    )
-    model = SeqTransformer(args)
-    for name, child in list(model.named_children()):
-        if isinstance(child, torch.nn.ModuleDict):
-            for layer in list(child):
-                if f"{name}.{layer}" not in keep:
-                    del child[layer]
-        elif name not in keep:
-            setattr(model, name, None)
-    return model, args
-
-
-def _timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, out
-
-
-def _calibrate_stage(
-    seq_len: int,
-    lengths: list[int],
-    pp: int,
-    stage: int,
-    units: bool,
-    flavor: str,
-    repeats: int,
-    device: str,
-    barrier,
-) -> dict[str, list[float]]:
-    """Median seconds of each pass of each unit on one stage (one process; see :func:`calibrate`)."""
-    from torch.distributed.pipelining._backward import (
-        stage_backward,
-        stage_backward_input,
-        stage_backward_weight,
-    )
-
-    from .attention import select_kernel
-    from .kv_context import KVContext, Unit
-    from .model import bind_kv_context
-
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        torch.set_num_threads(1)  # as a training rank on a CPU (run_train.sh's OMP_NUM_THREADS=1)
-    torch.manual_seed(stage)
-    model, model_args = _stage_model(flavor, seq_len, pp, stage)
-    model.to(dev)
-    first, last = stage == 0, stage == pp - 1
-    context = KVContext()
-    if units:
-        bind_kv_context(model, context, select_kernel(dev))
-    k = len(lengths)
-    offsets = [sum(lengths[:j]) for j in range(k)]
-    dim, vocab = model_args.dim, model_args.vocab_size
-
-    def unit(j: int) -> Unit:
-        return Unit(0, j, offsets[j], lengths[j], k)
-
-    def forward(j: int, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        with context.running(unit(j)) if units else contextlib.nullcontext():
-            out = model(x)
-        if not last:
-            return out
-        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="sum")
-        return loss / seq_len
-
-    def one_round() -> dict[str, list[float]]:
-        if first:
-            inputs = [torch.randint(vocab, (1, n), device=dev) for n in lengths]
-        else:
-            inputs = [torch.randn(1, n, dim, device=dev, requires_grad=True) for n in lengths]
-        targets = [torch.randint(vocab, (1, n), device=dev) for n in lengths]
-        times: dict[str, list[float]] = {p: [0.0] * k for p in "FBIW"}
-        for split in (False, True):
-            outs = []
-            for j in range(k):
-                times["F"][j], out = _timed(lambda: forward(j, inputs[j], targets[j]), dev)
-                outs.append(out)
-            grads = [None if last else torch.randn_like(o) for o in outs]
-            values = [[] if first else [x] for x in inputs]
-            for j in reversed(range(k)):
-                if not split or first:
-                    # The first stage has no input gradient: torch runs its I as nothing
-                    # and its W as a full backward.
-                    with context.backward(unit(j)):
-                        t, _ = _timed(lambda: stage_backward(outs[j], grads[j], values[j]), dev)
-                    times["W" if split else "B"][j] = t
-                    continue
-                out = (outs[j],)
-                grad = None if last else (grads[j],)
-                with context.backward(unit(j), last_pass=False):
-                    times["I"][j], (_, groups) = _timed(
-                        lambda: stage_backward_input(out, grad, values[j], model.parameters()), dev
-                    )
-                with context.backward(unit(j)):
-                    times["W"][j], _ = _timed(
-                        lambda: stage_backward_weight(model.parameters(), groups), dev
-                    )
-            context.clear()
-            model.zero_grad(set_to_none=True)
-        return times
-
-    barrier.wait()
-    one_round()  # allocations, kernel choice
-    rounds = []
-    for _ in range(repeats):
-        barrier.wait()  # every stage times its passes while the others run theirs
-        rounds.append(one_round())
-    return {p: [statistics.median(r[p][j] for r in rounds) for j in range(k)] for p in "FBIW"}
-
-
-def calibrate(
-    seq_len: int,
-    lengths: list[int],
-    pp: int,
-    *,
-    units: bool,
-    flavor: str = "debugmodel",
-    repeats: int = 3,
-    device: str = "cpu",
-) -> dict:
-    """Seconds of each pass of each unit on the slowest stage: the simulator's cost file.
-
-    Each of the ``pp`` stages runs in its own process, all at once, as the
-    training ranks share the machine (on a CPU they contend for cores and
-    memory bandwidth), each rank's stage cut as torchtitan cuts the model.
-    ``units``: run subsequences ``lengths`` through a KV context, as a
-    sequence schedule does; otherwise the whole sequence with plain attention,
-    as torch's schedules do (``lengths`` is then ``[seq_len]``). Per round,
-    the units run forward in order and a full backward (B) last unit first,
-    then forward again and the split backward: input gradients (I), then
-    weight gradients (W), with torch's own ``stage_backward*`` functions, as
-    the pipeline stage runs them. The last stage's loss (sum cross-entropy over
-    the sequence) counts as forward. Median of ``repeats`` rounds after one
-    untimed round. The simulator gives every stage the same costs: F, B, I
-    and W are those of the slowest stage (largest total F + B), ``stage``;
-    ``stages`` keeps every stage's.
-    """
-    ctx = torch.multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager, ctx.Pool(pp) as pool:
-        barrier = manager.Barrier(pp)
-        work = [(seq_len, lengths, pp, s, units, flavor, repeats, device, barrier) for s in range(pp)]
-        stages = pool.starmap(_calibrate_stage, work)
-    slowest = max(range(pp), key=lambda s: sum(stages[s]["F"]) + sum(stages[s]["B"]))
-    return {
-        **stages[slowest],
-        "stage": slowest,
-        "stages": stages,
-        "unit": "s",
-        "seq_len": seq_len,
-        "lengths": lengths,
-        "flavor": flavor,
-        "repeats": repeats,
-        "device": device,
-    }
+# Predictions: the simulator under calibrated unit times (calibration.py)
 
 
 def predicted_step_time(record: Record, cost_file: Path) -> float:
     """The simulator's makespan of ``record``'s schedule under the measured costs, in seconds."""
-    from .simulate import SimConfig, simulate
-
     result = simulate(
         SimConfig(
             schedule=record.schedule,
@@ -627,7 +361,7 @@ def _ints(text: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m torchtitan_seq.bench",
+        prog="python benchmarks/bench.py",
         description="Benchmark pipeline schedules on real training steps (see the module docstring).",
     )
     ap.add_argument(
@@ -660,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m torchtitan_seq.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     began, load = datetime.now(), os.getloadavg()[0]
     try:
         records = measure(variants, args)
@@ -675,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(first {args.warmup} left out), {args.rounds} rounds; {os.cpu_count()} CPUs, "
         f"load average {load:.1f} at the start and {os.getloadavg()[0]:.1f} at the end; "
         f"{(datetime.now() - began).total_seconds() / 60:.1f} min. "
-        "See `torchtitan_seq/bench.py` for what each figure is."
+        "See `benchmarks/bench.py` for what each figure is."
     )
     records_json = json.dumps([dataclasses.asdict(r) for r in records], indent=1)
     (args.out / "bench.json").write_text(records_json + "\n")

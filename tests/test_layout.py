@@ -1,0 +1,162 @@
+"""The package's structure: no import circles, a runtime free of tooling, imports without side
+effects, a plain-torch core that runs without torchtitan."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import torchtitan_seq
+
+PACKAGE = Path(torchtitan_seq.__file__).parent
+RUNTIME = ["stage", "schedules", "trainer", "metrics", "pipeline", "kv_context", "attention", "timeline"]
+CORE = ["kv_context", "attention", "partition", "stage", "schedules", "loss", "ordering", "memory", "timeline", "render"]
+
+
+def _modules() -> list[str]:
+    """Every module of the package, read off the files (importing them is another test's subject)."""
+    names = []
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        names.append(".".join(("torchtitan_seq",) + (parts[:-1] if parts[-1] == "__init__" else parts)))
+    return names
+
+
+def _imports(module: str) -> set[str]:
+    """torchtitan_seq modules that ``module`` imports anywhere in its file (functions included)."""
+    path = PACKAGE.joinpath(*module.split(".")[1:])
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.startswith("torchtitan_seq") and n in ALL}
+    return found - {module}
+
+
+ALL = set(_modules()) | {"torchtitan_seq"}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: _imports(m) for m in ALL}
+
+
+def test_no_import_circles():
+    graph = _graph()
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in graph[m]:
+            if state.get(n) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def _reachable(start: str, graph: dict[str, set[str]]) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        for n in graph.get(m, ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def test_the_runtime_never_imports_the_simulator():
+    graph = _graph()
+    for name in RUNTIME:
+        reached = _reachable(f"torchtitan_seq.{name}", graph)
+        assert not any(m.startswith("torchtitan_seq.simulate") for m in reached), (name, sorted(reached))
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_importing_any_module_changes_nothing_in_torch_or_torchtitan():
+    """Every module but the entry points (torchtitan_seq.train, ``__main__``), which patch
+    torch for the CPU and register with torchtitan by design."""
+    code = f"""
+import torch, torch.distributed as dist, torch.profiler, importlib
+watched = lambda: (torch._utils._get_available_device_type, dist.barrier, torch.profiler.profile.__init__,
+                   sorted(vars(torch.cpu)))
+before = watched()
+for name in {sorted(m for m in ALL if m != "torchtitan_seq.train" and not m.endswith("__main__"))!r}:
+    importlib.import_module(name)
+assert watched() == before, "an import changed torch"
+from torchtitan.protocols import train_spec
+from torchtitan.hf_datasets import text_datasets
+assert "llama3_seq" not in train_spec._extra_train_specs and "seqpp_text" not in text_datasets.DATASETS
+print("ok")
+"""
+    result = _python(code)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_the_plain_torch_core_runs_without_torchtitan():
+    """The README's plain torch.distributed.pipelining example, on one gloo rank, with
+    torchtitan made unimportable: a Seq1F1B step equals the whole sequence."""
+    code = f"""
+import sys
+sys.modules["torchtitan"] = None  # any import of torchtitan now fails
+import os, torch, torch.distributed as dist
+from torch import nn
+for name in {sorted("torchtitan_seq." + m for m in CORE)!r}:
+    __import__(name)
+from torchtitan_seq.attention import SequenceAttention
+from torchtitan_seq.loss import TokenNormalizedLoss
+from torchtitan_seq.partition import partition_sequence
+from torchtitan_seq.schedules import ScheduleSeq1F1B
+from torchtitan_seq.stage import SequencePipelineStage
+
+class Tiny(nn.Module):
+    # one causal attention layer without RoPE: enough to need the KV context
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(32, 16), nn.Linear(16, 48), nn.Linear(16, 32)
+        self.attention = SequenceAttention(0)
+    def forward(self, tokens):
+        b, l = tokens.shape
+        q, k, v = self.qkv(self.emb(tokens)).view(b, l, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.out(self.attention(q, k, v).transpose(1, 2).reshape(b, l, 16))
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.manual_seed(0)
+model = Tiny()
+tokens, labels = torch.randint(0, 32, (4, 24)), torch.randint(0, 32, (4, 24))
+ce = lambda out, target: nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="sum")
+ce(model(tokens), labels).div(labels.numel()).backward()
+expected = [p.grad.clone() for p in model.parameters()]
+model.zero_grad()
+stage = SequencePipelineStage(model, 0, 1, torch.device("cpu"), lengths=partition_sequence(24, 3, "even"))
+loss_fn = TokenNormalizedLoss(ce)
+schedule = ScheduleSeq1F1B(stage, n_microbatches=2, loss_fn=loss_fn)
+with loss_fn.normalized_by(labels.numel()):
+    schedule.step(tokens, target=labels, losses=[])
+for p, g in zip(model.parameters(), expected):
+    assert (p.grad - g).abs().max() <= 1e-5 * g.abs().max(), "not exact"
+dist.destroy_process_group()
+print("ok")
+"""
+    result = _python(code)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

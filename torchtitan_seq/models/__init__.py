@@ -1,0 +1,1 @@
+"""torchtitan models with chunk-aware attention, one package per model as torchtitan keeps its own."""

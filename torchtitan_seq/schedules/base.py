@@ -1,0 +1,224 @@
+"""The runtime every sequence schedule shares: ``SequenceSchedule``.
+
+A schedule class names its pure action-list function (``actions_fn``) and
+declares what the pipeline builder and the trainer need through class
+attributes and hooks: ``stages_per_rank``, ``parameter_copies``,
+``stage_placement``, :meth:`~SequenceSchedule.place_stages` (which stages of
+which chain each rank holds), :meth:`~SequenceSchedule.options_from_config`,
+:meth:`~SequenceSchedule.check_shape`, :meth:`~SequenceSchedule.describe` and
+:meth:`~SequenceSchedule.after_optimizer_step`. Lowering (send/recv, FSDP
+unshard/reshard, gradient reduction) and execution are torch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+from ..ordering import validate_unit_order
+from ..stage import SequencePipelineStage
+from ._common import ActionLists
+
+__all__ = ["SequenceSchedule", "StagePlacement"]
+
+StagePlacement = list[list[tuple[int, int]]]
+"""Per pipeline rank, the (stage index, model chunk index) pairs it holds."""
+
+class SequenceSchedule(_PipelineScheduleRuntime):
+    """Base of the sequence schedules: runs N microbatches as N k units.
+
+    Args:
+        stages: this rank's :class:`SequencePipelineStage`, or a list of them:
+            one for a single-stage schedule, v for a multi-stage one.
+        n_microbatches: N, microbatches per step (the batch is split on dim 0).
+        loss_fn: per-unit loss, see the module docstring.
+        split_backward: run each backward as an input pass (I) and a weight
+            pass (W) instead of one full backward (B).
+        scale_grads: divide gradients by the number of units; leave False with
+            a token-normalised loss.
+    """
+
+    actions_fn: ClassVar[Callable[..., ActionLists]]
+    stages_per_rank: ClassVar[int] = 1
+    """Model chunks per rank: 1 for a single-stage schedule; a multi-stage
+    one's default v (its ``actions_fn`` takes ``stages_per_rank``, set from
+    ``len(stages)`` at run time)."""
+    parameter_copies: ClassVar[int] = 1
+    """Copies of each model chunk across the pipeline."""
+    stage_placement: ClassVar[str] = "loop"
+    """Stage -> rank placement (``generate_stage_to_rank_mapping`` style)."""
+
+    def __init__(
+        self,
+        stages: SequencePipelineStage | list[SequencePipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        split_backward: bool = False,
+        scale_grads: bool = False,
+    ) -> None:
+        stages = stages if isinstance(stages, list) else [stages]
+        for s in stages:
+            if not isinstance(s, SequencePipelineStage):
+                raise TypeError(
+                    f"{type(self).__name__} needs SequencePipelineStage stages, got {type(s).__name__}"
+                )
+        if self.stages_per_rank == 1 and len(stages) != 1:
+            raise ValueError(f"{type(self).__name__} runs one stage per rank, got {len(stages)}")
+        lengths = stages[0].lengths
+        if any(s.lengths != lengths for s in stages):
+            raise ValueError("all stages of a sequence schedule must cut sequences alike")
+        self.lengths = lengths
+        self.num_subsequences = k = len(lengths)
+        self.num_microbatches = n_microbatches
+        super().__init__(stages, n_microbatches * k, loss_fn=loss_fn, scale_grads=scale_grads)
+        self._unit_losses: dict[int, torch.Tensor] = {}
+        order = self.compute_order(
+            self.pp_group_size, n_microbatches, k, split_backward=split_backward, stages_per_rank=len(stages)
+        )
+        validate_unit_order(order, k)
+        self.pipeline_order = order
+        self._prepare_schedule_with_comms(order)
+
+    @classmethod
+    def compute_order(
+        cls,
+        num_ranks: int,
+        num_microbatches: int,
+        num_subsequences: int,
+        *,
+        split_backward: bool = False,
+        stages_per_rank: int | None = None,
+    ) -> ActionLists:
+        """The schedule's compute-only lists, {rank: [action]}, for v = ``stages_per_rank``
+        (default: the class's) model chunks per rank."""
+        extra = {"stages_per_rank": stages_per_rank or cls.stages_per_rank} if cls.stages_per_rank > 1 else {}
+        return cls.actions_fn(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward, **extra)
+
+    @classmethod
+    def check_shape(
+        cls,
+        num_ranks: int,
+        num_microbatches: int,
+        num_subsequences: int,
+        *,
+        split_backward: bool = False,
+        **options: Any,
+    ) -> None:
+        """Raise ValueError, naming the setting, for a shape the schedule cannot run.
+
+        ``options``: the schedule's own, as :meth:`options_from_config` reads them.
+        """
+        cls.compute_order(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward)
+
+    @classmethod
+    def options_from_config(cls, config: Any) -> dict[str, Any]:
+        """Keyword arguments of this schedule (its constructor, :meth:`place_stages`,
+        :meth:`check_shape`) read from the ``[sequence_pipeline]`` config section."""
+        return {}
+
+    @classmethod
+    def place_stages(cls, num_ranks: int, num_chunks: int, **options: Any) -> StagePlacement:
+        """Which stages each rank holds and which model chunk each runs.
+
+        Loop placement: rank r holds stages r, r + p, ..., and stage s runs
+        chunk s. Stages form ``parameter_copies`` chains of ``num_chunks``.
+        """
+        return [[(s, s) for s in range(r, num_chunks, num_ranks)] for r in range(num_ranks)]
+
+    def describe(self) -> str | None:
+        """What to log about this schedule's layout at start-up, if anything."""
+        return None
+
+    def after_optimizer_step(self) -> None:
+        """Work after each optimizer step (the trainer calls it from an optimizer hook)."""
+
+    # torch files each loss under the position at which it was computed (a
+    # list); here it is filed under its unit id, for last stages that run
+    # units in any order, or only some of them.
+    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
+        if stage.is_last and self._loss_fn is not None:
+            self._unit_losses[mb_index] = self._compute_loss(output, target_mbs[mb_index], loss_kwargs)
+
+    def _maybe_get_loss(self, stage, mb_index):
+        if not (stage.is_last and self._loss_fn is not None):
+            return None
+        loss = self._unit_losses[mb_index]
+        # Kept attached, the loss would pin the unit's graph until the step ends.
+        self._unit_losses[mb_index] = loss.detach()
+        return loss
+
+    def _update_losses(self, stages, losses):
+        """Per-unit losses of this rank's last stages, in unit-id order; 0 for units they do not run."""
+        if losses is not None and any(s.is_last for s in self._stages):
+            zero = next(iter(self._unit_losses.values())).new_zeros(())
+            losses.clear()
+            losses.extend(self._unit_losses.get(u, zero) for u in range(self._n_microbatches))
+        self._unit_losses.clear()
+
+    def _split_units(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
+        """(batch, seq, ...) -> N k tensors (batch / N, L_j, ...), unit-id order."""
+        if t.shape[0] % self.num_microbatches:
+            raise ValueError(
+                f"{name} has batch size {t.shape[0]}, not a multiple of the "
+                f"{self.num_microbatches} microbatches"
+            )
+        if t.shape[1] != sum(self.lengths):
+            raise ValueError(
+                f"{name} has sequence length {t.shape[1]}, but the schedule cuts "
+                f"{sum(self.lengths)} tokens into subsequences {self.lengths}"
+            )
+        return [
+            unit
+            for mb in t.tensor_split(self.num_microbatches, dim=0)
+            for unit in mb.split(self.lengths, dim=1)
+        ]
+
+    def step(
+        self,
+        *args: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        **kwargs: Any,
+    ):
+        """Run one step on a whole batch; see the module docstring.
+
+        args: the first stage's inputs, each (batch, seq_len, ...); empty on
+        other ranks. target: (batch, seq_len) on the rank of the last stage.
+        Returns the last stage's output, (batch, seq_len, ...), if asked for.
+        """
+        if kwargs:
+            raise TypeError(
+                f"sequence schedules take the model inputs positionally, got {sorted(kwargs)}"
+            )
+        if self._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("step() needs gradients enabled; use eval() for inference")
+        n = self._n_microbatches
+        per_arg = [self._split_units(a, f"input {i}") for i, a in enumerate(args)]
+        arg_units = [tuple(units[u] for units in per_arg) for u in range(n)]
+        target_units = self._split_units(target, "target") if target is not None else None
+        for stage in self._stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        unit_losses = [] if losses is not None else None
+        try:
+            self._step_microbatches(arg_units, [{}] * n, target_units, unit_losses, return_outputs)
+        finally:
+            for stage in self._stages:
+                stage.kv_context.clear()
+        k = self.num_subsequences
+        if unit_losses:
+            losses.clear()
+            losses.extend(sum(unit_losses[m * k:(m + 1) * k]) for m in range(self.num_microbatches))
+        for stage in self._stages:
+            if stage.is_last and return_outputs:
+                outs = stage.output_chunks
+                return torch.cat(
+                    [torch.cat(outs[m * k:(m + 1) * k], dim=1) for m in range(self.num_microbatches)]
+                )
+        return None
+
+

@@ -1,0 +1,221 @@
+"""Building a schedule's per-rank action lists and lowering them as the runtime does.
+
+A schedule is first written as compute-only per-rank lists (F, B, I, W and
+DualPipeV's OVERLAP_F_B): for a sequence schedule of
+:data:`torchtitan_seq.schedules.SEQUENCE_SCHEDULES` by its ``actions_fn`` and
+checked with :func:`~torchtitan_seq.ordering.validate_unit_order`; for one of
+torch's (:data:`TORCH_SCHEDULES`) by instantiating torch's class on mock
+stages and reading its ``pipeline_order`` (1F1B and GPipe run their own loop:
+their IR is renumbered the way that loop counts microbatches, see
+``_executed_order``). The lists are then lowered exactly as
+``_PipelineScheduleRuntime._prepare_schedule_with_comms`` does (torch's
+``_validate_schedule`` infers the stage -> rank placement, then
+``_add_unshard_reshard``, ``_add_reduce_grad``, ``_add_send_recv``), and the
+lowered lists are what :mod:`.engine` runs. Units are numbered ``m * k + j``
+(microbatch m, subsequence j); torch's schedules have k = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import (
+    OVERLAP_F_B,
+    SEND_B,
+    SEND_F,
+    PipelineScheduleSingle,
+    _Action,
+    _add_reduce_grad,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _validate_schedule,
+    get_schedule_class,
+)
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from ..ordering import B, F, feeds, validate_unit_order
+from ..schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ActionLists, lower_chains
+
+__all__ = ["SimConfig", "MockStage", "Built", "build", "lower", "compute_leaves",
+           "send_after_compute"]
+
+# The V-shaped ones place two stages per rank as torchtitan does (generate_stage_to_rank_mapping style "v").
+_TORCH_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One schedule shape to simulate."""
+
+    schedule: str
+    """A name in SEQUENCE_SCHEDULES or TORCH_SCHEDULES."""
+    pp: int
+    """p, ranks in the pipeline."""
+    microbatches: int
+    """N, microbatches per step."""
+    subsequences: int = 1
+    """k, subsequences per microbatch; 1 for torch's schedules."""
+    stages_per_rank: int | None = None
+    """V; None takes the schedule's own (class attribute ``stages_per_rank``,
+    1 for a sequence schedule without it, 2 for torch's multi-stage ones)."""
+    split_backward: bool = False
+    """Sequence schedules only: I and W passes instead of B."""
+    cost: str = "uniform"
+    """'uniform', 'transformer', or the path of a JSON file of measured times."""
+    flavor: str = "debugmodel"
+    """Model flavor for the 'transformer' cost and the 'compute' partition."""
+    seq_len: int = 2048
+    """S, tokens per sequence."""
+    partition: str = "even"
+    """How sequences are cut: 'even' or 'compute' (torchtitan_seq.partition)."""
+    comm_latency: float = 0.0
+    """Time from a SEND to the data being usable on the receiving rank."""
+
+
+class MockStage(_PipelineStageBase):
+    """A stage without module or process group, enough for torch's schedule
+    constructors (the trick of torch's test_schedule.py MockPipelineStage)."""
+
+    def __init__(self, stage_index: int, num_stages: int, group_size: int) -> None:
+        self.submod = None
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group_size = group_size
+        self.group_rank = 0
+        self.group = None
+
+    def _create_grad_recv_info(self, *args, **kwargs):
+        return None
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        pass
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        pass
+
+
+@dataclass(frozen=True)
+class Built:
+    """A schedule's compute-only lists and how it places and copies its stages."""
+
+    order: ActionLists
+    stages_per_rank: int
+    placement: str
+    parameter_copies: int
+
+
+def build(config: SimConfig) -> Built:
+    """Compute-only lists of ``config``'s schedule, checked against its placement."""
+    p, n, k = config.pp, config.microbatches, config.subsequences
+    if config.schedule in SEQUENCE_SCHEDULES:
+        cls = SEQUENCE_SCHEDULES[config.schedule]
+        v = config.stages_per_rank or cls.stages_per_rank
+        placement = cls.stage_placement
+        order = cls.compute_order(p, n, k, split_backward=config.split_backward, stages_per_rank=v)
+        validate_unit_order(order, k)
+    elif config.schedule in TORCH_SCHEDULES:
+        if k != 1 or config.split_backward:
+            raise ValueError(
+                f"{config.schedule} is torch's schedule: it runs whole microbatches "
+                "(subsequences 1) and picks its own backward split"
+            )
+        cls = get_schedule_class(config.schedule)
+        single = issubclass(cls, PipelineScheduleSingle)
+        v = config.stages_per_rank or (1 if single else 2)
+        if (single and v != 1) or (not single and v < 2):
+            raise ValueError(
+                f"{config.schedule} runs {'one stage' if single else 'at least 2 stages'} per "
+                f"rank, not {v}"
+            )
+        placement = "v" if config.schedule in _TORCH_V_SCHEDULES else "loop"
+        mapping = generate_stage_to_rank_mapping(p, p * v, style=placement)
+        stages = [MockStage(s, p * v, p) for s, r in mapping.items() if r == 0]
+        sched = cls(stages[0] if single else stages, n)
+        order = _executed_order(sched.pipeline_order) if single else sched.pipeline_order
+    else:
+        raise ValueError(
+            f"unknown schedule {config.schedule!r}: use one of "
+            f"{sorted(SEQUENCE_SCHEDULES) + list(TORCH_SCHEDULES)}"
+        )
+    return Built(order, v, placement, getattr(cls, "parameter_copies", 1))
+
+
+def _executed_order(ir: ActionLists) -> ActionLists:
+    """What a single-stage torch schedule executes, from its ``_get_pipeline_order``.
+
+    Its own ``_step_microbatches`` runs forwards and backwards each in
+    microbatch order, by counters; the IR gives the interleaving, but in torch
+    2.13 1F1B's IR numbers the last rank's forwards from 1 (1..N), so the
+    microbatches are renumbered by those counters. REDUCE_GRAD is dropped: the
+    compute-only format (and its CSV loader) holds compute actions only.
+    """
+    order: ActionLists = {}
+    for rank, actions in ir.items():
+        count = {F: 0, B: 0}
+        order[rank] = []
+        for a in actions:
+            if a is not None and not a.is_compute_op:
+                continue
+            if a is not None:
+                a = _Action(a.stage_index, a.computation_type, count[a.computation_type])
+                count[a.computation_type] += 1
+            order[rank].append(a)
+    return order
+
+
+
+def lower(
+    order: ActionLists, num_stages: int, num_units: int, chain_length: int
+) -> tuple[dict[int, list[_Action]] | None, dict[int, int]]:
+    """torch's lowering, as ``_prepare_schedule_with_comms`` runs it; for
+    stages in several chains (BSIPipe), the schedule's own
+    (:func:`~torchtitan_seq.schedules.lower_chains`).
+
+    Returns (lowered lists, stage -> rank); the lists are None when no order
+    for the sends and receives exists (a deadlock).
+    """
+    if chain_length != num_stages:
+        stage_to_rank = {a.stage_index: r for r, acts in order.items() for a in acts if a is not None}
+        try:
+            units_per_stage = num_units * chain_length // num_stages
+            return lower_chains(order, stage_to_rank, chain_length, units_per_stage), stage_to_rank
+        except ValueError:
+            return None, stage_to_rank
+    stage_to_rank = _validate_schedule(order, len(order), num_stages, num_units)
+    with_fsdp = {r: _add_reduce_grad(_add_unshard_reshard(acts), num_units) for r, acts in order.items()}
+    try:
+        return _add_send_recv(with_fsdp, stage_to_rank.__getitem__, num_stages), stage_to_rank
+    except AssertionError as e:
+        if "can't schedule sends/recvs" not in str(e):
+            raise
+        return None, stage_to_rank
+
+
+def compute_leaves(action: _Action) -> tuple[_Action, ...]:
+    """The compute actions ``action`` runs: an OVERLAP_F_B's sub-actions, else itself."""
+    return action.sub_actions if action.computation_type == OVERLAP_F_B else (action,)
+
+
+def send_after_compute(
+    order: ActionLists, stage_to_rank: dict[int, int], chain_length: int
+) -> dict[int, list[tuple[int, _Action]]]:
+    """Compute-only lists with a SEND after each compute that feeds another rank;
+    each entry keeps its compute's index so a deadlock points into ``order``.
+
+    The stand-in for a lowering that torch's ``_add_send_recv`` rejects, to
+    say where the lists deadlock."""
+    out: dict[int, list[tuple[int, _Action]]] = {}
+    for rank, actions in order.items():
+        steps: list[tuple[int, _Action]] = []
+        for i, a in enumerate(actions):
+            if a is None:
+                continue
+            steps.append((i, a))
+            for leaf in compute_leaves(a):
+                target = feeds(leaf, chain_length)
+                if target is not None and stage_to_rank[target] != rank:
+                    send = SEND_F if leaf.computation_type == F else SEND_B
+                    steps.append((i, _Action(leaf.stage_index, send, leaf.microbatch_index)))
+        out[rank] = steps
+    return out

@@ -1,0 +1,300 @@
+"""The timing model: running lowered action lists rank by rank, and finding deadlocks.
+
+Each rank executes its list (:mod:`.build`) in order, one action at a time,
+like the runtime's loop. A compute action starts when the rank is free and
+its inputs exist:
+
+- F of stage s needs the output of the stage before it in its chain
+  (:func:`~torchtitan_seq.ordering.fed_by`): the forward on the same rank, or
+  the matching SEND_F on the rank that holds it, plus ``comm_latency``;
+- B or I of stage s needs its own F and the input gradient of the stage after
+  it (B/I on the same rank, or the matching SEND_B plus ``comm_latency``);
+- W needs its I.
+
+SEND is issued when the rank reaches it (right after the compute it sends);
+RECV only posts a receive, as torch's ``irecv``: the runtime waits for the data
+at the compute that consumes it, and so does this model. UNSHARD, RESHARD and
+REDUCE_GRAD take no time. An OVERLAP_F_B runs its sub-actions one after the
+other, its SENDs after the last one, as the runtime does without a custom
+overlap function. When no rank can progress the simulation stops and reports
+where each rank is stuck (:class:`Deadlock`) instead of hanging; a list that
+torch's ``_add_send_recv`` cannot lower (it deadlocks in lowering already) is
+run with a SEND after every compute that feeds another rank, to say where.
+
+Pass times come from :mod:`.costs`, scaled to a stage's share of the layers.
+Activations are in M, one microbatch's activations on 1/p of the layers: unit
+j on a stage with 1/V of the rank's layers weighs (L_j / S) / V from its F
+until its backward ends (B, or W where backward is split: W needs the inputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import SEND_B, SEND_F, _Action
+
+from ..ordering import B, F, I, W, fed_by
+from ..render import Interval, Timeline
+from ..schedules import ActionLists, BidirectionalLayout
+from .build import SimConfig, build, compute_leaves, lower, send_after_compute
+from .costs import UnitTimes, subsequence_lengths, unit_times
+
+__all__ = ["StuckRank", "Deadlock", "SimResult", "simulate", "simulate_order"]
+
+
+@dataclass(frozen=True)
+class StuckRank:
+    """Where one rank stopped: the action at ``index`` of its list (see :class:`Deadlock`)."""
+
+    rank: int
+    index: int
+    action: str
+    waits_for: str
+
+
+@dataclass(frozen=True)
+class Deadlock:
+    """No rank could progress.
+
+    ``list_kind`` is "lowered" (indices into the lowered lists the runtime
+    runs) or "compute-only" (torch's lowering rejected the lists; indices
+    into the compute-only lists).
+    """
+
+    list_kind: str
+    stuck: tuple[StuckRank, ...]
+
+    def describe(self) -> str:
+        where = "; ".join(
+            f"rank {s.rank} stuck at action {s.index} ({s.action}) waiting for {s.waits_for}"
+            for s in self.stuck
+        )
+        return f"no rank can progress ({self.list_kind} lists): {where}"
+
+
+@dataclass(kw_only=True)
+class SimResult(Timeline):
+    """A simulated step: the timeline plus what only the simulation knows;
+    :meth:`summary` is what ``--json`` prints."""
+
+    cost: str
+    lengths: list[int]
+    peak_activations: list[float]
+    """Per rank, in M (see the module docstring)."""
+    parameter_copies: int
+    deadlock: Deadlock | None
+    lowered: dict[int, list[_Action]] = field(repr=False)
+    time_unit: str = "forwards of one microbatch on 1/p of the layers"
+
+    def title(self) -> str:
+        return (
+            f"{self.label()}  cost={self.cost}  bubble ratio {self.bubble_ratio:.4f}  "
+            f"makespan {self.makespan:.4g}  peak activations rank 0 {self.peak_activations[0]:.4g} M"
+        )
+
+    def warning(self) -> str | None:
+        return self.deadlock.describe() if self.deadlock else None
+
+    def summary(self) -> dict:
+        return {name: getattr(self, name) for name in _SUMMARY} | {"deadlock": self.warning() or False}
+
+
+_SUMMARY = (
+    "schedule", "pp", "microbatches", "subsequences", "stages_per_rank", "split_backward", "cost", "lengths",
+    "bubble_ratio", "makespan", "peak_activations", "parameter_copies",
+)
+
+
+def _needs(
+    a: _Action, stage_to_rank: dict[int, int], chain_length: int, latency: float
+) -> list[tuple[tuple[_Action, ...], float]]:
+    """What ``a`` waits for: (any one of these finished actions, plus delay)."""
+    s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
+    if kind == W:
+        return [((_Action(s, I, m),), 0.0)]
+    if kind == SEND_F:
+        return [((_Action(s, F, m),), 0.0)]
+    if kind == SEND_B:
+        return [((_Action(s, B, m), _Action(s, I, m)), 0.0)]
+    if kind not in (F, B, I):
+        return []  # RECV_* only post a receive; UNSHARD, RESHARD, REDUCE_GRAD
+    own = [] if kind == F else [((_Action(s, F, m),), 0.0)]
+    source = fed_by(a, chain_length)
+    if source is None:
+        return own
+    if stage_to_rank[source] == stage_to_rank[s]:
+        made = (_Action(source, F, m),) if kind == F else (_Action(source, B, m), _Action(source, I, m))
+        return [*own, (made, 0.0)]
+    return [*own, ((_Action(source, SEND_F if kind == F else SEND_B, m),), latency)]
+
+
+def _run(
+    steps: dict[int, list[tuple[int, _Action]]],
+    stage_to_rank: dict[int, int],
+    chain_length: int,
+    duration: Callable[[_Action], float],
+    latency: float,
+    list_kind: str,
+) -> tuple[dict[int, list[Interval]], Deadlock | None]:
+    """Run every rank's list in order; the times are final once known, so
+    advancing ranks round-robin as far as their inputs allow is exact."""
+    # An OVERLAP_F_B runs its sub-actions in sequence, each waiting for its inputs.
+    flat = {r: [(i, leaf) for i, a in acts for leaf in compute_leaves(a)] for r, acts in steps.items()}
+    finished: dict[_Action, float] = {}
+    clock = dict.fromkeys(flat, 0.0)
+    pos = dict.fromkeys(flat, 0)
+    timeline: dict[int, list[Interval]] = {r: [] for r in flat}
+    waiting: dict[int, tuple[_Action, ...]] = {}
+    while True:
+        progress = False
+        for r, acts in flat.items():
+            while pos[r] < len(acts):
+                a = acts[pos[r]][1]
+                needs = _needs(a, stage_to_rank, chain_length, latency)
+                missing = next((opts for opts, _ in needs if not any(o in finished for o in opts)), None)
+                if missing is not None:
+                    waiting[r] = missing
+                    break
+                start = max(
+                    [clock[r]] + [min(finished[o] for o in opts if o in finished) + d for opts, d in needs]
+                )
+                end = start + duration(a) if a.is_compute_op else start
+                if a.is_compute_op:
+                    timeline[r].append((start, end, a))
+                finished[a] = clock[r] = end
+                pos[r] += 1
+                progress = True
+        if all(pos[r] == len(acts) for r, acts in flat.items()):
+            return timeline, None
+        if not progress:
+            stuck = tuple(
+                StuckRank(
+                    r,
+                    acts[pos[r]][0],
+                    str(acts[pos[r]][1]),
+                    " or ".join(f"{o} on rank {stage_to_rank[o.stage_index]}" for o in waiting[r]),
+                )
+                for r, acts in flat.items()
+                if pos[r] < len(acts)
+            )
+            return timeline, Deadlock(list_kind, stuck)
+
+
+def simulate(config: SimConfig) -> SimResult:
+    """Build, validate, lower and time ``config``'s schedule.
+
+    Raises :class:`~torchtitan_seq.ordering.ScheduleOrderError` for a sequence
+    schedule that breaks an ordering rule, ValueError for a shape the schedule
+    does not support; a deadlock is reported in the result.
+    """
+    built = build(config)
+    lengths = subsequence_lengths(config)
+    return simulate_order(
+        built.order,
+        lengths=lengths,
+        times=unit_times(config, lengths),
+        stages_per_rank=built.stages_per_rank,
+        placement=built.placement,
+        schedule=config.schedule,
+        microbatches=config.microbatches,
+        split_backward=config.split_backward,
+        cost=config.cost,
+        parameter_copies=built.parameter_copies,
+        comm_latency=config.comm_latency,
+    )
+
+
+def simulate_order(
+    order: ActionLists,
+    *,
+    lengths: list[int],
+    times: UnitTimes,
+    microbatches: int,
+    stages_per_rank: int = 1,
+    placement: str | None = None,
+    schedule: str = "custom",
+    split_backward: bool = False,
+    cost: str = "custom",
+    parameter_copies: int = 1,
+    comm_latency: float = 0.0,
+) -> SimResult:
+    """Lower and time compute-only lists ``order`` ({rank: [action or None]}).
+
+    ``lengths`` are the subsequence lengths (k = len(lengths)), ``times`` the
+    unit times on a stage with 1/p of the layers. ``placement`` ("loop",
+    "v" or "bidirectional"), when given, must agree with where the lists put
+    the stages. With ``parameter_copies`` 2 the p v stages are two chains
+    over p v / 2 model chunks (BSIPipe).
+    """
+    p, v, k = len(order), stages_per_rank, len(lengths)
+    num_stages = p * v
+    chain_length = num_stages // parameter_copies
+    lowered, stage_to_rank = lower(order, num_stages, microbatches * k, chain_length)
+    if placement is not None:
+        expected = (
+            BidirectionalLayout(p, "linear").stage_to_rank()
+            if placement == "bidirectional"
+            else generate_stage_to_rank_mapping(p, num_stages, style=placement)
+        )
+        if stage_to_rank != expected:
+            raise ValueError(
+                f"{schedule} places stages on ranks {stage_to_rank}, but its stage_placement "
+                f"{placement!r} means {expected}"
+            )
+    # A stage holds 1/chain_length of the model, a 1/p stage's p/chain_length.
+    share = p / chain_length
+    scaled = {
+        kind: None if ts is None else tuple(t * share for t in ts)
+        for kind, ts in ((F, times.F), (B, times.B), (I, times.I), (W, times.W))
+    }
+    used = {
+        leaf.computation_type for acts in order.values() for a in acts if a for leaf in compute_leaves(a)
+    }
+    missing = sorted(kind.value for kind in used if scaled[kind] is None)
+    if missing:
+        raise ValueError(f"{schedule} runs {missing} passes, but the cost {cost!r} has no times for them")
+
+    def duration(a: _Action) -> float:
+        return scaled[a.computation_type][a.microbatch_index % k]
+
+    if lowered is not None:
+        steps = {r: list(enumerate(acts)) for r, acts in lowered.items()}
+        list_kind = "lowered"
+    else:
+        steps = send_after_compute(order, stage_to_rank, chain_length)
+        list_kind = "compute-only"
+    timeline, deadlock = _run(steps, stage_to_rank, chain_length, duration, comm_latency, list_kind)
+
+    weights = [length / sum(lengths) * share for length in lengths]
+    return SimResult(
+        schedule=schedule,
+        pp=p,
+        microbatches=microbatches,
+        subsequences=k,
+        stages_per_rank=v,
+        split_backward=split_backward,
+        cost=cost,
+        lengths=list(lengths),
+        peak_activations=[_peak(timeline[r], weights, k) for r in sorted(timeline)],
+        parameter_copies=parameter_copies,
+        deadlock=deadlock,
+        timeline=timeline,
+        compute_order=order,
+        lowered=lowered or {},
+    )
+
+
+def _peak(intervals: list[Interval], weights: list[float], k: int) -> float:
+    """Largest sum of live unit weights; a rank runs one action at a time, so
+    the peak is reached right after some forward."""
+    live = peak = 0.0
+    for _, _, a in intervals:
+        w = weights[a.microbatch_index % k]
+        if a.computation_type == F:
+            live += w
+            peak = max(peak, live)
+        elif a.computation_type in (B, W):
+            live -= w
+    return peak
