@@ -130,7 +130,7 @@ def _list_schedule(
 
 
 def _check_bsipipe_shape(
-    num_ranks: int, num_microbatches: int, split_backward: bool, stages_per_rank: int = 4
+    num_ranks: int, num_microbatches: int, split_backward: bool, stages_per_rank: int = 4, placement: str = "paired"
 ) -> None:
     """Raise, naming the setting, for a shape BSIPipe cannot run."""
     if stages_per_rank != 4:
@@ -143,16 +143,11 @@ def _check_bsipipe_shape(
             f"number of them, got {num_microbatches}: change training.local_batch_size or "
             "parallelism.pipeline_parallel_microbatch_size"
         )
-    BidirectionalLayout(num_ranks)  # an even p
+    BidirectionalLayout(num_ranks, placement)  # an even p, a known placement
 
 
 def bsipipe_actions(
-    num_ranks: int,
-    num_microbatches: int,
-    num_subsequences: int,
-    *,
-    split_backward: bool = False,
-    stages_per_rank: int = 4,
+    num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False, stages_per_rank: int = 4
 ) -> ActionLists:
     """BSIPipe: two V-shaped pipelines in opposite directions over units.
 
@@ -239,18 +234,10 @@ class ScheduleBSIPipe(SequenceSchedule):
         )
 
     @classmethod
-    def check_shape(
-        cls,
-        num_ranks: int,
-        num_microbatches: int,
-        num_subsequences: int,
-        *,
-        split_backward: bool = False,
-        placement: str = "paired",
-    ) -> None:
+    def check_shape(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *,
+                    split_backward: bool = False, placement: str = "paired") -> None:
         # Without building the lists: their list scheduling takes seconds at large shapes.
-        _check_bsipipe_shape(num_ranks, num_microbatches, split_backward)
-        BidirectionalLayout(num_ranks, placement)
+        _check_bsipipe_shape(num_ranks, num_microbatches, split_backward, placement=placement)
 
     @classmethod
     def options_from_config(cls, config: Any) -> dict[str, Any]:

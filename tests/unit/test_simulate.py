@@ -18,7 +18,7 @@ from torchtitan_seq import simulate as sim
 from torchtitan_seq.ordering import B, F, ScheduleOrderError, validate_unit_order
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, SequenceSchedule, seq1f1b_actions
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Divisible by every k tested, so even subsequences are exactly S / k long.
 SEQ_LEN = 840
 

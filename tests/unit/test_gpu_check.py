@@ -17,7 +17,7 @@ import pytest
 
 from torchtitan_seq import simulate as sim
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
