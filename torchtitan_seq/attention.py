@@ -266,9 +266,13 @@ def bind_kv_context(model: nn.Module, context: KVContext | None, kernel: Attenti
     """Attach ``context`` (and the attention kernel) to every :class:`SequenceAttention` of a
     model chunk, and to the chunk itself where it reads the context (RoPE at the unit's
     offset: ``model.kv_context``). Returns the number of attention layers bound.
+
+    A chunk may hold no attention layer (a pipeline's last chunk may be the
+    output layer alone), but a model whose attention is not chunk-aware cannot
+    run units.
     """
     layers = [m for m in model.modules() if isinstance(m, SequenceAttention)]
-    if not layers:
+    if not layers and not hasattr(model, "kv_context"):
         raise TypeError(
             f"{type(model).__name__} has no chunk-aware attention: sequence schedules need "
             "[model] name = \"llama3_seq\" (or SequenceAttention layers in a model of your own)"
