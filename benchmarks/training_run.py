@@ -36,6 +36,7 @@ class Run:
     """Per step, the pipeline's makespan (None: stages not timed)."""
     lengths: list[int] | None = None
     """The subsequence lengths of a sequence schedule (None for torch's)."""
+    validation_losses: list[float] = field(default_factory=list)
 
     @property
     def activations_mib(self) -> list[list[float]]:
@@ -54,6 +55,7 @@ class Run:
             activation_bytes=[r["peak_activation_bytes"] for r in steps],
             bubble_ratios=[r["bubble_ratio"] for r in steps], pipeline_s=[r["pipeline_s"] for r in steps],
             lengths=start["lengths"] if start else None,
+            validation_losses=[r["loss"] for r in records if r["event"] == "validation"],
         )
 
 

@@ -192,6 +192,15 @@ class SeqMetricsProcessor(MetricsProcessor):
         if timeline.export_due(step, self.job_config.profiling):
             self._export_timeline(step)
 
+    def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None):
+        # torchtitan's validator gives the ranks without the pipeline's last stage -1 (over
+        # the token count) as their loss: every rank logs the last stage's, as in training.
+        if self.parallel_dims.pp_enabled:
+            value = torch.tensor(float(loss), dtype=torch.float64, device=self.device_memory_monitor.device)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.parallel_dims.get_mesh("pp").get_group())
+            loss = value.item()
+        super().log_validation(loss, step, extra_metrics)
+
     def _export_timeline(self, step: int) -> None:
         name = self.job_config.parallelism.pipeline_parallel_schedule
         k = self.job_config.sequence_pipeline.num_subsequences if name in SEQUENCE_SCHEDULES else 1

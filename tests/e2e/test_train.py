@@ -1,7 +1,7 @@
 """Training through torchtitan with ./run_train.sh (2 CPU ranks, gloo)."""
 
 import pytest
-from titan import REFERENCE, assert_same_losses, assert_trained, run_train
+from titan import REFERENCE, assert_same_losses, assert_trained, max_diff, run_train
 
 SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4")
 
@@ -83,3 +83,21 @@ def test_bad_input_fails_fast_with_one_message(args, env, needle, tmp_path):
     assert run.returncode == 2, run.output[-3000:]
     lines = [line for line in run.output.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], run.output[-3000:]
+
+
+@pytest.mark.slow
+def test_validation_logs_the_validation_losses_of_1f1b(tmp_path):
+    """Validation runs the training pipeline (same cut); every rank reports the last stage's loss."""
+    validation = ("--training.steps", "2", "--training.seq_len", "256", "--validation.enable",
+                  "--validation.seq_len", "256", "--validation.local_batch_size", "4", "--validation.steps", "1",
+                  "--validation.freq", "1", "--validation.dataset", "seqpp_text_validation")
+    runs = {
+        schedule: run_train(*validation, "--parallelism.pipeline_parallel_schedule", schedule,
+                            dump_folder=tmp_path / schedule, check=False)
+        for schedule in ("Seq1F1B", "1F1B")
+    }
+    for run in runs.values():
+        assert_trained(run, 2)
+        assert len(run.validation_losses) == 2 and min(run.validation_losses) > 1, run.validation_losses
+    seq, ref = runs["Seq1F1B"].validation_losses, runs["1F1B"].validation_losses
+    assert max_diff(seq, ref) <= 1e-3, (seq, ref)
