@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from .kv_context import KVBlock, KVContext
 
@@ -56,13 +56,15 @@ class AttentionKernel(Protocol):
 class CpuSdpaKernel:
     """torch's flash-attention kernel for the CPU (handles GQA natively)."""
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
         return out, lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
@@ -86,14 +88,16 @@ class CudaSdpaKernel:
         b, h, l, d = t.shape
         return t.view(b, h // n_rep, n_rep, l, d).sum(2)
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         n_rep = q.shape[1] // k.shape[1]
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, self._expand(k, n_rep), self._expand(v, n_rep), 0.0, causal, scale=scale
         )
         return out, lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         n_rep = q.shape[1] // k.shape[1]
         empty = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -109,7 +113,7 @@ class FlashAttnKernel:
     def __init__(self) -> None:
         self._fa = importlib.import_module("flash_attn.flash_attn_interface")
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse, *_ = self._fa._flash_attn_forward(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             dropout_p=0.0, softmax_scale=scale, causal=causal,
@@ -118,7 +122,9 @@ class FlashAttnKernel:
         )
         return out.transpose(1, 2), lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         dq, dk, dv = torch.empty_like(t(q)), torch.empty_like(t(k)), torch.empty_like(t(v))
         self._fa._flash_attn_backward(

@@ -13,16 +13,20 @@ Any other schedule name goes to torchtitan's ``pipeline_llm`` unchanged.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline_parallel import (
     generate_llm_fqn_per_model_part,
     pipeline_llm,
     pipeline_module_split,
 )
+from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.tools.logging import logger
 
 from .attention import select_kernel
@@ -52,7 +56,7 @@ def check_schedule_name(name: str) -> None:
         ) from None
 
 
-def sequence_lengths(job_config, model_args, tp_degree: int) -> list[int]:
+def sequence_lengths(job_config: JobConfig, model_args: TransformerModelArgs, tp_degree: int) -> list[int]:
     """Subsequence lengths for the job: ``[sequence_pipeline]`` over ``training.seq_len``."""
     cfg = job_config.sequence_pipeline
     return partition_sequence(
@@ -64,7 +68,7 @@ def sequence_lengths(job_config, model_args, tp_degree: int) -> list[int]:
     )
 
 
-def stages_per_rank(job_config, model_args, pp_degree: int) -> int:
+def stages_per_rank(job_config: JobConfig, model_args: TransformerModelArgs, pp_degree: int) -> int:
     """v, the sequence schedule's model chunks per rank, chosen as torchtitan's ``pipeline_llm`` does.
 
     With ``parallelism.pipeline_parallel_layers_per_stage`` set, the model is
@@ -110,7 +114,7 @@ def stages_per_rank(job_config, model_args, pp_degree: int) -> int:
 
 def split_model(
     model: nn.Module,
-    pp_mesh,
+    pp_mesh: DeviceMesh,
     name: str,
     device: torch.device,
     module_names: list[list[str]],
@@ -136,12 +140,12 @@ def split_model(
 
 def pipeline_sequence_llm(
     model: nn.Module,
-    parallel_dims,
-    job_config,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
     device: torch.device,
-    model_args,
-    parallelize_fn,
-    loss_fn,
+    model_args: TransformerModelArgs,
+    parallelize_fn: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module],
+    loss_fn: Callable[..., torch.Tensor],
 ) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
     """torchtitan's ``pipelining_fn`` contract: (schedule, model parts, has first, has last stage).
 

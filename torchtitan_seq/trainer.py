@@ -20,6 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.train import Trainer
 
@@ -38,7 +39,7 @@ from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 __all__ = ["SeqTrainer"]
 
 
-def check_job(job_config, world_size: int) -> None:
+def check_job(job_config: JobConfig, world_size: int) -> None:
     """Reject, before anything is built, a job that cannot run; each message names the setting.
 
     Checks the schedule name, the model flavor, the parallel degrees against
@@ -113,7 +114,7 @@ def check_job(job_config, world_size: int) -> None:
     )
 
 
-def _check_compile(job_config, schedule: str) -> None:
+def _check_compile(job_config: JobConfig, schedule: str) -> None:
     """torch.compile: not yet through the KV context; torchtitan's memory-budget AC needs it."""
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if schedule in SEQUENCE_SCHEDULES and job_config.compile.enable:
@@ -130,7 +131,7 @@ def _check_compile(job_config, schedule: str) -> None:
         )
 
 
-def _check_validation(job_config, schedule: str, n_microbatches: int) -> None:
+def _check_validation(job_config: JobConfig, schedule: str, n_microbatches: int) -> None:
     """Validation runs the training pipeline: the same sequence cut, whole microbatches."""
     val = job_config.validation
     if not val.enable:
@@ -151,7 +152,7 @@ def _check_validation(job_config, schedule: str, n_microbatches: int) -> None:
 class SeqTrainer(Trainer):
     """torchtitan's ``Trainer`` for sequence pipelines; see the module docstring."""
 
-    def __init__(self, job_config):
+    def __init__(self, job_config: JobConfig) -> None:
         check_job(job_config, int(os.environ["WORLD_SIZE"]))
         self.activation_memory = ActivationMemory()
         super().__init__(job_config)

@@ -208,7 +208,7 @@ class MirroredCopies:
         pp_group: the pipeline's process group (its group ranks are the layout's ranks).
     """
 
-    def __init__(self, modules: dict[int, nn.Module], layout: BidirectionalLayout, pp_group) -> None:
+    def __init__(self, modules: dict[int, nn.Module], layout: BidirectionalLayout, pp_group: dist.ProcessGroup) -> None:
         by_chunk = sorted(modules, key=layout.chunk)
         self._modules = [modules[s] for s in by_chunk]
         self._primary = [s < layout.chain_length for s in by_chunk]
@@ -270,7 +270,7 @@ class MirroredCopies:
         return max((float(d.abs().max()) for d in self._pair_sum(torch.neg) if d.numel()), default=0.0)
 
 
-def _pair_group(layout: BidirectionalLayout, pp_group):
+def _pair_group(layout: BidirectionalLayout, pp_group: dist.ProcessGroup) -> dist.ProcessGroup:
     """This rank's mirrored pair as a process group.
 
     ``new_group`` must be called by every process for every group, so the
