@@ -99,10 +99,11 @@ class CudaSdpaKernel:
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         n_rep = q.shape[1] // k.shape[1]
-        empty = torch.empty(0, device=q.device)
+        # None, as the forward returns them: defined sequence offsets select the varlen
+        # kernel, and without dropout the RNG state is never read.
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, self._expand(k, n_rep), self._expand(v, n_rep), out, lse,
-            empty, empty, q.shape[2], k.shape[2], 0.0, causal, empty, empty, scale=scale,
+            None, None, q.shape[2], k.shape[2], 0.0, causal, None, None, scale=scale,
         )
         return dq, self._reduce(dk, n_rep), self._reduce(dv, n_rep)
 
