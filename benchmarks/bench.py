@@ -35,7 +35,10 @@ structured record, ``metrics.jsonl`` in the run's dump folder
   the trainer measures them (:mod:`torchtitan_seq.timeline`; the pipeline time
   is the makespan of the schedule's compute, without optimizer and logging);
   None for torch's schedules, whose stages are not timed.
-* ratios of tokens/s and of rank 0's peak to 1F1B's at the same length.
+* ratios of tokens/s and of rank 0's peak to 1F1B's at the same length,
+  compiled runs against compiled 1F1B (``--compile on|both``), eager against eager.
+* the first step apart (median over the runs): it compiles, so its excess over
+  the median step is the compile time.
 
 ``--calibrate`` then times the passes of every unit on every pipeline
 stage, each stage in its own process (one thread, like a training rank) and
@@ -94,6 +97,8 @@ class Variant:
     schedule: str
     num_subsequences: int = 1
     partition: str | None = None
+    compiled: bool = False
+    """torchtitan's per-block torch.compile (``--compile.enable``)."""
 
     @property
     def is_sequence(self) -> bool:
@@ -101,9 +106,8 @@ class Variant:
 
     @property
     def label(self) -> str:
-        if not self.is_sequence:
-            return self.schedule
-        return f"{self.schedule} k={self.num_subsequences} {self.partition}"
+        label = f"{self.schedule} k={self.num_subsequences} {self.partition}" if self.is_sequence else self.schedule
+        return label + (" compiled" if self.compiled else "")
 
     def overrides(self) -> list[str]:
         out = ["--parallelism.pipeline_parallel_schedule", self.schedule]
@@ -112,11 +116,14 @@ class Variant:
                 "--sequence_pipeline.num_subsequences", str(self.num_subsequences),
                 "--sequence_pipeline.partition", str(self.partition),
             ]
+        if self.compiled:
+            out.append("--compile.enable")
         return out
 
 
-def parse_variants(spec: str, subsequences: int, partition: str) -> list[Variant]:
-    """``"1F1B,Seq1F1B,Seq1F1B:8:even"`` -> variants; k and partition default to the given ones."""
+def parse_variants(spec: str, subsequences: int, partition: str, compile: str = "off") -> list[Variant]:
+    """``"1F1B,Seq1F1B,Seq1F1B:8:even"`` -> variants; k and partition default to the given ones.
+    ``compile``: ``"off"``, ``"on"``, or ``"both"`` (each schedule eager, then compiled)."""
     variants = []
     for item in spec.split(","):
         name, *rest = item.strip().split(":")
@@ -132,7 +139,8 @@ def parse_variants(spec: str, subsequences: int, partition: str) -> list[Variant
         if part not in PARTITIONS:
             raise ValueError(f"{item!r}: partition {part!r} is not one of {PARTITIONS}")
         variants.append(Variant(name, k, part))
-    return variants
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[compile]
+    return [dataclasses.replace(v, compiled=c) for v in variants for c in modes]
 
 
 @dataclass
@@ -141,6 +149,7 @@ class Record:
 
     schedule: str
     label: str
+    compiled: bool
     seq_len: int
     num_subsequences: int
     partition: str | None
@@ -158,10 +167,13 @@ class Record:
     """Per rank, median of the measured steps; None when the stages are not timed."""
     pipeline_time_s: float | None
     """Median makespan of the pipeline's compute; None when the stages are not timed."""
+    first_step_s: float
+    """Median over the runs of the first step, which compiles (compiled runs) and warms up."""
     tokens_per_s_ratio: float | None = None
-    """tokens/s over 1F1B's at the same length (None without a 1F1B run)."""
+    """tokens/s over 1F1B's at the same length, compiled against compiled, eager against
+    eager (None without such a 1F1B run)."""
     peak_activation_ratio: float | None = None
-    """Rank 0's peak over 1F1B's at the same length."""
+    """Rank 0's peak over that 1F1B's."""
     cost_file: str | None = None
     predicted_step_time_s: float | None = None
     """The simulator's makespan under ``cost_file`` (``--calibrate``)."""
@@ -233,6 +245,7 @@ def _record(variant: Variant, seq_len: int, runs: list[Run], args: argparse.Name
     return Record(
         schedule=variant.schedule,
         label=variant.label,
+        compiled=variant.compiled,
         seq_len=seq_len,
         num_subsequences=variant.num_subsequences,
         partition=variant.partition,
@@ -248,13 +261,14 @@ def _record(variant: Variant, seq_len: int, runs: list[Run], args: argparse.Name
         if bubbles
         else None,
         pipeline_time_s=statistics.median(pipeline) if pipeline else None,
+        first_step_s=statistics.median(run.step_times_s[0] for run in runs),
     )
 
 
 def _add_ratios(records: list[Record]) -> None:
-    base = {r.seq_len: r for r in records if r.schedule == BASELINE}
+    base = {(r.seq_len, r.compiled): r for r in records if r.schedule == BASELINE}
     for r in records:
-        b = base.get(r.seq_len)
+        b = base.get((r.seq_len, r.compiled))
         if b is not None:
             r.tokens_per_s_ratio = r.tokens_per_s / b.tokens_per_s
             r.peak_activation_ratio = r.peak_activation_bytes[0] / b.peak_activation_bytes[0]
@@ -313,9 +327,9 @@ def _fmt(x: float | None, spec: str) -> str:
 def write_markdown(records: list[Record], path: Path, header: str) -> None:
     rows = [
         "| schedule | seq | lengths | step time (s) | tokens/s | x 1F1B | peak act. rank 0 (MiB) | x 1F1B "
-        "| peak act. per rank (MiB) | bubble ratio per rank | pipeline (s) | predicted (s) "
+        "| peak act. per rank (MiB) | bubble ratio per rank | pipeline (s) | first step (s) | predicted (s) "
         "| error vs step | vs pipeline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         peaks = ", ".join(f"{b / 2**20:.1f}" for b in r.peak_activation_bytes)
@@ -324,7 +338,7 @@ def write_markdown(records: list[Record], path: Path, header: str) -> None:
             f"| {r.label} | {r.seq_len} | {r.lengths} | {r.step_time_s:.3f} | {r.tokens_per_s:.0f} "
             f"| {_fmt(r.tokens_per_s_ratio, '.3f')} | {r.peak_activation_bytes[0] / 2**20:.1f} "
             f"| {_fmt(r.peak_activation_ratio, '.3f')} | {peaks} | {bubbles} "
-            f"| {_fmt(r.pipeline_time_s, '.3f')} | {_fmt(r.predicted_step_time_s, '.3f')} "
+            f"| {_fmt(r.pipeline_time_s, '.3f')} | {r.first_step_s:.1f} | {_fmt(r.predicted_step_time_s, '.3f')} "
             f"| {_fmt(r.prediction_error, '+.1%')} | {_fmt(r.pipeline_prediction_error, '+.1%')} |"
         )
     path.write_text(header + "\n\n" + "\n".join(rows) + "\n")
@@ -378,6 +392,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1, help="first steps of each run left out (at least 1)")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each schedule per length")
     ap.add_argument("--config", default=str(ROOT / "train_configs" / "debug_model.toml"), help="job config")
+    ap.add_argument("--compile", choices=("off", "on", "both"), default="off",
+                    help="torchtitan's per-block torch.compile: off, on, or both (each schedule "
+                    "eager and compiled, each compared with 1F1B run alike)")
     ap.add_argument("--calibrate", action="store_true", help="measure unit costs, compare the simulator")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per calibration")
     ap.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder")
@@ -389,8 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps <= args.warmup:
         ap.error("--warmup must be at least 1 and --steps more than --warmup")
+    if args.calibrate and args.compile != "off":
+        ap.error("--calibrate times eager units: use it with --compile off")
     try:
-        variants = parse_variants(args.schedules, args.subsequences, args.partition)
+        variants = parse_variants(args.schedules, args.subsequences, args.partition, args.compile)
     except ValueError as e:
         ap.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)

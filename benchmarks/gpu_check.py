@@ -38,6 +38,7 @@ from torchtitan_seq.attention import (
     AttentionKernel,
     CpuSdpaKernel,
     CudaSdpaKernel,
+    CudnnSdpaKernel,
     FlashAttnKernel,
     SequenceAttention,
     select_kernel,
@@ -57,7 +58,7 @@ GOAL_SEQ_LEN, GOAL_OVERHEAD = 32768, 0.05
 # kernels allow (a 1% error in one gradient block fails it; it passes in bf16).
 ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # torch's CUDA flash kernel and flash-attn take fp16/bf16 only.
-HALF_ONLY_KERNELS = ("CudaSdpaKernel", "FlashAttnKernel")
+HALF_ONLY_KERNELS = ("CudaSdpaKernel", "CudnnSdpaKernel", "FlashAttnKernel")
 
 
 def _causal(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -169,7 +170,8 @@ def _kernels(device: torch.device) -> dict[str, AttentionKernel | str]:
     """The kernels to check on ``device``; a string says why one is absent."""
     if device.type == "cpu":
         return {"CpuSdpaKernel": CpuSdpaKernel()}
-    kernels: dict[str, AttentionKernel | str] = {"CudaSdpaKernel": CudaSdpaKernel()}
+    kernels: dict[str, AttentionKernel | str] = {"CudaSdpaKernel": CudaSdpaKernel(),
+                                                 "CudnnSdpaKernel": CudnnSdpaKernel()}
     try:
         kernels["FlashAttnKernel"] = FlashAttnKernel()
     except ImportError as e:
@@ -272,9 +274,14 @@ def _one_step(model, context: KVContext | None, tokens, targets, lengths) -> tup
 
 def _measure(model, context, tokens, targets, lengths, sizes: Sizes) -> dict:
     cuda = tokens.device.type == "cuda"
-    for _ in range(sizes.warmup):  # allocator, kernel selection, cuDNN plans
+    first = time.perf_counter()
+    for i in range(sizes.warmup):  # compilation, allocator, kernel selection, cuDNN plans
         _one_step(model, context, tokens, targets, lengths)
         model.zero_grad(set_to_none=True)
+        if i == 0:
+            if cuda:
+                torch.cuda.synchronize()
+            first = time.perf_counter() - first
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -289,6 +296,7 @@ def _measure(model, context, tokens, targets, lengths, sizes: Sizes) -> dict:
         "B": [statistics.median(s[1][j] for s in steps) for j in range(k)],
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "loss": steps[-1][2],
+        "first_step_s": first,  # compiles when compiled: its excess over time_s is compile time
     }
 
 
@@ -314,11 +322,79 @@ def _models(sizes: Sizes, device: torch.device):
     return plain, seq, args
 
 
-def measure_overhead(sizes: Sizes, device: torch.device, kernel: AttentionKernel, out: Path) -> dict:
-    """Plain Llama 3 and k units through the KV context at each length; writes cost files."""
+def time_kernels(sizes: Sizes, device: torch.device, kernel: AttentionKernel) -> list[dict]:
+    """Causal attention alone, forward + backward, at the overhead runs' lengths: torch's
+    SDPA as torchtitan calls it (default backend choice, ``enable_gqa``), SDPA forced to
+    each backend, and one unit through the KV context with ``kernel``. Median seconds."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, hq, hkv, _, d = sizes.attn_shape
+    n_rep = hq // hkv
+
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                if backend is None:
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                return F.scaled_dot_product_attention(
+                    q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), is_causal=True
+                )
+        return run
+
+    context = KVContext()
+    attention = SequenceAttention(layer_id=0)  # bound as long as its graphs run backward
+    attention.bind(context, kernel)
+
+    def unit(q, k, v):
+        context.clear()
+        with context.running(Unit(0, 0, 0, q.shape[2], 1)):
+            return attention(q, k, v)
+
+    paths = {"sdpa (torchtitan's call)": sdpa(None), "unit": unit}
+    if device.type == "cuda":
+        paths |= {f"sdpa {b.name.lower()}": sdpa(b) for b in
+                  (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)}
+    records = []
+    for seq_len in sizes.seq_lens:
+        gen = torch.Generator().manual_seed(seq_len)
+        q, k, v = (torch.randn(b, seq_len, h, d, generator=gen).to(device, sizes.dtype).transpose(1, 2)
+                   .requires_grad_() for h in (hq, hkv, hkv))
+        for name, fn in paths.items():
+            times = []
+            try:
+                for i in range(sizes.warmup + sizes.repeats):
+                    marks = _Marks(device)
+                    marks.mark()
+                    fn(q, k, v).sum().backward()
+                    marks.mark()
+                    if i >= sizes.warmup:
+                        times += marks.intervals()
+            except RuntimeError as e:  # a backend that does not take these inputs
+                records.append({"seq_len": seq_len, "path": name, "status": f"error: {str(e).splitlines()[0]}"})
+                continue
+            records.append({"seq_len": seq_len, "path": name, "status": "ok", "time_s": statistics.median(times)})
+            print(f"  {seq_len:>6} {name:26} {records[-1]['time_s'] * 1e3:9.2f} ms", flush=True)
+    return records
+
+
+def _compile_blocks(model: torch.nn.Module) -> None:
+    """torchtitan's ``apply_compile``: each TransformerBlock alone, ``fullgraph=True``."""
+    for layer_id, block in model.layers.named_children():
+        model.layers.register_module(layer_id, torch.compile(block, fullgraph=True))
+
+
+def measure_overhead(
+    sizes: Sizes, device: torch.device, kernel: AttentionKernel, out: Path, compiled: bool = False
+) -> dict:
+    """Plain Llama 3 and k units through the KV context at each length; writes cost files.
+    ``compiled``: both models' blocks compiled, as torchtitan compiles them."""
     from torchtitan_seq.attention import bind_kv_context
 
     plain, seq, args = _models(sizes, device)
+    if compiled:
+        torch._dynamo.config.recompile_limit = 64  # every length and cut of this sweep
+        _compile_blocks(plain)
+        _compile_blocks(seq)
     context = KVContext()
     bind_kv_context(seq, context, kernel)
     runs = []
@@ -360,7 +436,8 @@ def measure_overhead(sizes: Sizes, device: torch.device, kernel: AttentionKernel
                 if run["peak_bytes"] is not None:
                     run["memory_ratio"] = run["peak_bytes"] / base["peak_bytes"]
             print(f"  {seq_len:>6} {path:5} k={len(lengths)}: {run['time_s'] * 1e3:9.2f} ms"
-                  + (f"  overhead {run['overhead']:+.3f}" if "overhead" in run else ""), flush=True)
+                  + (f"  overhead {run['overhead']:+.3f}" if "overhead" in run else "")
+                  + f"  first step {run['first_step_s']:.1f} s", flush=True)
     at_goal = [r for r in runs if r["seq_len"] == GOAL_SEQ_LEN and r["path"] == "units" and r["k"] > 1]
     return {
         "model": {**sizes.model, "ffn_hidden": seq.layers["0"].feed_forward.w1.out_features,
@@ -369,7 +446,7 @@ def measure_overhead(sizes: Sizes, device: torch.device, kernel: AttentionKernel
         "batch": 1,
         "kernel": type(kernel).__name__,
         "baseline": "torchtitan's Llama 3 Transformer on the whole sequence (its SDPA wrapper)",
-        "compiled": "not measured yet: eager only",
+        "compiled": compiled,
         "warmup": sizes.warmup,
         "repeats": sizes.repeats,
         "runs": runs,
@@ -405,12 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-lens", help="comma-separated lengths instead of the default ones")
     ap.add_argument("--attention-backend", choices=("auto", "flash", "sdpa"), default="auto",
                     help="the unit kernel of the overhead runs")
-    ap.add_argument("--compile", action="store_true", help="not supported yet")
+    ap.add_argument("--compile", action="store_true",
+                    help="overhead runs with every block compiled (torchtitan's per-block compile)")
+    ap.add_argument("--skip-attention", action="store_true", help="the overhead runs alone")
     args = ap.parse_args(argv)
-
-    if args.compile:
-        print("error: --compile is not supported yet (compiled units land in a later issue)", file=sys.stderr)
-        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device: run on a GPU, or use --device cpu --tiny for the dry run", file=sys.stderr)
         return 2
@@ -445,6 +520,29 @@ def main(argv: list[str] | None = None) -> int:
         results["elapsed_s"] = round(time.monotonic() - began, 1)
         (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1) + "\n")
 
+    cases: list[dict] = []
+    if not args.skip_attention:
+        cases = _attention_part(sizes, device, results)
+        write()
+    broken = {c.get("kernel") for c in cases if c["status"].startswith("error")}
+    if args.attention_backend == "auto" and type(kernel).__name__ in broken:
+        # One GPU run should still measure the overhead: with torch's own kernel, then.
+        print(f"{type(kernel).__name__} failed above: overhead runs use CudaSdpaKernel", flush=True)
+        kernel = CudaSdpaKernel()
+    print(f"attention alone, forward + backward ({type(kernel).__name__} for units)", flush=True)
+    results["kernels"] = time_kernels(sizes, device, kernel)
+    write()
+    print(f"KV-context overhead ({type(kernel).__name__}{', compiled' if args.compile else ''})", flush=True)
+    results["overhead"] = measure_overhead(sizes, device, kernel, args.out, args.compile)
+    write()
+    print(f"goal: {results['overhead']['goal']['line']}: met = {results['overhead']['goal']['met']}")
+    print(f"wrote {args.out / 'gpu_check.json'} ({results['elapsed_s']:.0f} s)", flush=True)
+    failed = [c for c in cases if c["status"] == "failed" or c["status"].startswith("error")]
+    return 1 if failed else 0
+
+
+def _attention_part(sizes: Sizes, device: torch.device, results: dict) -> list[dict]:
+    """The attention check into ``results["attention"]``, printed; returns its cases."""
     print(f"attention check on {results['device']}", flush=True)
     b, hq, hkv, s, d = sizes.attn_shape
     results["attention"] = {
@@ -460,20 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         worst = max((e for cut in case.get("errors", {}).values() for e in cut.values()), default=None)
         print(f"  {case['mask']:12} {case.get('kernel', ''):15} {case.get('dtype', ''):9} {case['status']}"
               + (f" (largest error {worst:.2e})" if worst is not None else ""), flush=True)
-    write()
-
-    broken = {c.get("kernel") for c in cases if c["status"].startswith("error")}
-    if args.attention_backend == "auto" and type(kernel).__name__ in broken:
-        # One GPU run should still measure the overhead: with torch's own kernel, then.
-        print(f"{type(kernel).__name__} failed above: overhead runs use CudaSdpaKernel", flush=True)
-        kernel = CudaSdpaKernel()
-    print(f"KV-context overhead ({type(kernel).__name__})", flush=True)
-    results["overhead"] = measure_overhead(sizes, device, kernel, args.out)
-    write()
-    print(f"goal: {results['overhead']['goal']['line']}: met = {results['overhead']['goal']['met']}")
-    print(f"wrote {args.out / 'gpu_check.json'} ({results['elapsed_s']:.0f} s)", flush=True)
-    failed = [c for c in cases if c["status"] == "failed" or c["status"].startswith("error")]
-    return 1 if failed else 0
+    return cases
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import traceback
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class Variant:
     ac: str = "none"  # torchtitan activation checkpointing: none, full, selective:<layers|op>
     dp_shard: int = 1  # FSDP2 degree, through torchtitan's parallelize_llama
     tp: int = 1  # tensor-parallel degree, likewise
+    compile: str | None = None  # torch.compile backend of torchtitan's per-block compile, e.g. "inductor"
 
     @property
     def world(self) -> int:
@@ -127,7 +129,8 @@ def _pipeline_chunks(whole, args, v: Variant):
     job.parallelism.data_parallel_shard_degree = v.dp_shard
     job.parallelism.tensor_parallel_degree = v.tp
     job.parallelism.disable_loss_parallel = True
-    job.compile.enable = False
+    job.compile.enable = v.compile is not None
+    job.compile.backend = v.compile or "inductor"
     job.training.mixed_precision_param = "float32"  # torchtitan's FSDP default is bf16
     mode, _, option = v.ac.partition(":")
     job.activation_checkpoint.mode = mode
@@ -147,7 +150,7 @@ def _relative_errors(chunks, ref_grads: dict) -> dict[str, float]:
         if index >= chain:
             continue
         for n, p in chunk.named_parameters():
-            ref = ref_grads[n.replace("_checkpoint_wrapped_module.", "")]
+            ref = ref_grads[n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")]
             errors[n] = (float((_full(p.grad) - ref).abs().max() / ref.abs().max())
                          if p.grad is not None else float("inf"))
     return errors
@@ -157,6 +160,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
     import copy
 
     from mutations import MutationContext, patches
+    from torch._dynamo.utils import counters
     from torchtitan.components.loss import cross_entropy_loss
 
     from torchtitan_seq import schedules
@@ -219,7 +223,9 @@ def _run_variant(v: Variant, rank: int) -> dict:
     for p in mutation:
         p.start()
     memory = ActivationMemory()
-    activations_left, peaks, copies_diff = [], [], []
+    activations_left, peaks, copies_diff, graphs = [], [], [], []
+    torch._dynamo.reset()  # graphs and counters of this variant alone
+    counters.clear()
     try:
         sched = schedules.SEQUENCE_SCHEDULES[v.schedule](
             stages, v.microbatches, loss_fn, split_backward=v.split_backward
@@ -234,6 +240,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
                                target=labels[local] if last else None, losses=losses)
                 activations_left.append(memory.current)
                 peaks.append(memory.peak)
+                graphs.append(counters["stats"]["unique_graphs"])
             return losses
 
         for tokens, labels in batches[:-1]:
@@ -262,6 +269,8 @@ def _run_variant(v: Variant, rank: int) -> dict:
         "peaks": peaks,
         "mirror_grads": mirror_grads,
         "copies_diff": copies_diff,
+        "graphs": graphs,  # compiled graphs so far, after each step
+        "graph_breaks": sum(counters["graph_break"].values()),
     }
     # Every last stage holds its units' losses (BSIPipe has two); the pipeline's sum is the loss.
     loss = torch.tensor(float(sum(losses)) if last else 0.0)
@@ -275,6 +284,8 @@ def _run_variant(v: Variant, rank: int) -> dict:
 def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: str) -> None:
     import json
 
+    import torch._functorch.config
+
     from torchtitan_seq import cpu_compat
 
     cpu_compat.apply()  # before torchtitan is imported
@@ -284,10 +295,16 @@ def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     results = []
     for v in variants:
+        # what torchtitan sets globally for a variant (memory-budget AC) ends with it
+        restore = torch._functorch.config.patch(
+            activation_memory_budget=torch._functorch.config.activation_memory_budget
+        )
         try:
-            results.append(_run_variant(v, rank))
+            with restore:
+                results.append(_run_variant(v, rank))
         except Exception:  # reported, not raised: the peers must reach the barrier
             results.append({"error": traceback.format_exc()[-3000:]})
+            print(f"rank {rank}, {v.name}:\n{results[-1]['error']}", file=sys.stderr, flush=True)
         dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
@@ -319,6 +336,8 @@ def run_variants(variants: list[Variant], tmp_path) -> list[dict]:
             "n_losses": next((r["n_losses"] for r in recs if "n_losses" in r), None),
             "mirror_grads": sum(r.get("mirror_grads", 0) for r in recs),
             "copies_diff": [max(d) for d in zip(*(r.get("copies_diff", []) for r in recs))],
+            "graphs": [r.get("graphs") for r in recs],
+            "graph_breaks": sum(r.get("graph_breaks", 0) for r in recs),
         })
     return merged
 

@@ -10,22 +10,31 @@ output and log-sum-exp, which is exact (the ring-attention identity), so the
 unit saves only references and the log-sum-exp: no concatenated K/V and no
 mask are ever built.
 
-Kernels: flash-attn on CUDA when installed, torch's SDPA kernels otherwise
-(``aten._scaled_dot_product_flash_attention_for_cpu`` on the CPU).
+Kernels: torch's cuDNN kernel on Hopper GPUs, flash-attn on other GPUs when installed,
+torch's SDPA kernels otherwise (``aten._scaled_dot_product_flash_attention_for_cpu`` on
+the CPU).
+
+The unit's attention is the custom op ``torchtitan_seq::unit_attention`` with a
+backward op of its own: torch.compile keeps it out of the compiled graph, so the KV
+context (Python state) is read and changed when the op runs, never traced. A layer
+names its context by a small CPU tensor of ids, a graph input, so one compiled graph
+serves every layer of a model.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
+import weakref
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kv_context import KVBlock, KVContext
+from .kv_context import KVContext
 
-__all__ = ["AttentionKernel", "select_kernel", "SequenceAttention", "unit_attention", "bind_kv_context"]
+__all__ = ["AttentionKernel", "select_kernel", "SequenceAttention", "bind_kv_context"]
 
 
 class AttentionKernel(Protocol):
@@ -108,6 +117,31 @@ class CudaSdpaKernel:
         return dq, self._reduce(dk, n_rep), self._reduce(dv, n_rep)
 
 
+class CudnnSdpaKernel(CudaSdpaKernel):
+    """torch's cuDNN attention kernel (fp16/bf16), the one torch's SDPA picks on Hopper:
+    1.75x the flash kernel's speed forward + backward on an H200 at 32K tokens
+    (``benchmarks/gpu/2026-11-30``). Grouped K/V heads are expanded as for the flash kernel."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        n_rep = q.shape[1] // k.shape[1]
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, self._expand(k, n_rep), self._expand(v, n_rep), None, True, 0.0, causal, False, scale=scale
+        )
+        return out, lse.view(q.shape[:-1]).float()  # cuDNN's lse is (B, H, L, 1)
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        n_rep = q.shape[1] // k.shape[1]
+        # Without dropout the RNG state is not read; no sequence offsets: not the varlen kernel.
+        rng = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, self._expand(k, n_rep), self._expand(v, n_rep), out, lse.unsqueeze(-1).contiguous(),
+            rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        )
+        return dq, self._reduce(dk, n_rep), self._reduce(dv, n_rep)
+
+
 class FlashAttnKernel:
     """flash-attn 2 (CUDA). Its layout is (B, L, H, D); GQA is native."""
 
@@ -140,8 +174,9 @@ class FlashAttnKernel:
 def select_kernel(device: torch.device, backend: str = "auto") -> AttentionKernel:
     """Pick the block kernel for ``device``.
 
-    backend: ``"auto"`` (flash-attn on CUDA when importable, SDPA otherwise),
-    ``"flash"`` (flash-attn, an error if absent) or ``"sdpa"``.
+    backend: ``"auto"`` (on CUDA: torch's cuDNN kernel on Hopper and newer, else
+    flash-attn when importable, else torch's flash kernel), ``"flash"`` (flash-attn, an
+    error if absent) or ``"sdpa"`` (torch's kernels: cuDNN on Hopper and newer, else flash).
     """
     if backend not in ("auto", "flash", "sdpa"):
         raise ValueError(
@@ -154,7 +189,8 @@ def select_kernel(device: torch.device, backend: str = "auto") -> AttentionKerne
                 "use 'sdpa' or 'auto' on the CPU"
             )
         return CpuSdpaKernel()
-    if backend in ("auto", "flash"):
+    hopper = torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
+    if backend == "flash" or (backend == "auto" and not hopper):
         try:
             return FlashAttnKernel()
         except ImportError:
@@ -163,7 +199,7 @@ def select_kernel(device: torch.device, backend: str = "auto") -> AttentionKerne
                     "sequence_pipeline.attention_backend = 'flash' but flash-attn is not "
                     "installed: `pip install 'torchtitan_seq[gpu]'`, or set it to 'sdpa'"
                 ) from None
-    return CudaSdpaKernel()
+    return CudnnSdpaKernel() if hopper else CudaSdpaKernel()
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, out_i: torch.Tensor, lse_i: torch.Tensor):
@@ -173,81 +209,151 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, out_i: torch.Tensor, lse_i: tor
     return out, new_lse
 
 
-class _UnitAttention(torch.autograd.Function):
-    """Attention of one unit over its prefix blocks and its own (causal) block."""
+class _Binding:
+    """What a bound attention layer's custom op reads at run time: the stage's context and kernel."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, block: KVBlock, prefix: list[KVBlock], kernel: AttentionKernel, scale: float):
-        out, lse = kernel.forward(q, k, v, True, scale)
-        if prefix:
-            out = out.float()
-            for p in prefix:
-                out_i, lse_i = kernel.forward(q, p.k, p.v, False, scale)
-                out, lse = _merge(out, lse, out_i.float(), lse_i)
-            out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.block, ctx.prefix, ctx.kernel, ctx.scale = block, prefix, kernel, scale
-        return out
+    __slots__ = ("context", "kernel", "__weakref__")
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        kernel, scale = ctx.kernel, ctx.scale
-        dout = dout.contiguous()
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
-        for p in ctx.prefix:
-            dq_i, dk_i, dv_i = kernel.backward(dout, q, p.k, p.v, out, lse, False, scale)
-            dq = dq + dq_i
-            p.accumulate(dk_i, dv_i)
-        later_k, later_v = ctx.block.take_grads()
-        # A graph can outlive its backward (torch keeps the last stage's losses
-        # until the step ends): let go of the K/V blocks now.
-        ctx.block = ctx.prefix = None
-        if later_k is not None:
-            dk, dv = dk + later_k, dv + later_v
-        return dq, dk, dv, None, None, None, None
+    def __init__(self, context: KVContext, kernel: AttentionKernel) -> None:
+        self.context, self.kernel = context, kernel
 
 
-def unit_attention(
-    context: KVContext,
-    layer_id: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kernel: AttentionKernel,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Attention of the context's current unit in layer ``layer_id``.
+# Custom ops take no Python objects: a bound layer passes a handle to its binding.
+_BINDINGS: weakref.WeakValueDictionary[int, _Binding] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
 
-    q: (B, Hq, L, D) post-RoPE; k, v: (B, Hkv, L, D) post-RoPE, before GQA
-    expansion. Returns (B, Hq, L, D).
+
+def _bound(ids: Tensor) -> tuple[KVContext, AttentionKernel, int]:
+    """The context, kernel and layer id behind a layer's ``ids``."""
+    handle, layer_id = ids.tolist()
+    binding = _BINDINGS.get(handle)
+    if binding is None:
+        raise RuntimeError(
+            f"unit attention of layer {layer_id}: its SequenceAttention module is gone or rebound; "
+            "keep the model alive (and bound) until its graphs have run backward"
+        )
+    return binding.context, binding.kernel, layer_id
+
+
+def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
+    # A custom op's outputs must have the strides of its fake implementation.
+    return tuple(t.contiguous() for t in tensors)
+
+
+@torch.library.custom_op("torchtitan_seq::unit_attention", mutates_args=())
+def _unit_attention(
+    q: Tensor, k: Tensor, v: Tensor, ids: Tensor, scale: float, compiled: bool
+) -> tuple[Tensor, Tensor]:
+    """Attention of the current unit over its prefix blocks and its own causal block.
+
+    Outside a unit (and outside a recomputation) it is causal attention over ``q``'s
+    sequence. Returns out (B, Hq, L, D) and lse (B, Hq, L) float32.
     """
+    context, kernel, layer_id = _bound(ids)
+    out, lse = kernel.forward(q, k, v, True, scale)
+    if context.unit is None and not context.recomputing:
+        return _contiguous(out, lse)
     if context.recomputing:
-        prefix, block = context.recorded(layer_id)
+        prefix, _ = context.recorded(layer_id)
     else:
-        prefix, block = context.append(layer_id, k, v)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _UnitAttention.apply(q, k, v, block, prefix, kernel, scale)
+        # A compiled graph may reuse the buffers of its intermediates once this op
+        # returns; the block that later units read must own its K/V.
+        prefix, _ = context.append(layer_id, k.clone() if compiled else k, v.clone() if compiled else v)
+    if prefix:
+        out = out.float()
+        for p in prefix:
+            out_i, lse_i = kernel.forward(q, p.k, p.v, False, scale)
+            out, lse = _merge(out, lse, out_i.float(), lse_i)
+        out = out.to(q.dtype)
+    return _contiguous(out, lse)
+
+
+@_unit_attention.register_fake
+def _(q, k, v, ids, scale, compiled):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())
+def _unit_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    ids: Tensor, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of :func:`_unit_attention`; sends dK/dV to the prefix blocks the unit read.
+
+    Per microbatch and stage the units run backward last first, so a unit's own block
+    has received every later unit's dK/dV by now (``KVBlock.take_grads``).
+    """
+    context, kernel, layer_id = _bound(ids)
+    dout = dout.contiguous()
+    if not context.in_backward:
+        return _contiguous(*kernel.backward(dout, q, k, v, out, lse, True, scale))
+    prefix, block = context.recorded(layer_id)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
+    for p in prefix:
+        dq_i, dk_i, dv_i = kernel.backward(dout, q, p.k, p.v, out, lse, False, scale)
+        dq = dq + dq_i
+        p.accumulate(dk_i, dv_i)
+    later_k, later_v = block.take_grads()
+    if later_k is not None:
+        dk, dv = dk + later_k, dv + later_v
+    return _contiguous(dq, dk, dv)
+
+
+@_unit_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, ids, scale):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, ids, ctx.scale, _compiled = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, ids)
+
+
+def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    q, k, v, out, lse, ids = ctx.saved_tensors
+    dq, dk, dv = torch.ops.torchtitan_seq.unit_attention_backward(
+        dout, q, k, v, out, lse, ids, ctx.scale
+    )
+    return dq, dk, dv, None, None, None
+
+
+_unit_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 class SequenceAttention(nn.Module):
     """Drop-in for torchtitan's ``ScaledDotProductAttentionWrapper``.
 
-    Outside a unit (no context bound, no unit running or recomputed) it computes exactly
-    what torchtitan's Llama 3 computes: causal SDPA over the whole sequence.
-    Inside a unit it runs :func:`unit_attention`. The context and the kernel
-    are set by :meth:`bind`, not at construction, because torchtitan deep-copies
-    the model per pipeline stage and each stage has its own context.
+    Unbound, it computes exactly what torchtitan's Llama 3 computes: causal SDPA over
+    the whole sequence. Bound to a stage's KV context (:meth:`bind`), it runs the
+    custom op ``torchtitan_seq::unit_attention``: the unit's attention over the
+    prefix the context holds, or causal attention over the input outside a unit.
+    The op is the boundary that torch.compile does not trace: the context's state
+    lives in Python, read when the op runs, never in a graph. The context and the
+    kernel are bound after construction because torchtitan deep-copies the model per
+    pipeline stage and each stage has its own context.
     """
 
     def __init__(self, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.kv_context: KVContext | None = None
-        self.kernel: AttentionKernel | None = None
+        # (handle, layer id) on the CPU: a tensor, not int attributes, so that torch.compile
+        # gives every layer of a model one graph instead of a graph per layer
+        self.ids: Tensor | None = None
+        self._binding: _Binding | None = None
+
+    @property
+    def kv_context(self) -> KVContext | None:
+        return None if self._binding is None else self._binding.context
 
     def bind(self, context: KVContext | None, kernel: AttentionKernel | None) -> None:
-        self.kv_context, self.kernel = context, kernel
+        if context is None:
+            self.ids = self._binding = None
+            return
+        self._binding = _Binding(context, kernel)
+        handle = next(_HANDLES)
+        _BINDINGS[handle] = self._binding
+        self.ids = torch.tensor([handle, self.layer_id])
 
     def forward(
         self,
@@ -259,14 +365,19 @@ class SequenceAttention(nn.Module):
         enable_gqa: bool = False,
         is_causal: bool = True,
     ) -> torch.Tensor:
-        context = self.kv_context
-        if context is None or (context.unit is None and not context.recomputing):
+        """q: (B, Hq, L, D) post-RoPE; k, v: (B, Hkv, L, D) post-RoPE, before GQA expansion.
+        Returns (B, Hq, L, D)."""
+        if self.ids is None:
             return F.scaled_dot_product_attention(
                 q, k, v, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa
             )
         if not is_causal:
             raise ValueError("SequenceAttention runs units of causal attention only")
-        return unit_attention(context, self.layer_id, q, k, v, self.kernel, scale)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out, _ = torch.ops.torchtitan_seq.unit_attention(
+            q, k, v, self.ids, scale, torch.compiler.is_compiling()
+        )
+        return out
 
 
 def bind_kv_context(model: nn.Module, context: KVContext | None, kernel: AttentionKernel | None) -> int:

@@ -37,7 +37,8 @@ class SequencePipeline:
     """Run each unit's backward as separate input- and weight-gradient passes."""
 
     attention_backend: Literal["auto", "flash", "sdpa"] = "auto"
-    """'auto' (flash-attn on CUDA when installed, SDPA otherwise), 'flash' or 'sdpa'."""
+    """'auto' (on CUDA: torch's cuDNN kernel on Hopper, else flash-attn when installed, else
+    torch's flash kernel), 'flash' (flash-attn) or 'sdpa' (torch's kernels)."""
 
     bidirectional_placement: Literal["paired", "linear"] = "paired"
     """BSIPipe only: 'paired' puts each mirrored pair of pipeline positions

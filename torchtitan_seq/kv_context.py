@@ -119,6 +119,11 @@ class KVContext:
         return self._unit
 
     @property
+    def in_backward(self) -> bool:
+        """Whether a unit's backward pass is running."""
+        return self._backward_unit is not None
+
+    @property
     def recomputing(self) -> bool:
         """Whether a forward now is a recomputation inside a unit's backward."""
         return self._unit is None and self._backward_unit is not None

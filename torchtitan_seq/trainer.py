@@ -115,19 +115,27 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
 
 
 def _check_compile(job_config: JobConfig, schedule: str) -> None:
-    """torch.compile: not yet through the KV context; torchtitan's memory-budget AC needs it."""
+    """torchtitan's memory-budget activation checkpointing is a compile pass: it needs compile.
+    Compiled blocks run no split backward, nor tensor parallelism in a pipeline (torch 2.13)."""
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
-    if schedule in SEQUENCE_SCHEDULES and job_config.compile.enable:
+    par = job_config.parallelism
+    if compile_model and job_config.sequence_pipeline.split_backward and schedule in SEQUENCE_SCHEDULES:
         raise ValueError(
-            f"compile.enable = true is not supported with the sequence schedule {schedule} yet "
-            "(dynamo cannot trace the KV context inside unit attention): set compile.enable = false"
+            "sequence_pipeline.split_backward = true cannot run with compile.enable = true: a "
+            "compiled block is one autograd node, so the weight pass would run its whole backward "
+            "again (and torch 2.13 then gets some weight gradients wrong); use a full backward"
+        )
+    if compile_model and par.tensor_parallel_degree > 1 and par.pipeline_parallel_degree > 1:
+        raise ValueError(
+            f"compile.enable = true cannot run with parallelism.tensor_parallel_degree = "
+            f"{par.tensor_parallel_degree} in a pipeline: torch 2.13 hands the compiled blocks' "
+            f"backward plain tensors for DTensors (torch's 1F1B alike); turn one of them off"
         )
     if job_config.activation_checkpoint.mode == "memory_budget" and not compile_model:
         raise ValueError(
-            "activation_checkpoint.mode = 'memory_budget' needs torch.compile of the model "
-            "(compile.enable = true, 'model' in compile.components), which "
-            + (f"the sequence schedule {schedule} does not support yet: " if schedule in SEQUENCE_SCHEDULES else "is off: ")
-            + "use activation_checkpoint.mode 'full', 'selective' or 'none'"
+            "activation_checkpoint.mode = 'memory_budget' needs torch.compile of the model: "
+            "set compile.enable = true with 'model' in compile.components, or use "
+            "activation_checkpoint.mode 'full', 'selective' or 'none'"
         )
 
 

@@ -25,8 +25,7 @@ def test_the_shipped_config_passes():
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        (("--compile.enable",), "compile.enable = true is not supported with the sequence schedule Seq1F1B"),
-        (("--activation_checkpoint.mode", "memory_budget"), "activation_checkpoint.mode = 'memory_budget'"),
+        (("--activation_checkpoint.mode", "memory_budget"), "activation_checkpoint.mode = 'memory_budget' needs torch.compile"),
         (("--activation_checkpoint.mode", "memory_budget", "--parallelism.pipeline_parallel_schedule", "1F1B"),
          "activation_checkpoint.mode = 'memory_budget' needs torch.compile"),
         (("--model.flavor", "debugmodel_flex_attn"), "model.flavor = 'debugmodel_flex_attn' is not a flavor"),
@@ -35,10 +34,25 @@ def test_the_shipped_config_passes():
         (("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "3"),
          "validation.local_batch_size = 3"),
     ],
-    ids=["compile", "memory_budget", "memory_budget-without-compile", "flex_attn", "varlen_attn",
+    ids=["memory_budget", "memory_budget-without-compile", "flex_attn", "varlen_attn",
          "validation-seq_len", "validation-batch"],
 )
 def test_refused_in_one_message_naming_the_setting(overrides, needle):
     with pytest.raises(ValueError, match=None) as e:
         _check(*overrides)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_compile_with_tp_in_a_pipeline_is_refused():
+    for schedule in ("Seq1F1B", "1F1B"):  # torch's own fails the same way
+        with pytest.raises(ValueError) as e:
+            _check("--compile.enable", "--parallelism.tensor_parallel_degree", "2",
+                   "--parallelism.pipeline_parallel_schedule", schedule, world=4)
+        assert "compile.enable = true cannot run with parallelism.tensor_parallel_degree = 2" in str(e.value)
+    _check("--compile.enable", "--parallelism.data_parallel_shard_degree", "2", world=4)  # FSDP2 runs
+
+
+def test_compile_with_split_backward_is_refused():
+    with pytest.raises(ValueError) as e:
+        _check("--compile.enable", "--sequence_pipeline.split_backward")
+    assert "split_backward = true cannot run with compile.enable = true" in str(e.value)

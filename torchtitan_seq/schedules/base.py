@@ -70,6 +70,8 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         lengths = stages[0].lengths
         if any(s.lengths != lengths for s in stages):
             raise ValueError("all stages of a sequence schedule must cut sequences alike")
+        # torch.compile: at most a graph per distinct unit length (and the shape inference's)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(set(lengths)) + 1)
         self.lengths = lengths
         self.num_subsequences = k = len(lengths)
         self.num_microbatches = n_microbatches
