@@ -136,7 +136,7 @@ class CudnnSdpaKernel(CudaSdpaKernel):
         # Without dropout the RNG state is not read; no sequence offsets: not the varlen kernel.
         rng = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, self._expand(k, n_rep), self._expand(v, n_rep), out, lse.unsqueeze(-1).contiguous(),
+            dout, q, self._expand(k, n_rep), self._expand(v, n_rep), out.contiguous(), lse.unsqueeze(-1).contiguous(),
             rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
         )
         return dq, self._reduce(dk, n_rep), self._reduce(dv, n_rep)
@@ -240,6 +240,13 @@ def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
 
 
+def _heads_inner(out: Tensor) -> Tensor:
+    """(B, H, L, D) laid out as (B, L, H, D) in memory: what torch's attention kernels
+    mostly return, and what torchtitan's ``out.transpose(1, 2).contiguous()`` then takes
+    without a copy, so the output projection saves the same storage as this op does."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 @torch.library.custom_op("torchtitan_seq::unit_attention", mutates_args=())
 def _unit_attention(
     q: Tensor, k: Tensor, v: Tensor, ids: Tensor, scale: float, compiled: bool
@@ -252,7 +259,7 @@ def _unit_attention(
     context, kernel, layer_id = _bound(ids)
     out, lse = kernel.forward(q, k, v, True, scale)
     if context.unit is None and not context.recomputing:
-        return _contiguous(out, lse)
+        return _heads_inner(out), lse.contiguous()
     if context.recomputing:
         prefix, _ = context.recorded(layer_id)
     else:
@@ -265,12 +272,13 @@ def _unit_attention(
             out_i, lse_i = kernel.forward(q, p.k, p.v, False, scale)
             out, lse = _merge(out, lse, out_i.float(), lse_i)
         out = out.to(q.dtype)
-    return _contiguous(out, lse)
+    return _heads_inner(out), lse.contiguous()
 
 
 @_unit_attention.register_fake
 def _(q, k, v, ids, scale, compiled):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    b, h, n, d = q.shape
+    return q.new_empty(b, n, h, d).transpose(1, 2), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())
@@ -341,10 +349,6 @@ class SequenceAttention(nn.Module):
         # gives every layer of a model one graph instead of a graph per layer
         self.ids: Tensor | None = None
         self._binding: _Binding | None = None
-
-    @property
-    def kv_context(self) -> KVContext | None:
-        return None if self._binding is None else self._binding.context
 
     def bind(self, context: KVContext | None, kernel: AttentionKernel | None) -> None:
         if context is None:

@@ -19,7 +19,7 @@ PP2 = [
     Variant("seq1f1b-k3-compute-ac-selective-op", k=3, partition="compute", ac="selective:op", **C),
     Variant("seq1f1b-k3-compute-ac-memory_budget", k=3, partition="compute", ac="memory_budget", **C),
     Variant("interleaved-k3-compute", schedule="InterleavedSeq1F1B", k=3, partition="compute", **C),
-    Variant("terapipe-k4-even", schedule="TeraPipe", k=4, **C),
+    Variant("terapipe-k4-latency", schedule="TeraPipe", k=4, partition="latency", **C),
     Variant("bsipipe-k2-even", schedule="BSIPipe", k=2, **C),
 ]
 # The job check refuses compile with split backward (a compiled block is one autograd
