@@ -112,9 +112,10 @@ def test_calibration_writes_a_cost_file_the_simulator_reads(tmp_path):
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(cost))
     record = bench.Record(
-        schedule="Seq1F1B", label="Seq1F1B k=3 even", seq_len=256, num_subsequences=3, partition="even",
+        schedule="Seq1F1B", label="Seq1F1B k=3 even", compiled=False, seq_len=256, num_subsequences=3, partition="even",
         lengths=[128, 64, 64], pp=2, microbatches=2, steps_measured=1, step_times_s=[1.0], step_time_s=1.0,
         tokens_per_s=512.0, peak_activation_bytes=[1, 1], bubble_ratio=None, pipeline_time_s=None,
+        first_step_s=1.0,
     )
     # Rank 0 alone runs F and B of every unit of both microbatches.
     assert bench.predicted_step_time(record, path) >= 2 * (sum(cost["F"]) + sum(cost["B"]))
