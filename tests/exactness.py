@@ -46,6 +46,7 @@ class Variant:
     dp_shard: int = 1  # FSDP2 degree, through torchtitan's parallelize_llama
     tp: int = 1  # tensor-parallel degree, likewise
     compile: str | None = None  # torch.compile backend of torchtitan's per-block compile, e.g. "inductor"
+    documents: bool = False  # packed documents (block-causal attention), laid out by packed_tokens
 
     @property
     def world(self) -> int:
@@ -84,6 +85,24 @@ def init_test_weights(model: torch.nn.Module) -> None:
     for p in model.parameters():
         if p.dim() == 2:
             p.normal_(0.0, 0.1)
+
+
+EOS = 0
+# Document lengths per batch row, for seq_len 32 (scaled to others); None: no EOS at all.
+# Row 0: a unit of 8 holding two whole documents, a document ending exactly at the
+# boundary 16 after spanning two units, one spanning the last two; row 2: a document
+# over two and a half units; row 3: one-token documents; row 4: one document ended by EOS.
+DOCUMENT_LAYOUTS = [[3, 2, 2, 9, 16], None, [20, 12], [1, 30, 1], [32]]
+
+
+def packed_tokens(batch: int, seq_len: int, g: torch.Generator, shift: int = 0) -> torch.Tensor:
+    """(batch, seq_len) tokens whose EOS tokens end the documents of ``DOCUMENT_LAYOUTS``."""
+    tokens = torch.randint(1, 64, (batch, seq_len), generator=g)
+    for row in range(batch):
+        layout = DOCUMENT_LAYOUTS[(row + shift) % len(DOCUMENT_LAYOUTS)]
+        if layout is not None:
+            tokens[row, torch.tensor(layout).cumsum(0) * seq_len // 32 - 1] = EOS
+    return tokens
 
 
 def _free_port() -> int:
@@ -184,6 +203,13 @@ def _run_variant(v: Variant, rank: int) -> dict:
         tuple(torch.randint(0, args.vocab_size, (batch, v.seq_len), generator=g) for _ in range(2))
         for _ in range(v.optimizer_steps + 1)
     ]
+    if v.documents:
+        from torchtitan_seq.documents import document_ids
+
+        # the compared (last) batch has DOCUMENT_LAYOUTS' first rows; earlier ones others
+        batches = [(packed_tokens(batch, v.seq_len, g, shift=len(batches) - 1 - i), labels)
+                   for i, (_, labels) in enumerate(batches)]
+    masks = {id(tokens): document_ids(tokens, EOS) if v.documents else None for tokens, _ in batches}
     # Each data-parallel rank trains on its slice of the batch and reports its share of the loss.
     local = slice(None)
     if v.dp_shard > 1:
@@ -192,7 +218,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
 
     def reference_step(tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, dict]:
         reference.zero_grad(set_to_none=True)
-        logits = reference(tokens)
+        logits = reference(tokens, masks[id(tokens)])
         (cross_entropy_loss(logits, labels) / labels.numel()).backward()
         loss = float(cross_entropy_loss(logits[local], labels[local]) / labels.numel())
         return loss, {n: p.grad.clone() for n, p in reference.named_parameters()}
@@ -236,8 +262,10 @@ def _run_variant(v: Variant, rank: int) -> dict:
                 opt.zero_grad(set_to_none=True)
                 losses = [] if last else None
                 with memory.track():
+                    ids = masks[id(tokens)]
                     sched.step(*((tokens[local],) if first else ()),
-                               target=labels[local] if last else None, losses=losses)
+                               target=labels[local] if last else None, losses=losses,
+                               attention_masks=ids[local] if ids is not None else None)
                 activations_left.append(memory.current)
                 peaks.append(memory.peak)
                 graphs.append(counters["stats"]["unique_graphs"])

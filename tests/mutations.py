@@ -33,8 +33,9 @@ def _prefix_grads(keep_k: bool, keep_v: bool) -> list:
 
     accumulate = KVBlock.accumulate
 
-    def dropped(self, grad_k, grad_v):
-        accumulate(self, grad_k if keep_k else torch.zeros_like(grad_k), grad_v if keep_v else torch.zeros_like(grad_v))
+    def dropped(self, grad_k, grad_v, where=()):
+        accumulate(self, grad_k if keep_k else torch.zeros_like(grad_k),
+                   grad_v if keep_v else torch.zeros_like(grad_v), where)
     return [mock.patch.object(KVBlock, "accumulate", dropped)]
 
 
@@ -131,14 +132,14 @@ def _tp_wrong_shard(ctx: MutationContext) -> list:
     init = KVBlock.__init__
     group = ctx.tp_group
 
-    def neighbours(self, k, v):
+    def neighbours(self, k, v, offset=0):
         size, me = dist.get_world_size(group), dist.get_rank(group)
         shards = []
         for t in (k.detach().contiguous(), v.detach().contiguous()):
             gathered = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(gathered, t, group=group)
             shards.append(gathered[(me + 1) % size])
-        init(self, *shards)
+        init(self, *shards, offset)
     return [mock.patch.object(KVBlock, "__init__", neighbours)]
 
 
@@ -156,6 +157,13 @@ def _copies_not_synced(ctx: MutationContext) -> list:
     return [mock.patch.object(MirroredCopies, "sync_parameters", lambda self: None)]
 
 
+def _across_documents(ctx: MutationContext) -> list:
+    """Packed documents: a unit's queries read the whole prefix, across document boundaries."""
+    from torchtitan_seq.documents import Documents
+
+    return [mock.patch.object(Documents, "start_of", lambda self, row, position: 0)]
+
+
 MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "prefix_dk_dropped": lambda ctx: _prefix_grads(keep_k=False, keep_v=True),
     "prefix_dv_dropped": lambda ctx: _prefix_grads(keep_k=True, keep_v=False),
@@ -168,6 +176,7 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "tp_wrong_shard": _tp_wrong_shard,
     "bsipipe_pairs_not_combined": _pairs_not_combined,
     "bsipipe_copies_not_synced": _copies_not_synced,
+    "across_documents": _across_documents,
 }
 
 

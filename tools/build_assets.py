@@ -4,6 +4,8 @@ Writes::
 
     torchtitan_seq/assets/text/train.jsonl.gz
     torchtitan_seq/assets/text/validation.jsonl.gz
+    torchtitan_seq/assets/text/packed.jsonl.gz
+    torchtitan_seq/assets/text/packed_validation.jsonl.gz
     torchtitan_seq/assets/tokenizer/tokenizer.json
     torchtitan_seq/assets/tokenizer/tokenizer_config.json
 
@@ -13,20 +15,31 @@ language reference topics pydoc ships in ``pydoc_data``. Building therefore
 needs no network, and re-running it on the same Python build rewrites
 byte-identical files.
 
+``train``/``validation`` hold long documents (at least MIN_DOC_TOKENS each);
+``packed``/``packed_validation`` hold short documents of log-normally spread
+lengths, cut at paragraph boundaries from the same text, for training with many
+documents packed into one sequence (block-causal attention).
+
 Usage (from the repository root, inside the virtualenv)::
 
     python tools/build_assets.py
+    # Only the packed files, cut from the shipped train/validation text with the
+    # shipped tokenizer (under a minute; the same bytes as a full rebuild):
+    python tools/build_assets.py --packed-only
 """
 
+import argparse
 import ast
 import gzip
 import importlib
 import inspect
 import json
+import math
 import os
 import pkgutil
 import pydoc
 import pydoc_data.topics
+import random
 import re
 import statistics
 import sys
@@ -49,6 +62,16 @@ VOCAB_SIZE = 2048
 # from a single document.
 MIN_DOC_TOKENS = 20_000
 VALIDATION_DOCS = 10
+# Packed corpus: document lengths in tokens (without BOS/EOS) drawn from a
+# log-normal distribution, clipped to [PACKED_MIN_TOKENS, PACKED_MAX_TOKENS].
+PACKED_MEDIAN_TOKENS = 400
+PACKED_SIGMA = 1.0  # of log(length): 5% of documents under ~80, 5% over ~2000
+PACKED_MIN_TOKENS = 32
+PACKED_MAX_TOKENS = 4096
+PACKED_SEED = 0
+# About this much text (characters) per split, taken evenly over the source.
+PACKED_TRAIN_CHARS = 3_000_000
+PACKED_VALIDATION_CHARS = 300_000
 
 SKIPPED_MODULES = frozenset(
     {
@@ -212,6 +235,96 @@ def pack_documents(units: list[str], tokenizer: Tokenizer) -> list[str]:
     return docs
 
 
+def cut_short_documents(
+    docs: list[str], tokenizer: Tokenizer, rng: random.Random
+) -> list[str]:
+    """Cut ``docs`` at blank lines into documents of log-normally drawn lengths.
+
+    Each document takes consecutive paragraphs until it is as close to its
+    drawn length as paragraph boundaries allow, never below PACKED_MIN_TOKENS
+    nor above PACKED_MAX_TOKENS. A paragraph longer than the drawn length on
+    its own is skipped when it would start a document (about half the source
+    text), so that the lengths follow the drawn distribution.
+    """
+    paragraphs = [p for doc in docs for p in doc.split("\n\n") if p.strip()]
+    counts = [len(e.ids) for e in tokenizer.encode_batch(paragraphs)]
+    separator = len(tokenizer.encode("\n\n").ids)
+    mu = math.log(PACKED_MEDIAN_TOKENS)
+
+    def draw() -> int:
+        length = round(rng.lognormvariate(mu, PACKED_SIGMA))
+        return min(max(length, PACKED_MIN_TOKENS), PACKED_MAX_TOKENS)
+
+    short_docs, current, current_tokens, target = [], [], 0, draw()
+    for paragraph, count in zip(paragraphs, counts):
+        if not current and count > target:
+            # Left out rather than let long paragraphs (tables, long lists)
+            # skew the lengths up: they hold a large share of the tokens.
+            continue
+        joined = current_tokens + separator + count if current else count
+        if current and (
+            joined > PACKED_MAX_TOKENS
+            or (
+                current_tokens >= PACKED_MIN_TOKENS
+                and joined - target > target - current_tokens
+            )
+        ):
+            # Adding the paragraph would move away from the target: close.
+            short_docs.append("\n\n".join(current))
+            current, current_tokens, target = [], 0, draw()
+            if count > target:
+                continue
+            joined = count
+        current.append(paragraph)
+        current_tokens = joined
+        if current_tokens >= target:
+            short_docs.append("\n\n".join(current))
+            current, current_tokens, target = [], 0, draw()
+    if current:
+        short_docs.append("\n\n".join(current))
+    # Tokens can merge across a blank line, so the sums above are estimates:
+    # leave out the few documents whose exact length falls outside the clip.
+    lengths = [len(e.ids) for e in tokenizer.encode_batch(short_docs)]
+    return [
+        doc
+        for doc, length in zip(short_docs, lengths)
+        if PACKED_MIN_TOKENS <= length <= PACKED_MAX_TOKENS
+    ]
+
+
+def spread_subset(docs: list[str], chars: int) -> list[str]:
+    """About ``chars`` characters of ``docs``, taken evenly over the list."""
+    total = sum(map(len, docs))
+    if total <= chars:
+        return docs
+    # Keep document i when the running quota chars/total crosses an integer.
+    return [
+        doc
+        for i, doc in enumerate(docs)
+        if (i + 1) * chars // total != i * chars // total
+    ]
+
+
+def build_packed(
+    train: list[str], validation: list[str], tokenizer: Tokenizer
+) -> dict[str, list[str]]:
+    """The packed corpus, by file name: short documents from each split."""
+    packed = {}
+    for name, docs, chars, seed in (
+        ("packed.jsonl.gz", train, PACKED_TRAIN_CHARS, PACKED_SEED),
+        (
+            "packed_validation.jsonl.gz",
+            validation,
+            PACKED_VALIDATION_CHARS,
+            PACKED_SEED + 1,
+        ),
+    ):
+        packed[name] = spread_subset(
+            cut_short_documents(docs, tokenizer, random.Random(seed)), chars
+        )
+    return packed
+
+
 def split_validation(docs: list[str]) -> tuple[list[str], list[str]]:
     """Hold out VALIDATION_DOCS documents spread evenly over the corpus."""
     stride = len(docs) // VALIDATION_DOCS
@@ -229,6 +342,12 @@ def write_jsonl_gz(path: Path, docs: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # mtime=0 keeps the timestamp out of the gzip header.
     path.write_bytes(gzip.compress(payload.encode(), compresslevel=9, mtime=0))
+
+
+def read_jsonl_gz(path: Path) -> list[str]:
+    """The texts of a file written by :func:`write_jsonl_gz`."""
+    lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+    return [json.loads(line)["text"] for line in lines]
 
 
 def write_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
@@ -251,24 +370,48 @@ def write_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
     )
 
 
-def main() -> None:
-    isolate()
-    # Deprecated stdlib modules warn on import; their documentation is still text.
-    warnings.simplefilter("ignore", DeprecationWarning)
-    units = corpus_units()
-    tokenizer = train_tokenizer(units)
-    train, validation = split_validation(pack_documents(units, tokenizer))
-    write_jsonl_gz(TEXT_DIR / "train.jsonl.gz", train)
-    write_jsonl_gz(TEXT_DIR / "validation.jsonl.gz", validation)
-    write_tokenizer(tokenizer, TOKENIZER_DIR)
+def print_stats(split: str, docs: list[str], tokenizer: Tokenizer) -> None:
+    """One line: document count, size and token-length distribution."""
+    tokens = sorted(len(e.ids) for e in tokenizer.encode_batch(docs))
+    p10, p25, p75, p90 = (tokens[len(tokens) * q // 100] for q in (10, 25, 75, 90))
+    print(
+        f"{split}: {len(docs)} docs, {sum(map(len, docs)):,} chars, "
+        f"{sum(tokens):,} tokens, tokens/doc min {min(tokens):,} "
+        f"median {statistics.median(tokens):,.0f} max {max(tokens):,} "
+        f"(p10 {p10:,} p25 {p25:,} p75 {p75:,} p90 {p90:,})"
+    )
 
-    for split, docs in (("train", train), ("validation", validation)):
-        tokens = [len(e.ids) for e in tokenizer.encode_batch(docs)]
-        print(
-            f"{split}: {len(docs)} docs, {sum(map(len, docs)):,} chars, "
-            f"{sum(tokens):,} tokens, tokens/doc min {min(tokens):,} "
-            f"median {statistics.median(tokens):,.0f} max {max(tokens):,}"
-        )
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--packed-only",
+        action="store_true",
+        help="only rewrite packed*.jsonl.gz, from the shipped train/validation "
+        "files and tokenizer",
+    )
+    args = parser.parse_args()
+    if args.packed_only:
+        tokenizer = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+        train = read_jsonl_gz(TEXT_DIR / "train.jsonl.gz")
+        validation = read_jsonl_gz(TEXT_DIR / "validation.jsonl.gz")
+        splits = {}
+    else:
+        isolate()
+        # Deprecated stdlib modules warn on import; their documentation is still text.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        units = corpus_units()
+        tokenizer = train_tokenizer(units)
+        train, validation = split_validation(pack_documents(units, tokenizer))
+        splits = {"train.jsonl.gz": train, "validation.jsonl.gz": validation}
+    splits.update(build_packed(train, validation, tokenizer))
+    for name, docs in splits.items():
+        write_jsonl_gz(TEXT_DIR / name, docs)
+    if not args.packed_only:
+        write_tokenizer(tokenizer, TOKENIZER_DIR)
+
+    for name, docs in splits.items():
+        print_stats(name.removesuffix(".jsonl.gz"), docs, tokenizer)
     print(f"vocab size: {tokenizer.get_vocab_size()}")
     for path in sorted(ASSETS_DIR.rglob("*.*")):
         print(f"{path.relative_to(ASSETS_DIR)}: {path.stat().st_size:,} bytes")

@@ -10,6 +10,12 @@ output and log-sum-exp, which is exact (the ring-attention identity), so the
 unit saves only references and the log-sum-exp: no concatenated K/V and no
 mask are ever built.
 
+Packed documents (block-causal attention, :mod:`torchtitan_seq.documents`) keep
+this shape: per batch row, each piece of a document within the unit is a causal
+diagonal block, and only the queries of the document that continues into the
+unit read the prefix, from that document's first key on. Prefix blocks of
+earlier documents are neither computed nor read.
+
 Kernels: torch's cuDNN kernel on Hopper GPUs, flash-attn on other GPUs when installed,
 torch's SDPA kernels otherwise (``aten._scaled_dot_product_flash_attention_for_cpu`` on
 the CPU).
@@ -32,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kv_context import KVContext
+from .documents import Documents, document_mask
+from .kv_context import KVBlock, KVContext, Unit
 
 __all__ = ["AttentionKernel", "select_kernel", "SequenceAttention", "bind_kv_context"]
 
@@ -235,6 +242,33 @@ def _bound(ids: Tensor) -> tuple[KVContext, AttentionKernel, int]:
     return binding.context, binding.kernel, layer_id
 
 
+_Diagonal = tuple[slice, int, int]
+"""(batch rows, start, stop): causal attention of the unit's queries [start, stop) to its keys there."""
+_Rectangle = tuple[slice, int, KVBlock, int, int]
+"""(batch rows, stop, block, start, stop): the unit's queries [0, stop) to the block's keys [start, stop)."""
+
+
+def _reads(unit: Unit | None, documents: Documents | None, length: int, prefix: list[KVBlock]) -> tuple[
+    list[_Diagonal], list[_Rectangle]
+]:
+    """What a unit of ``length`` queries attends to: its diagonal blocks and its prefix rectangles."""
+    rows = slice(None)
+    if documents is None:
+        return [(rows, 0, length)], [(rows, length, p, 0, p.k.shape[2]) for p in prefix]
+    offset = unit.offset
+    diagonal: list[_Diagonal] = []
+    rectangles: list[_Rectangle] = []
+    for b in range(documents.batch):
+        rows = slice(b, b + 1)
+        pieces = documents.pieces(b, offset, offset + length)
+        diagonal += [(rows, start, stop) for start, stop in pieces]
+        first = documents.start_of(b, offset)
+        rectangles += [
+            (rows, pieces[0][1], p, max(first - p.offset, 0), p.k.shape[2]) for p in prefix if p.end > first
+        ]
+    return diagonal, rectangles
+
+
 def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
     # A custom op's outputs must have the strides of its fake implementation.
     return tuple(t.contiguous() for t in tensors)
@@ -257,20 +291,32 @@ def _unit_attention(
     sequence. Returns out (B, Hq, L, D) and lse (B, Hq, L) float32.
     """
     context, kernel, layer_id = _bound(ids)
-    out, lse = kernel.forward(q, k, v, True, scale)
-    if context.unit is None and not context.recomputing:
-        return _heads_inner(out), lse.contiguous()
-    if context.recomputing:
+    unit = context.active_unit
+    if unit is None:
+        prefix = []
+    elif context.recomputing:
         prefix, _ = context.recorded(layer_id)
     else:
         # A compiled graph may reuse the buffers of its intermediates once this op
         # returns; the block that later units read must own its K/V.
         prefix, _ = context.append(layer_id, k.clone() if compiled else k, v.clone() if compiled else v)
-    if prefix:
+    documents = context.documents_of(unit) if unit is not None else None
+    diagonal, rectangles = _reads(unit, documents, q.shape[2], prefix)
+    if len(diagonal) == 1:
+        out, lse = kernel.forward(q, k, v, True, scale)
+    else:
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        for rows, a, e in diagonal:
+            out[rows, :, a:e], lse[rows, :, a:e] = kernel.forward(
+                q[rows, :, a:e], k[rows, :, a:e], v[rows, :, a:e], True, scale
+            )
+    if rectangles:
         out = out.float()
-        for p in prefix:
-            out_i, lse_i = kernel.forward(q, p.k, p.v, False, scale)
-            out, lse = _merge(out, lse, out_i.float(), lse_i)
+        for rows, stop, p, a, e in rectangles:
+            out_i, lse_i = kernel.forward(q[rows, :, :stop], p.k[rows, :, a:e], p.v[rows, :, a:e], False, scale)
+            out[rows, :, :stop], lse[rows, :, :stop] = _merge(
+                out[rows, :, :stop], lse[rows, :, :stop], out_i.float(), lse_i
+            )
         out = out.to(q.dtype)
     return _heads_inner(out), lse.contiguous()
 
@@ -293,14 +339,28 @@ def _unit_attention_backward(
     """
     context, kernel, layer_id = _bound(ids)
     dout = dout.contiguous()
-    if not context.in_backward:
-        return _contiguous(*kernel.backward(dout, q, k, v, out, lse, True, scale))
-    prefix, block = context.recorded(layer_id)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
-    for p in prefix:
-        dq_i, dk_i, dv_i = kernel.backward(dout, q, p.k, p.v, out, lse, False, scale)
-        dq = dq + dq_i
-        p.accumulate(dk_i, dv_i)
+    unit = context.active_unit if context.in_backward else None
+    prefix, block = context.recorded(layer_id) if unit is not None else ([], None)
+    documents = context.documents_of(unit) if unit is not None else None
+    diagonal, rectangles = _reads(unit, documents, q.shape[2], prefix)
+    if len(diagonal) == 1:
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
+    else:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for rows, a, e in diagonal:
+            dq[rows, :, a:e], dk[rows, :, a:e], dv[rows, :, a:e] = kernel.backward(
+                dout[rows, :, a:e], q[rows, :, a:e], k[rows, :, a:e], v[rows, :, a:e],
+                out[rows, :, a:e], lse[rows, :, a:e], True, scale,
+            )
+    for rows, stop, p, a, e in rectangles:
+        dq_i, dk_i, dv_i = kernel.backward(
+            dout[rows, :, :stop], q[rows, :, :stop], p.k[rows, :, a:e], p.v[rows, :, a:e],
+            out[rows, :, :stop], lse[rows, :, :stop], False, scale,
+        )
+        dq[rows, :, :stop] += dq_i
+        p.accumulate(dk_i, dv_i, () if dk_i.shape == p.k.shape else (rows, slice(None), slice(a, e)))
+    if block is None:
+        return _contiguous(dq, dk, dv)
     later_k, later_v = block.take_grads()
     if later_k is not None:
         dk, dv = dk + later_k, dv + later_v
@@ -368,12 +428,16 @@ class SequenceAttention(nn.Module):
         scale: float | None = None,
         enable_gqa: bool = False,
         is_causal: bool = True,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: (B, Hq, L, D) post-RoPE; k, v: (B, Hkv, L, D) post-RoPE, before GQA expansion.
+        documents: (B, L) document ids of a packed batch (block-causal attention), read
+        when unbound; a bound layer reads its unit's documents from the KV context.
         Returns (B, Hq, L, D)."""
         if self.ids is None:
+            mask = None if documents is None else document_mask(documents)
             return F.scaled_dot_product_attention(
-                q, k, v, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa
+                q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal and mask is None, enable_gqa=enable_gqa
             )
         if not is_causal:
             raise ValueError("SequenceAttention runs units of causal attention only")

@@ -25,6 +25,12 @@ on the stage; from then on the unit graphs alone keep the blocks alive, and
 they free them as backward runs. :meth:`KVContext.clear` drops everything at
 the end of a step.
 
+Packed documents (block-causal attention): the schedule hands the context each
+microbatch's :class:`~torchtitan_seq.documents.Documents`. A unit then reads,
+of the prefix, only the blocks that hold keys of the document continuing into
+it, and the context lets go of the blocks of documents that ended before the
+unit: no later unit of the microbatch reads them.
+
 Activation checkpointing re-runs a unit's forward inside its backward. The
 stage announces that backward (:meth:`KVContext.backward`), and the attention
 then reads the blocks the unit's first forward used (:meth:`KVContext.recorded`)
@@ -39,6 +45,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+
+from .documents import Documents
 
 __all__ = ["Unit", "KVBlock", "KVContext"]
 
@@ -69,20 +77,33 @@ class Unit:
 class KVBlock:
     """K/V of one unit in one layer, with the gradient later units send it.
 
-    ``k`` and ``v`` are detached, shaped (batch, kv_heads, length, head_dim).
+    ``k`` and ``v`` are detached, shaped (batch, kv_heads, length, head_dim);
+    ``offset`` is the position of the block's first key in the sequence.
     """
 
-    __slots__ = ("k", "v", "_grad_k", "_grad_v")
+    __slots__ = ("k", "v", "offset", "_grad_k", "_grad_v")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, offset: int = 0):
         self.k = k.detach()
         self.v = v.detach()
+        self.offset = offset
         self._grad_k: torch.Tensor | None = None
         self._grad_v: torch.Tensor | None = None
 
-    def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor) -> None:
-        """Add the gradient that a later unit's attention sends into this block."""
-        if self._grad_k is None:
+    @property
+    def end(self) -> int:
+        """Position after the block's last key."""
+        return self.offset + self.k.shape[2]
+
+    def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, where: tuple[slice, ...] = ()) -> None:
+        """Add the gradient that a later unit's attention sends into this block, or into
+        the part ``where`` (an index of k) of it."""
+        if where:
+            if self._grad_k is None:
+                self._grad_k, self._grad_v = torch.zeros_like(self.k), torch.zeros_like(self.v)
+            self._grad_k[where] += grad_k
+            self._grad_v[where] += grad_v
+        elif self._grad_k is None:
             self._grad_k, self._grad_v = grad_k, grad_v
         else:
             self._grad_k = self._grad_k + grad_k
@@ -107,8 +128,11 @@ class KVContext:
     def __init__(self) -> None:
         self._unit: Unit | None = None
         self._backward_unit: Unit | None = None
-        # microbatch -> layer id -> blocks of units 0..j-1, in order
-        self._blocks: dict[int, dict[int, list[KVBlock]]] = {}
+        self.documents: list[Documents] | None = None
+        """Per microbatch, its packed documents (block-causal attention); None: causal."""
+        # microbatch -> layer id -> blocks of units 0..j-1, in order; None for a
+        # block no later unit reads
+        self._blocks: dict[int, dict[int, list[KVBlock | None]]] = {}
         # (microbatch, subsequence) -> layer id -> (prefix, block) of its forward,
         # kept until the unit's backward is over, for recomputation
         self._records: dict[tuple[int, int], dict[int, tuple[list[KVBlock], KVBlock]]] = {}
@@ -122,6 +146,15 @@ class KVContext:
     def in_backward(self) -> bool:
         """Whether a unit's backward pass is running."""
         return self._backward_unit is not None
+
+    @property
+    def active_unit(self) -> Unit | None:
+        """The unit whose forward, recomputation or backward is running."""
+        return self._unit or self._backward_unit
+
+    def documents_of(self, unit: Unit) -> Documents | None:
+        """The packed documents of ``unit``'s microbatch; None under causal attention."""
+        return None if self.documents is None else self.documents[unit.microbatch]
 
     @property
     def recomputing(self) -> bool:
@@ -166,7 +199,8 @@ class KVContext:
     def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list[KVBlock], KVBlock]:
         """Record the current unit's K/V for ``layer_id``.
 
-        Returns the blocks of the earlier units (the prefix to attend to) and
+        Returns the blocks of the earlier units that the unit reads (with packed
+        documents, those holding keys of the document that continues into it) and
         the new block of the current unit.
         """
         unit = self._unit
@@ -179,8 +213,13 @@ class KVContext:
                 f"ran forward after {len(blocks)} subsequences; forwards must run in "
                 "subsequence order, each once"
             )
-        prefix = list(blocks)
-        block = KVBlock(k, v)
+        documents = self.documents_of(unit)
+        first = documents.first_needed(unit.offset) if documents is not None else 0
+        for i, b in enumerate(blocks):
+            if b is not None and b.end <= first:
+                blocks[i] = None
+        prefix = [b for b in blocks if b is not None]
+        block = KVBlock(k, v, unit.offset)
         if not unit.is_last:
             blocks.append(block)
         self._records.setdefault((unit.microbatch, unit.index), {})[layer_id] = (prefix, block)
@@ -191,6 +230,13 @@ class KVContext:
         self._unit = self._backward_unit = None
         self._blocks.clear()
         self._records.clear()
+
+    def held_bytes(self) -> int:
+        """Bytes of K/V the context keeps alive (blocks and records, each tensor once)."""
+        blocks = [b for layers in self._blocks.values() for bs in layers.values() for b in bs if b is not None]
+        blocks += [b for rec in self._records.values() for prefix, own in rec.values() for b in (*prefix, own)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in blocks for t in (b.k, b.v)}
+        return sum(storages.values())
 
     def __len__(self) -> int:
         """Number of microbatches and units whose K/V the context still holds."""

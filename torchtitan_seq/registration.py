@@ -7,7 +7,8 @@
   (sequence schedules by name, torch's otherwise), a token-normalised loss,
   and metrics that include activation memory;
 * the shipped datasets ``seqpp_text`` and ``seqpp_text_validation`` in
-  torchtitan's dataset table (its documented place for new datasets).
+  torchtitan's dataset table (its documented place for new datasets);
+* the shipped short-document datasets ``seqpp_packed`` and ``seqpp_packed_validation``, likewise.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ MODEL_NAME = "llama3_seq"
 
 def register() -> None:
     """Make the model, its train spec and the shipped datasets known to torchtitan (idempotent)."""
-    text_datasets.DATASETS.setdefault(data.DATASET_NAME, data.dataset_config())
-    text_datasets.DATASETS.setdefault(data.VALIDATION_DATASET_NAME, data.validation_dataset_config())
+    for name in data.SHIPPED_DATASETS:
+        text_datasets.DATASETS.setdefault(name, data.dataset_config(name))
     if MODEL_NAME not in train_spec._extra_train_specs:
         train_spec.register_train_spec(MODEL_NAME, get_train_spec())

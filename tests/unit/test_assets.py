@@ -1,6 +1,7 @@
 """The shipped tokenizer and corpus work with torchtitan without network."""
 
 import socket
+import statistics
 
 import pytest
 import torchtitan.hf_datasets.text_datasets as text_datasets
@@ -8,10 +9,12 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from torchtitan_seq.data import (
     DATASET_NAME,
+    PACKED_DATASET_NAME,
+    PACKED_VALIDATION_DATASET_NAME,
+    SHIPPED_DATASETS,
     TOKENIZER_DIR,
     VALIDATION_DATASET_NAME,
     dataset_config,
-    validation_dataset_config,
 )
 
 SEQ_LEN = 16384
@@ -35,12 +38,8 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
         raise OSError("network access attempted")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setitem(text_datasets.DATASETS, DATASET_NAME, dataset_config())
-    monkeypatch.setitem(
-        text_datasets.DATASETS,
-        VALIDATION_DATASET_NAME,
-        validation_dataset_config(),
-    )
+    for name in SHIPPED_DATASETS:
+        monkeypatch.setitem(text_datasets.DATASETS, name, dataset_config(name))
 
 
 def test_tokenizer_fits_debug_model(tokenizer: HuggingFaceTokenizer) -> None:
@@ -76,3 +75,35 @@ def test_first_sequence_comes_from_one_document(
     # Documents are longer than SEQ_LEN, so no document boundary falls inside.
     assert not (tokens[1:] == tokenizer.bos_id).any()
     assert not (tokens == tokenizer.eos_id).any()
+
+
+@pytest.mark.usefixtures("offline")
+def test_packed_corpus_has_many_short_documents(
+    tokenizer: HuggingFaceTokenizer,
+) -> None:
+    config = dataset_config(PACKED_DATASET_NAME)
+    texts = [config.sample_processor(sample) for sample in config.loader(config.path)]
+    assert len(texts) >= 1000
+
+    lengths = [len(tokenizer.encode(t, add_bos=False, add_eos=False)) for t in texts]
+    assert 200 <= statistics.median(lengths) <= 800
+    assert max(lengths) / min(lengths) > 20
+
+
+@pytest.mark.usefixtures("offline")
+@pytest.mark.parametrize(
+    "name", [PACKED_DATASET_NAME, PACKED_VALIDATION_DATASET_NAME]
+)
+def test_packed_sequence_holds_several_documents(
+    name: str, tokenizer: HuggingFaceTokenizer
+) -> None:
+    dataset = text_datasets.HuggingFaceTextDataset(
+        dataset_name=name, dataset_path=None, tokenizer=tokenizer, seq_len=2048
+    )
+    inputs, _ = next(iter(dataset))
+
+    tokens = inputs["input"]
+    # Every document is framed BOS ... EOS; EOS is where a block-causal mask
+    # starts a new document.
+    assert (tokens == tokenizer.eos_id).sum() >= 2
+    assert (tokens == tokenizer.bos_id).sum() >= 2

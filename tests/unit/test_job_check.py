@@ -22,19 +22,24 @@ def test_the_shipped_config_passes():
     _check("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "4")
 
 
+@pytest.mark.parametrize("flavor", ["debugmodel_flex_attn", "debugmodel_varlen_attn"])
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B", "BSIPipe", "TeraPipe", "1F1B"])
+def test_block_causal_flavors_pass(flavor, schedule):
+    _check("--model.flavor", flavor, "--parallelism.pipeline_parallel_schedule", schedule)
+
+
 @pytest.mark.parametrize(
     "overrides,needle",
     [
         (("--activation_checkpoint.mode", "memory_budget"), "activation_checkpoint.mode = 'memory_budget' needs torch.compile"),
         (("--activation_checkpoint.mode", "memory_budget", "--parallelism.pipeline_parallel_schedule", "1F1B"),
          "activation_checkpoint.mode = 'memory_budget' needs torch.compile"),
-        (("--model.flavor", "debugmodel_flex_attn"), "model.flavor = 'debugmodel_flex_attn' is not a flavor"),
-        (("--model.flavor", "debugmodel_varlen_attn"), "model.flavor = 'debugmodel_varlen_attn' is not a flavor"),
+        (("--model.flavor", "debugmodel_flash"), "model.flavor = 'debugmodel_flash' is not a flavor"),
         (("--validation.enable", "--validation.seq_len", "1024"), "validation.seq_len = 1024 differs"),
         (("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "3"),
          "validation.local_batch_size = 3"),
     ],
-    ids=["memory_budget", "memory_budget-without-compile", "flex_attn", "varlen_attn",
+    ids=["memory_budget", "memory_budget-without-compile", "unknown-flavor",
          "validation-seq_len", "validation-batch"],
 )
 def test_refused_in_one_message_naming_the_setting(overrides, needle):

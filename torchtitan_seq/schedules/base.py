@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
+from ..documents import Documents
 from ..ordering import validate_unit_order
 from ..stage import SequencePipelineStage
 from ._common import ActionLists
@@ -184,12 +185,16 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         target: torch.Tensor | None = None,
         losses: list | None = None,
         return_outputs: bool = True,
+        attention_masks: torch.Tensor | None = None,
         **kwargs: Any,
     ):
         """Run one step on a whole batch; see the module docstring.
 
         args: the first stage's inputs, each (batch, seq_len, ...); empty on
         other ranks. target: (batch, seq_len) on the rank of the last stage.
+        attention_masks: packed documents, (batch, seq_len) document ids
+        (:func:`~torchtitan_seq.documents.document_ids`), on every rank, as
+        torchtitan passes its block-causal flavors' masks; None: causal.
         Returns the last stage's output, (batch, seq_len, ...), if asked for.
         """
         if kwargs:
@@ -202,9 +207,14 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         per_arg = [self._split_units(a, f"input {i}") for i, a in enumerate(args)]
         arg_units = [tuple(units[u] for units in per_arg) for u in range(n)]
         target_units = self._split_units(target, "target") if target is not None else None
+        documents = None
+        if attention_masks is not None:
+            self._split_units(attention_masks, "attention_masks")  # checks its shape
+            documents = [Documents.from_ids(ids) for ids in attention_masks.tensor_split(self.num_microbatches)]
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
+            stage.kv_context.documents = documents
         unit_losses = [] if losses is not None else None
         try:
             self._step_microbatches(arg_units, [{}] * n, target_units, unit_losses, return_outputs)

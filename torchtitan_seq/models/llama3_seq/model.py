@@ -3,6 +3,11 @@
 ``SeqTransformer`` is torchtitan's ``Transformer`` with each layer's inner
 attention replaced by :class:`~torchtitan_seq.attention.SequenceAttention`.
 Its parameters, FQNs, initialisation, TP plan and checkpoints are Llama 3's.
+Every Llama 3 flavor is offered under its torchtitan name; the block-causal ones
+(``debugmodel_flex_attn``, ``8B_varlen``, ...) mask attention at each document
+boundary exactly as torchtitan's document mask does, whatever attention kernel
+runs: their ``attention_masks`` are the batch's document ids
+(:func:`~torchtitan_seq.documents.document_ids`).
 A stage binds its KV context with
 :func:`~torchtitan_seq.attention.bind_kv_context`.
 While a pipeline stage runs a unit at offset s, the model reads RoPE at
@@ -12,29 +17,80 @@ attends through the stage's KV context; otherwise it is plain Llama 3.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 from torchtitan.models.llama3 import llama3_args as _llama3_flavors
+from torchtitan.models.llama3.model.model import Attention, apply_rotary_emb
 
 from ...attention import SequenceAttention
+from ...documents import document_ids
 from ...kv_context import KVContext, Unit
 
-__all__ = ["SeqTransformer", "seq_llama3_flavors", "unit_positions"]
+__all__ = ["SeqAttention", "SeqTransformer", "seq_llama3_flavors", "unit_positions"]
+
+
+class SeqAttention(Attention):
+    """torchtitan's Llama 3 attention (same parameters) whose inner attention is a
+    :class:`SequenceAttention` and also takes a packed batch's document ids."""
+
+    def __init__(self, model_args: TransformerModelArgs, layer_id: int):
+        super().__init__(model_args)
+        self.inner_attention = SequenceAttention(layer_id)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        attention_masks: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: (B, L, dim); attention_masks: None (causal) or (B, L) document ids. Returns (B, L, dim)."""
+        bs, seqlen, _ = x.shape
+        # -1: the local heads, which TP may have sharded
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis, positions=positions)
+        out = self.inner_attention(
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
+            enable_gqa=self.enable_gqa, documents=attention_masks,
+        )  # (B, H, L, D)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
 
 class SeqTransformer(Transformer):
     """Llama 3 whose attention can run one (microbatch, subsequence) unit at a time."""
 
     def __init__(self, model_args: TransformerModelArgs):
-        if model_args.attn_type != "sdpa":
-            raise ValueError(
-                f"model attn_type={model_args.attn_type!r}: the sequence model replaces "
-                "SDPA attention; pick a flavor with attn_type 'sdpa'"
-            )
-        super().__init__(model_args)
+        if model_args.attn_type not in ("sdpa", "flex", "varlen"):
+            raise ValueError(f"model attn_type={model_args.attn_type!r}: use a flavor of torchtitan's Llama 3")
+        # torchtitan builds SDPA layers, which SeqAttention replaces; the flavor's own
+        # attention type tells torchtitan's trainer to ask for attention masks.
+        super().__init__(dataclasses.replace(model_args, attn_type="sdpa", attn_mask_type="causal"))
+        self.model_args = model_args
         self.kv_context: KVContext | None = None
+        sdpa_args = dataclasses.replace(model_args, attn_type="sdpa")
         for layer_id, layer in self.layers.items():
-            layer.attention.inner_attention = SequenceAttention(int(layer_id))
+            layer.attention = SeqAttention(sdpa_args, int(layer_id))
+
+    def get_attention_masks(
+        self,
+        input_batch: torch.Tensor,
+        tokenizer: BaseTokenizer,
+        extra_inputs: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """(B, S) document ids of a packed batch, for the block-causal flavors: what every
+        stage and every sequence schedule splits and reads, in place of a mask."""
+        if self.model_args.attn_mask_type != "block_causal":
+            raise ValueError(
+                f"attention masks asked of a flavor with attn_mask_type={self.model_args.attn_mask_type!r}"
+            )
+        if tokenizer.eos_id is None:
+            raise ValueError("block-causal attention needs a tokenizer with an EOS token")
+        return document_ids(input_batch, tokenizer.eos_id)
 
     def forward(
         self,
@@ -58,7 +114,5 @@ def unit_positions(unit: Unit, device: torch.device) -> torch.Tensor:
     return torch.arange(unit.offset, unit.offset + unit.length, device=device).unsqueeze(0)
 
 
-# Llama 3's flavors whose attention is SDPA, with their own names.
-seq_llama3_flavors: dict[str, TransformerModelArgs] = {
-    name: args for name, args in _llama3_flavors.items() if args.attn_type == "sdpa"
-}
+# Llama 3's flavors under their own names: SDPA ones causal, flex and varlen ones block-causal.
+seq_llama3_flavors: dict[str, TransformerModelArgs] = dict(_llama3_flavors)

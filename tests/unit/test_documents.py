@@ -1,0 +1,93 @@
+"""Packed documents: numbering as torchtitan's document mask, the layout unit attention
+reads, and what the KV context releases."""
+
+import dataclasses
+
+import pytest
+import torch
+from exactness import EOS, init_test_weights, model_args, packed_tokens
+
+from torchtitan_seq.documents import Documents, document_ids, document_mask
+from torchtitan_seq.kv_context import KVContext, Unit
+
+
+def _tokens(batch: int = 5, seq_len: int = 32) -> torch.Tensor:
+    return packed_tokens(batch, seq_len, torch.Generator().manual_seed(0))
+
+
+def test_document_mask_is_torchtitans():
+    from torchtitan.models.attention import get_causal_mask_mod, get_document_mask_mod
+
+    tokens = _tokens()
+    documents, causal = get_document_mask_mod(tokens.clone(), EOS), get_causal_mask_mod()
+    b, q, k = torch.meshgrid(*(torch.arange(n) for n in (5, 32, 32)), indexing="ij")
+    theirs = documents(b, None, q, k) & causal(b, None, q, k)
+    assert torch.equal(document_mask(document_ids(tokens, EOS)).squeeze(1), theirs)
+
+
+def test_block_causal_flavor_computes_torchtitans_flex_model():
+    """Same weights, same packed batch: logits of torchtitan's own Llama 3 with flex
+    attention and a block-causal mask (forward only: flex has no CPU backward)."""
+    from torchtitan.models.llama3 import Transformer
+
+    from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
+
+    assert {"debugmodel_flex_attn", "debugmodel_varlen_attn", "8B_flex", "8B_varlen"} <= set(seq_llama3_flavors)
+    args = dataclasses.replace(model_args(32), attn_type="flex", attn_mask_type="block_causal")
+    torch.manual_seed(0)
+    ours = SeqTransformer(args)
+    init_test_weights(ours)
+    theirs = Transformer(args)
+    theirs.load_state_dict(ours.state_dict())
+    tokens = _tokens(4)
+    tokenizer = type("Tokenizer", (), {"eos_id": EOS})()
+    with torch.no_grad():
+        ours_out = ours(tokens, ours.get_attention_masks(tokens, tokenizer))
+        theirs_out = theirs(tokens, theirs.get_attention_masks(tokens, tokenizer))
+        causal = ours(tokens)
+    scale = theirs_out.abs().max()
+    assert (ours_out - theirs_out).abs().max() <= 1e-5 * scale
+    assert (ours_out - causal).abs().max() >= 0.1 * scale  # the masks matter in this batch
+
+
+def test_layout_of_a_packed_microbatch():
+    docs = Documents.from_ids(document_ids(_tokens(), EOS))
+    assert docs.starts == ((0, 3, 5, 7, 16), (0,), (0, 20), (0, 1, 31), (0,))
+    assert docs.pieces(0, 0, 8) == [(0, 3), (3, 5), (5, 7), (7, 8)]
+    assert docs.pieces(0, 8, 16) == [(0, 8)] and docs.pieces(0, 16, 24) == [(0, 8)]
+    assert [docs.start_of(0, p) for p in (2, 8, 16, 31)] == [0, 7, 16, 16]
+    assert docs.first_needed(16) == 0  # rows 1, 2 and 4 are still in their first document
+    assert Documents.from_ids(document_ids(_tokens()[[0, 3]], EOS)).first_needed(16) == 1
+
+
+def test_context_releases_blocks_of_ended_documents():
+    """A unit reads only the blocks holding its continuing document, and blocks of documents
+    that ended before it are no longer held for later units."""
+    ids = torch.tensor([[0] * 6 + [1] * 10])  # a document starts at 6, in unit 1 of 4 units of 4
+    context = KVContext()
+    context.documents = [Documents.from_ids(ids)]
+    kv = torch.zeros(1, 1, 4, 2)  # (batch, heads, length, dim): 32 bytes each
+    prefixes, held = [], []
+    for j in range(4):
+        with context.running(Unit(0, j, 4 * j, 4, 4)):
+            prefix, _ = context.append(0, kv.clone(), kv.clone())
+            prefixes.append([p.offset for p in prefix])
+            held.append(len([b for b in context._blocks[0][0] if b is not None]))
+    assert prefixes == [[], [0], [4], [4, 8]]  # unit 2 skips block 0: document 0 ended at 6
+    assert held == [1, 2, 2, 2]  # unit 2 let block 0 go (else 3, 3)
+    assert context.held_bytes() == 4 * 2 * 32  # the records of the four units, for their backward
+    context.clear()
+    assert context.held_bytes() == 0
+
+
+@pytest.mark.parametrize("bad", ["length", "batch"])
+def test_schedule_rejects_masks_unlike_the_batch(bad):
+    from torchtitan_seq.schedules import SequenceSchedule
+
+    sched = SequenceSchedule.__new__(SequenceSchedule)
+    sched.num_microbatches, sched.lengths = 2, [8, 8]
+    ids = torch.zeros(4, 12 if bad == "length" else 16, dtype=torch.int32)
+    if bad == "batch":
+        ids = ids[:3]
+    with pytest.raises(ValueError, match="attention_masks"):
+        sched._split_units(ids, "attention_masks")

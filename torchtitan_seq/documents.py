@@ -1,0 +1,72 @@
+"""Packed documents: which tokens of a packed sequence may attend to which.
+
+torchtitan packs documents into each training sequence, each ended by the
+tokenizer's EOS, and its block-causal flavors mask attention across documents
+(``get_document_mask_mod``): token i belongs to document number "EOS tokens
+before i", so an EOS belongs to the document it ends, and a sequence without EOS
+is one document. :func:`document_ids` numbers tokens so; :class:`Documents` holds,
+per batch row of one microbatch, where documents start, which is all that unit
+attention needs: documents are contiguous, so a unit's queries attend to its own
+pieces of documents causally and, from the prefix, only to the document that
+continues into the unit.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["document_ids", "document_mask", "Documents"]
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, S) token ids -> (B, S) int32: each token's document, numbered as torchtitan's
+    document mask numbers them (the count of EOS tokens before it)."""
+    ids = torch.zeros(tokens.shape, dtype=torch.int32, device=tokens.device)
+    ids[:, 1:] = (tokens[:, :-1] == eos_id).cumsum(1)
+    return ids
+
+
+def document_mask(ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) document ids -> (B, 1, S, S) bool: causal within each document."""
+    s = ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+    return (ids.unsqueeze(2) == ids.unsqueeze(1)).unsqueeze(1) & causal
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Where the documents of one microbatch start: per batch row, the sorted
+    positions of their first tokens (0 first)."""
+
+    starts: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_ids(cls, ids: torch.Tensor) -> Documents:
+        """ids: (b, S) document ids, non-decreasing along the sequence (:func:`document_ids`)."""
+        new = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+        new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        return cls(tuple(tuple(row.nonzero().flatten().tolist()) for row in new.cpu()))
+
+    @property
+    def batch(self) -> int:
+        return len(self.starts)
+
+    def start_of(self, row: int, position: int) -> int:
+        """The first position of the document that holds ``position`` in batch row ``row``."""
+        starts = self.starts[row]
+        return starts[bisect.bisect_right(starts, position) - 1]
+
+    def first_needed(self, position: int) -> int:
+        """The earliest position any row's document at ``position`` reaches back to: keys
+        before it are never read again by queries at ``position`` or later."""
+        return min(self.start_of(row, position) for row in range(self.batch))
+
+    def pieces(self, row: int, begin: int, end: int) -> list[tuple[int, int]]:
+        """The documents' pieces within [begin, end) of row ``row``, as [start, stop)
+        relative to ``begin``, in order."""
+        cuts = [p - begin for p in self.starts[row] if begin < p < end]
+        bounds = [0, *cuts, end - begin]
+        return list(zip(bounds, bounds[1:]))
