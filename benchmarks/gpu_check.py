@@ -2,8 +2,9 @@
 
 On one CUDA device, in a few minutes: (1) unit attention (``SequenceAttention`` through a
 ``KVContext``, units forward in order and backward last unit first, as a pipeline stage
-runs them) with ``CudaSdpaKernel`` and, where flash_attn imports, ``FlashAttnKernel``,
-against whole-sequence attention in float64: output and dq, dk, dv as max |error| / max
+runs them) with ``CudaSdpaKernel``, ``CudnnSdpaKernel`` and, where flash_attn imports,
+``FlashAttnKernel``, causal and block-causal (packed documents), against whole-sequence
+attention in float64 with the same mask: output and dq, dk, dv as max |error| / max
 |reference|; (2) the KV context's overhead on a 1B-class Llama 3 stack (4 layers, dim
 2048, 16 heads, 8 KV heads, bf16) at 8K-64K tokens: forward+backward time (CUDA events,
 median after warm-up) and peak memory of k units against torchtitan's own Llama 3 on the
@@ -44,6 +45,7 @@ from torchtitan_seq.attention import (
     select_kernel,
 )
 from torchtitan_seq import cpu_compat
+from torchtitan_seq.documents import Documents, document_mask
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.partition import partition_sequence
 
@@ -61,15 +63,20 @@ ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HALF_ONLY_KERNELS = ("CudaSdpaKernel", "CudnnSdpaKernel", "FlashAttnKernel")
 
 
-def _causal(seq_len: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+def _packed_documents(seq_len: int) -> torch.Tensor:
+    """(1, seq_len) document ids: one document ending at a quarter (a boundary of 4 even
+    units), one spanning three units, a short one, one running to the end."""
+    ends = [round(f * seq_len) for f in (0.171, 0.25, 0.518, 0.527, 0.894)]
+    ids = torch.zeros(1, seq_len, dtype=torch.int32)
+    for end in ends:
+        ids[0, end:] += 1
+    return ids
 
 
-# Masks of the reference, by name. Units run causal attention only; block-causal
-# (packed documents, a later issue) adds its builder here and a document-aware unit path.
-MASKS: dict[str, Callable[[int, torch.device], torch.Tensor] | None] = {
-    "causal": _causal,
-    "block_causal": None,
+# Document ids of the reference and the units, by mask name; None: causal.
+MASKS: dict[str, Callable[[int], torch.Tensor | None]] = {
+    "causal": lambda seq_len: None,
+    "block_causal": _packed_documents,
 }
 
 
@@ -124,8 +131,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # 1. Attention exactness
 
 
-def _reference(q, k, v, dout, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Whole-sequence attention in float64 with an explicit mask, and its gradients."""
+def _reference(q, k, v, dout, ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Whole-sequence attention in float64 with an explicit (causal or document) mask, and its gradients."""
+    s = q.shape[2]
+    mask = torch.ones(s, s, dtype=torch.bool).tril() if ids is None else document_mask(ids)
+    mask = mask.to(q.device)
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     n_rep = q.shape[1] // k.shape[1]
     out = F.scaled_dot_product_attention(
@@ -135,10 +145,11 @@ def _reference(q, k, v, dout, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths) -> dict[str, torch.Tensor]:
+def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths, ids) -> dict[str, torch.Tensor]:
     """The sequence cut into ``lengths`` units, run as a pipeline stage runs them."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     context = KVContext()
+    context.documents = None if ids is None else [Documents.from_ids(ids)]
     attention = SequenceAttention(layer_id=0)
     attention.bind(context, kernel)
     units = _units(lengths)
@@ -188,11 +199,8 @@ def check_attention(sizes: Sizes, device: torch.device) -> list[dict]:
         torch.randn(b, s, h, d, generator=gen).transpose(1, 2) for h in (hq, hkv, hkv, hq)
     )
     records = []
-    for mask_name, build_mask in MASKS.items():
-        if build_mask is None:
-            records.append({"mask": mask_name, "status": "not yet supported"})
-            continue
-        mask = build_mask(s, device)
+    for mask_name, documents in MASKS.items():
+        ids = documents(s)
         for name, kernel in _kernels(device).items():
             for dtype in ATTN_DTYPES:
                 record = {"mask": mask_name, "kernel": name, "dtype": _dtype_name(dtype)}
@@ -205,11 +213,11 @@ def check_attention(sizes: Sizes, device: torch.device) -> list[dict]:
                     continue
                 # Inputs rounded to the dtype first, so the reference sees the same values.
                 qd, kd, vd, dd = (t.to(device, dtype) for t in (q, k, v, dout))
-                ref = _reference(qd, kd, vd, dd, mask)
+                ref = _reference(qd, kd, vd, dd, ids)
                 try:
                     errors = {}
                     for cut in sizes.attn_cuts:
-                        got = _unit_attention(kernel, qd, kd, vd, dd, cut)
+                        got = _unit_attention(kernel, qd, kd, vd, dd, cut, ids)
                         errors["-".join(map(str, cut))] = {t: _rel_error(got[t], ref[t]) for t in ref}
                 except Exception as e:  # noqa: BLE001 -- a failing kernel is a result; GPU runs are scarce
                     record["status"] = f"error: {type(e).__name__}: {e}".splitlines()[0]

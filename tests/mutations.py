@@ -112,7 +112,7 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
 def _split_w_without_kv_grad(ctx: MutationContext) -> list:
     """With split backward, the input pass does not hand a unit the K/V gradient of later
     units, so its weight pass computes wk/wv gradients without it."""
-    from torchtitan_seq.kv_context import KVBlock
+    from torchtitan_seq.kv_context import KVGrads
     from torchtitan_seq.stage import SequencePipelineStage
 
     backward_one_chunk = SequencePipelineStage.backward_one_chunk
@@ -120,7 +120,7 @@ def _split_w_without_kv_grad(ctx: MutationContext) -> list:
     def input_pass_drops_side_buffers(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         if full_backward:
             return backward_one_chunk(self, bwd_chunk_id, loss, full_backward, last_backward)
-        with mock.patch.object(KVBlock, "take_grads", lambda block: (None, None)):
+        with mock.patch.object(KVGrads, "take", lambda grads: (None, None)):
             return backward_one_chunk(self, bwd_chunk_id, loss, full_backward, last_backward)
     return [mock.patch.object(SequencePipelineStage, "backward_one_chunk", input_pass_drops_side_buffers)]
 
@@ -132,14 +132,14 @@ def _tp_wrong_shard(ctx: MutationContext) -> list:
     init = KVBlock.__init__
     group = ctx.tp_group
 
-    def neighbours(self, k, v, offset=0):
+    def neighbours(self, k, v, *rest):
         size, me = dist.get_world_size(group), dist.get_rank(group)
         shards = []
         for t in (k.detach().contiguous(), v.detach().contiguous()):
             gathered = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(gathered, t, group=group)
             shards.append(gathered[(me + 1) % size])
-        init(self, *shards, offset)
+        init(self, *shards, *rest)
     return [mock.patch.object(KVBlock, "__init__", neighbours)]
 
 

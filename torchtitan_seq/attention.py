@@ -245,7 +245,8 @@ def _bound(ids: Tensor) -> tuple[KVContext, AttentionKernel, int]:
 _Diagonal = tuple[slice, int, int]
 """(batch rows, start, stop): causal attention of the unit's queries [start, stop) to its keys there."""
 _Rectangle = tuple[slice, int, KVBlock, int, int]
-"""(batch rows, stop, block, start, stop): the unit's queries [0, stop) to the block's keys [start, stop)."""
+"""(batch rows, query stop, block, key start, key stop): the unit's queries [0, query stop)
+to the block's keys [key start, key stop), indices within the block."""
 
 
 def _reads(unit: Unit | None, documents: Documents | None, length: int, prefix: list[KVBlock]) -> tuple[
@@ -285,7 +286,8 @@ def _heads_inner(out: Tensor) -> Tensor:
 def _unit_attention(
     q: Tensor, k: Tensor, v: Tensor, ids: Tensor, scale: float, compiled: bool
 ) -> tuple[Tensor, Tensor]:
-    """Attention of the current unit over its prefix blocks and its own causal block.
+    """Attention of the current unit over its prefix blocks and its own causal block
+    (with packed documents: the pieces and prefix keys of :func:`_reads`).
 
     Outside a unit (and outside a recomputation) it is causal attention over ``q``'s
     sequence. Returns out (B, Hq, L, D) and lse (B, Hq, L) float32.
@@ -299,7 +301,7 @@ def _unit_attention(
     else:
         # A compiled graph may reuse the buffers of its intermediates once this op
         # returns; the block that later units read must own its K/V.
-        prefix, _ = context.append(layer_id, k.clone() if compiled else k, v.clone() if compiled else v)
+        prefix, _ = context.append(layer_id, k.clone() if compiled else k, v.clone() if compiled else v, compiled)
     documents = context.documents_of(unit) if unit is not None else None
     diagonal, rectangles = _reads(unit, documents, q.shape[2], prefix)
     if len(diagonal) == 1:
@@ -335,12 +337,12 @@ def _unit_attention_backward(
     """dq, dk, dv of :func:`_unit_attention`; sends dK/dV to the prefix blocks the unit read.
 
     Per microbatch and stage the units run backward last first, so a unit's own block
-    has received every later unit's dK/dV by now (``KVBlock.take_grads``).
+    has received every later unit's dK/dV by now (``KVGrads.take``).
     """
     context, kernel, layer_id = _bound(ids)
     dout = dout.contiguous()
     unit = context.active_unit if context.in_backward else None
-    prefix, block = context.recorded(layer_id) if unit is not None else ([], None)
+    prefix, grads = context.recorded(layer_id) if unit is not None else ([], None)
     documents = context.documents_of(unit) if unit is not None else None
     diagonal, rectangles = _reads(unit, documents, q.shape[2], prefix)
     if len(diagonal) == 1:
@@ -359,9 +361,9 @@ def _unit_attention_backward(
         )
         dq[rows, :, :stop] += dq_i
         p.accumulate(dk_i, dv_i, () if dk_i.shape == p.k.shape else (rows, slice(None), slice(a, e)))
-    if block is None:
+    if grads is None:
         return _contiguous(dq, dk, dv)
-    later_k, later_v = block.take_grads()
+    later_k, later_v = grads.take()
     if later_k is not None:
         dk, dv = dk + later_k, dv + later_v
     return _contiguous(dq, dk, dv)

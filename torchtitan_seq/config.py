@@ -30,6 +30,11 @@ class SequencePipeline:
     length_multiple grid whose costliest unit costs least, which minimises the
     pipeline latency sum(t) + (K-1)·max(t) under the cost model)."""
 
+    expected_document_length: int = 0
+    """Block-causal flavors (packed documents): the mean tokens per document, which the
+    'compute' and 'latency' partitions cost attention by (a query reaches back about
+    that many keys); 0 costs attention as causal, as if a sequence were one document."""
+
     length_multiple: int = 1
     """Every subsequence length is a multiple of this and of the TP degree."""
 

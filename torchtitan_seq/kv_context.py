@@ -11,9 +11,10 @@ free, the graph of unit j-1):
 
 * a block stores its K/V *detached*;
 * when a later unit's attention runs backward, it adds dL/dK and dL/dV of every
-  block it read into that block's side buffers (:meth:`KVBlock.accumulate`);
+  block it read into that block's side buffers (:meth:`KVBlock.accumulate`,
+  into :class:`KVGrads`);
 * when the block's own unit runs backward, its attention adds the side buffers
-  to the gradient of its own K/V, once (:meth:`KVBlock.take_grads`).
+  to the gradient of its own K/V, once (:meth:`KVGrads.take`).
 
 This is exact when, per microbatch and stage, backwards run last unit first
 (see ``torchtitan_seq.ordering``). It works for full backward and for split
@@ -21,15 +22,20 @@ input/weight backward alike, because the side buffers are filled and consumed
 inside the attention's own backward, which runs in the input-gradient pass.
 
 Lifetime: the context forgets a microbatch once its last unit has run forward
-on the stage; from then on the unit graphs alone keep the blocks alive, and
-they free them as backward runs. :meth:`KVContext.clear` drops everything at
+on the stage; from then on the records of the units that read a block keep it
+alive, until their backward. A unit's own record keeps only its side buffers:
+its backward recomputes or has saved its K/V. :meth:`KVContext.clear` drops everything at
 the end of a step.
 
 Packed documents (block-causal attention): the schedule hands the context each
 microbatch's :class:`~torchtitan_seq.documents.Documents`. A unit then reads,
 of the prefix, only the blocks that hold keys of the document continuing into
-it, and the context lets go of the blocks of documents that ended before the
-unit: no later unit of the microbatch reads them.
+it, and the context lets go of the K/V of documents that ended before the unit:
+no later unit of the microbatch reads them. Whole blocks go; a block that ends
+with the start of a continuing document is cut to that tail, copied, where the
+context's reference is what keeps the K/V alive (``copy_tails``: under
+activation checkpointing, and under compile, where blocks are copies anyway);
+otherwise autograd keeps the unit's K/V for its backward regardless.
 
 Activation checkpointing re-runs a unit's forward inside its backward. The
 stage announces that backward (:meth:`KVContext.backward`), and the attention
@@ -48,7 +54,7 @@ import torch
 
 from .documents import Documents
 
-__all__ = ["Unit", "KVBlock", "KVContext"]
+__all__ = ["Unit", "KVGrads", "KVBlock", "KVContext"]
 
 
 @dataclass(frozen=True)
@@ -74,21 +80,55 @@ class Unit:
         return self.index == self.num_subsequences - 1
 
 
+class KVGrads:
+    """dL/dK and dL/dV that later units send one unit's block, until the unit's backward."""
+
+    __slots__ = ("k", "v", "_like")
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self._like = like  # a tensor shaped as the unit's K (and V), to start from zeros
+
+    def add(self, grad_k: torch.Tensor, grad_v: torch.Tensor, where: tuple[slice, ...] = ()) -> None:
+        """Add the gradient of the whole block, or of the part ``where`` (an index of K)."""
+        if where:
+            if self.k is None:
+                self.k, self.v = torch.zeros_like(self._like), torch.zeros_like(self._like)
+            self.k[where] += grad_k
+            self.v[where] += grad_v
+        elif self.k is None:
+            self.k, self.v = grad_k, grad_v
+        else:
+            self.k = self.k + grad_k
+            self.v = self.v + grad_v
+
+    def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Hand over (and forget) everything later units sent; ``(None, None)`` if nothing."""
+        grads = self.k, self.v
+        self.k = self.v = None
+        return grads
+
+
 class KVBlock:
     """K/V of one unit in one layer, with the gradient later units send it.
 
     ``k`` and ``v`` are detached, shaped (batch, kv_heads, length, head_dim);
-    ``offset`` is the position of the block's first key in the sequence.
+    ``offset`` is the position of the block's first key in the sequence. A
+    block cut to its tail (:meth:`tail`) keeps its unit's ``grads``; ``start``
+    is where its keys begin among the unit's.
     """
 
-    __slots__ = ("k", "v", "offset", "_grad_k", "_grad_v")
+    __slots__ = ("k", "v", "offset", "grads", "start")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, offset: int = 0):
+    def __init__(
+        self, k: torch.Tensor, v: torch.Tensor, offset: int = 0, grads: KVGrads | None = None, start: int = 0
+    ):
         self.k = k.detach()
         self.v = v.detach()
         self.offset = offset
-        self._grad_k: torch.Tensor | None = None
-        self._grad_v: torch.Tensor | None = None
+        self.grads = grads or KVGrads(self.k)
+        self.start = start
 
     @property
     def end(self) -> int:
@@ -98,22 +138,16 @@ class KVBlock:
     def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, where: tuple[slice, ...] = ()) -> None:
         """Add the gradient that a later unit's attention sends into this block, or into
         the part ``where`` (an index of k) of it."""
-        if where:
-            if self._grad_k is None:
-                self._grad_k, self._grad_v = torch.zeros_like(self.k), torch.zeros_like(self.v)
-            self._grad_k[where] += grad_k
-            self._grad_v[where] += grad_v
-        elif self._grad_k is None:
-            self._grad_k, self._grad_v = grad_k, grad_v
-        else:
-            self._grad_k = self._grad_k + grad_k
-            self._grad_v = self._grad_v + grad_v
+        if self.start:
+            rows, heads, keys = where or (slice(None), slice(None), slice(0, self.k.shape[2]))
+            where = (rows, heads, slice(keys.start + self.start, keys.stop + self.start))
+        self.grads.add(grad_k, grad_v, where)
 
-    def take_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Hand over (and forget) everything later units sent; ``(None, None)`` if nothing."""
-        grads = self._grad_k, self._grad_v
-        self._grad_k = self._grad_v = None
-        return grads
+    def tail(self, first: int) -> KVBlock:
+        """A copy of the keys from position ``first`` on, sending its gradient to this block's unit."""
+        cut = first - self.offset
+        k, v = self.k[:, :, cut:].clone(), self.v[:, :, cut:].clone()
+        return KVBlock(k, v, first, self.grads, self.start + cut)
 
 
 class KVContext:
@@ -125,7 +159,9 @@ class KVContext:
     full-sequence causal attention.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, copy_tails: bool = False) -> None:
+        self.copy_tails = copy_tails
+        """Cut blocks to the tail later units read, copied (see the module docstring)."""
         self._unit: Unit | None = None
         self._backward_unit: Unit | None = None
         self.documents: list[Documents] | None = None
@@ -133,9 +169,9 @@ class KVContext:
         # microbatch -> layer id -> blocks of units 0..j-1, in order; None for a
         # block no later unit reads
         self._blocks: dict[int, dict[int, list[KVBlock | None]]] = {}
-        # (microbatch, subsequence) -> layer id -> (prefix, block) of its forward,
-        # kept until the unit's backward is over, for recomputation
-        self._records: dict[tuple[int, int], dict[int, tuple[list[KVBlock], KVBlock]]] = {}
+        # (microbatch, subsequence) -> layer id -> (prefix read, own side buffers) of its
+        # forward, kept until the unit's backward is over, for recomputation
+        self._records: dict[tuple[int, int], dict[int, tuple[list[KVBlock], KVGrads]]] = {}
 
     @property
     def unit(self) -> Unit | None:
@@ -186,8 +222,9 @@ class KVContext:
             if last_pass:
                 self._records.pop((unit.microbatch, unit.index), None)
 
-    def recorded(self, layer_id: int) -> tuple[list[KVBlock], KVBlock]:
-        """The prefix and block that ``layer_id`` used in the forward of the unit in backward."""
+    def recorded(self, layer_id: int) -> tuple[list[KVBlock], KVGrads]:
+        """The prefix that ``layer_id`` read in the forward of the unit in backward, and the
+        side buffers of the unit's own block."""
         unit = self._backward_unit
         try:
             return self._records[(unit.microbatch, unit.index)][layer_id]
@@ -196,12 +233,15 @@ class KVContext:
                 f"layer {layer_id} recomputed outside the backward of a unit it ran forward"
             ) from None
 
-    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list[KVBlock], KVBlock]:
-        """Record the current unit's K/V for ``layer_id``.
+    def append(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, copied: bool = False
+    ) -> tuple[list[KVBlock], KVGrads]:
+        """Record the current unit's K/V for ``layer_id``; ``copied``: k and v are the
+        context's own copies (no one else keeps them), so cut blocks are copied too.
 
         Returns the blocks of the earlier units that the unit reads (with packed
         documents, those holding keys of the document that continues into it) and
-        the new block of the current unit.
+        the side buffers of the current unit's new block.
         """
         unit = self._unit
         if unit is None:
@@ -218,12 +258,14 @@ class KVContext:
         for i, b in enumerate(blocks):
             if b is not None and b.end <= first:
                 blocks[i] = None
+            elif b is not None and b.offset < first and (copied or self.copy_tails):
+                blocks[i] = b.tail(first)
         prefix = [b for b in blocks if b is not None]
         block = KVBlock(k, v, unit.offset)
         if not unit.is_last:
             blocks.append(block)
-        self._records.setdefault((unit.microbatch, unit.index), {})[layer_id] = (prefix, block)
-        return prefix, block
+        self._records.setdefault((unit.microbatch, unit.index), {})[layer_id] = (prefix, block.grads)
+        return prefix, block.grads
 
     def clear(self) -> None:
         """Forget every microbatch (end of step)."""
@@ -234,7 +276,7 @@ class KVContext:
     def held_bytes(self) -> int:
         """Bytes of K/V the context keeps alive (blocks and records, each tensor once)."""
         blocks = [b for layers in self._blocks.values() for bs in layers.values() for b in bs if b is not None]
-        blocks += [b for rec in self._records.values() for prefix, own in rec.values() for b in (*prefix, own)]
+        blocks += [b for rec in self._records.values() for prefix, _ in rec.values() for b in prefix]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in blocks for t in (b.k, b.v)}
         return sum(storages.values())
 

@@ -6,7 +6,9 @@ TeraPipe's slicing, the lengths that minimise the pipeline's latency. A unit
 of s tokens after a prefix of P tokens costs ``a * s + b * (s * P + s**2 / 2)``
 (:class:`UnitCost`): projections, MLP and output layer grow with s, attention
 with the number of (query, key) pairs it scores. Later units have longer
-prefixes, so they get fewer tokens. Lengths are whole multiples of
+prefixes, so they get fewer tokens. With packed documents (block-causal
+attention) of expected length D a query reaches back about D keys however far
+into the sequence it is, so the cut tends to even as D shrinks. Lengths are whole multiples of
 ``multiple`` (at least the TP degree, so sequence-parallel shards stay whole).
 """
 
@@ -34,13 +36,16 @@ class UnitCost:
     Attributes:
         linear: forward cost per token of everything but attention scores.
         attention: forward cost per (query, key) pair.
+        document_length: expected tokens per packed document (block-causal
+            attention); None: a sequence is one document (causal attention).
     """
 
     linear: float
     attention: float
+    document_length: float | None = None
 
     @classmethod
-    def from_model_args(cls, args) -> "UnitCost":
+    def from_model_args(cls, args, document_length: float | None = None) -> "UnitCost":
         """Forward FLOPs of a Llama-style model (torchtitan ``TransformerModelArgs``).
 
         Per layer and token: 2 * dim * (q, k, v, o widths) + 2 * 3 * dim * ffn
@@ -57,11 +62,20 @@ class UnitCost:
         proj = 2 * dim * head_dim * (2 * n_heads + 2 * n_kv)
         ffn = 2 * 3 * dim * hidden
         output = 2 * dim * args.vocab_size / args.n_layers
-        return cls(linear=proj + ffn + output, attention=4 * n_heads * head_dim)
+        return cls(linear=proj + ffn + output, attention=4 * n_heads * head_dim, document_length=document_length)
 
-    @staticmethod
-    def pairs(length: float, prefix: float) -> float:
-        return length * prefix + length * length / 2
+    def pairs(self, length: float, prefix: float) -> float:
+        """(query, key) pairs scored by ``length`` queries after ``prefix`` tokens.
+
+        Causal: the integral of p over [P, P + s). With documents whose boundaries
+        fall at random, D tokens apart on average, a query at p reaches back
+        D (1 - exp(-p / D)) keys; its integral is written to stay exact for large D.
+        """
+        if self.document_length is None:
+            return length * prefix + length * length / 2
+        d = self.document_length
+        x, y = length / d, prefix / d
+        return -d * length * math.expm1(-y) + d * d * math.exp(-y) * (math.expm1(-x) + x)
 
     def forward(self, length: float, prefix: float) -> float:
         return self.linear * length + self.attention * self.pairs(length, prefix)
@@ -78,15 +92,17 @@ class UnitCost:
 
 
 def _balanced_lengths(seq_len: int, k: int, cost: UnitCost) -> list[float]:
-    """Real-valued lengths of equal cost, solved unit by unit from the start."""
+    """Real-valued lengths of equal cost, solved unit by unit from the start (by
+    bisection: a unit's cost grows with its length)."""
     target = cost(seq_len, 0) / k
-    a, b = 3 * cost.linear, 3.5 * cost.attention
     lengths, prefix = [], 0.0
     for _ in range(k - 1):
-        lin = a + b * prefix
-        s = 2 * target / (lin + math.sqrt(lin * lin + 2 * b * target)) if b else target / a
-        lengths.append(s)
-        prefix += s
+        low, high = 0.0, seq_len - prefix
+        while high - low > 1e-9 * seq_len:
+            mid = (low + high) / 2
+            low, high = (mid, high) if cost(mid, prefix) < target else (low, mid)
+        lengths.append(low)
+        prefix += low
     lengths.append(seq_len - prefix)
     return lengths
 

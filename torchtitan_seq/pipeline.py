@@ -64,7 +64,7 @@ def sequence_lengths(job_config: JobConfig, model_args: TransformerModelArgs, tp
         cfg.num_subsequences,
         cfg.partition,
         multiple=math.lcm(cfg.length_multiple, tp_degree),
-        cost=UnitCost.from_model_args(model_args),
+        cost=UnitCost.from_model_args(model_args, cfg.expected_document_length or None),
     )
 
 
@@ -187,6 +187,7 @@ def pipeline_sequence_llm(
                 lengths=lengths,
                 kernel=kernel,
                 chain_length=chain_length,
+                recomputes=job_config.activation_checkpoint.mode != "none",
                 group=pp_mesh.get_group("pp"),
             )
         )

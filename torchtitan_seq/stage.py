@@ -44,6 +44,9 @@ class SequencePipelineStage(PipelineStage):
         chain_length: stages per chain where the stages form several chains
             (BSIPipe's two: stage s is first of its chain when s % chain_length
             == 0); one chain of ``num_stages`` by default.
+        recomputes: the chunk runs under activation checkpointing, so the KV
+            context alone keeps K/V alive between a unit's forward and backward
+            (``KVContext.copy_tails``).
         **kwargs: passed on to ``PipelineStage``.
     """
 
@@ -58,6 +61,7 @@ class SequencePipelineStage(PipelineStage):
         seq_dim: int = 1,
         kernel: AttentionKernel | None = None,
         chain_length: int | None = None,
+        recomputes: bool = False,
         **kwargs: Any,
     ) -> None:
         self.chain_length = chain_length or num_stages
@@ -67,7 +71,7 @@ class SequencePipelineStage(PipelineStage):
         self.lengths = list(lengths)
         self.offsets = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
         self.seq_dim = seq_dim
-        self.kv_context = KVContext()
+        self.kv_context = KVContext(copy_tails=recomputes)
         bind_kv_context(submodule, self.kv_context, kernel or select_kernel(torch.device(device)))
 
     @property

@@ -102,6 +102,12 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
     n_microbatches = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
     _check_validation(job_config, name, n_microbatches)
     model_args = spec.model_args[job_config.model.flavor]
+    if job_config.sequence_pipeline.expected_document_length and model_args.attn_mask_type != "block_causal":
+        raise ValueError(
+            f"sequence_pipeline.expected_document_length = {job_config.sequence_pipeline.expected_document_length} "
+            f"needs a block-causal flavor, but model.flavor = {job_config.model.flavor!r} is causal: "
+            "pick one (e.g. debugmodel_flex_attn) or set it to 0"
+        )
     stages_per_rank(job_config, model_args, par.pipeline_parallel_degree)
     lengths = sequence_lengths(job_config, model_args, par.tensor_parallel_degree)
     cls = SEQUENCE_SCHEDULES[name]

@@ -67,15 +67,14 @@ def test_tensorboard_events_hold_the_metrics(shared_run):
             "memory/peak_activation_bytes/rank1"} <= tags, tags
 
 
+# run_train.sh's own check (a missing config) and its start-up run of the job check; the
+# job check's other refusals are tested in process (tests/unit/test_job_check.py).
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args,env,needle",
     [
-        (("--parallelism.pipeline_parallel_schedule", "Bogus"), {}, "parallelism.pipeline_parallel_schedule = 'Bogus'"),
         ((), {"CONFIG_FILE": "missing.toml"}, "CONFIG_FILE=missing.toml does not exist"),
         ((), {"NGPU": "3"}, "do not fit 3 processes"),
-        (("--sequence_pipeline.num_subsequences", "4096"), {}, "sequence_pipeline.num_subsequences = 4096"),
-        (("--model.name", "llama3"), {}, 'set [model] name = "llama3_seq"'),
     ],
 )
 def test_bad_input_fails_fast_with_one_message(args, env, needle, tmp_path):
@@ -86,18 +85,23 @@ def test_bad_input_fails_fast_with_one_message(args, env, needle, tmp_path):
 
 
 @pytest.mark.slow
-def test_validation_logs_the_validation_losses_of_1f1b(tmp_path):
-    """Validation runs the training pipeline (same cut); every rank reports the last stage's loss."""
-    validation = ("--training.steps", "2", "--training.seq_len", "256", "--validation.enable",
-                  "--validation.seq_len", "256", "--validation.local_batch_size", "4", "--validation.steps", "1",
-                  "--validation.freq", "1", "--validation.dataset", "seqpp_text_validation")
+def test_block_causal_training_and_validation_log_the_losses_of_1f1b(tmp_path):
+    """Packed documents (train_configs/debug_block_causal.toml: the shipped packed corpus, the
+    block-causal flavor debugmodel_flex_attn) reach every stage and unit of Seq1F1B as
+    torchtitan hands them to torch's 1F1B, in training and in validation, which runs the
+    training pipeline (same cut); every rank reports the last stage's loss."""
+    validation = ("--training.steps", "2", "--training.seq_len", "512", "--validation.enable",
+                  "--validation.seq_len", "512", "--validation.local_batch_size", "4", "--validation.steps", "1",
+                  "--validation.freq", "1", "--validation.dataset", "seqpp_packed_validation")
     runs = {
         schedule: run_train(*validation, "--parallelism.pipeline_parallel_schedule", schedule,
+                            env={"CONFIG_FILE": "train_configs/debug_block_causal.toml"},
                             dump_folder=tmp_path / schedule, check=False)
         for schedule in ("Seq1F1B", "1F1B")
     }
     for run in runs.values():
         assert_trained(run, 2)
         assert len(run.validation_losses) == 2 and min(run.validation_losses) > 1, run.validation_losses
+    assert_same_losses(runs["Seq1F1B"], runs["1F1B"])
     seq, ref = runs["Seq1F1B"].validation_losses, runs["1F1B"].validation_losses
     assert max_diff(seq, ref) <= 1e-3, (seq, ref)

@@ -15,11 +15,12 @@ C = dict(compile="inductor", optimizer_steps=1)  # a second step: nothing recomp
 
 PP2 = [
     Variant("seq1f1b-k4-compute", k=4, partition="compute", **C),
-    Variant("seq1f1b-k3-compute-ac-full", k=3, partition="compute", ac="full", **C),
+    # packed documents: the op reads them from the KV context; cut blocks copied (AC)
+    Variant("seq1f1b-k3-compute-ac-full-documents", k=3, partition="compute", ac="full", documents=True, **C),
     Variant("seq1f1b-k3-compute-ac-selective-op", k=3, partition="compute", ac="selective:op", **C),
     Variant("seq1f1b-k3-compute-ac-memory_budget", k=3, partition="compute", ac="memory_budget", **C),
     Variant("interleaved-k3-compute", schedule="InterleavedSeq1F1B", k=3, partition="compute", **C),
-    Variant("terapipe-k4-latency", schedule="TeraPipe", k=4, partition="latency", **C),
+    Variant("terapipe-k4-latency-documents", schedule="TeraPipe", k=4, partition="latency", documents=True, **C),
     Variant("bsipipe-k2-even", schedule="BSIPipe", k=2, **C),
 ]
 # The job check refuses compile with split backward (a compiled block is one autograd

@@ -5,7 +5,8 @@ through the exactness harness and asserts that the loss or some parameter's
 gradient is off by more than 100x the tolerance, relative to its own scale.
 The clean twin of every variant (the same variant without its mutation)
 passes the same comparison in the exactness tests (test_seq1f1b.py,
-test_interleaved.py, test_compose.py, test_bsipipe.py), so what fails here is
+test_interleaved.py, test_compose.py, test_bsipipe.py,
+test_documents.py), so what fails here is
 the mutation alone.
 """
 
@@ -29,6 +30,7 @@ TWO_RANKS = [
     Variant("bsipipe_pairs_not_combined", schedule="BSIPipe", k=2, mutation="bsipipe_pairs_not_combined"),
     Variant("bsipipe_copies_not_synced", schedule="BSIPipe", k=2, optimizer_steps=3,
             mutation="bsipipe_copies_not_synced"),
+    Variant("across_documents", k=4, documents=True, mutation="across_documents"),
 ]
 FOUR_RANKS = [
     Variant("tp_wrong_shard", k=4, tp=2, seq_len=64, mutation="tp_wrong_shard"),
@@ -97,3 +99,8 @@ def test_bsipipe_copies_not_resynchronised_after_the_optimizer_step(results):
     """Judged against the reference trained by the same SGD steps in one process, not by
     comparing the copies with the code that syncs them."""
     _check(results, "bsipipe_copies_not_synced")
+
+
+def test_unit_attending_across_a_document_boundary(results):
+    """Packed documents: queries read the whole prefix, earlier documents included."""
+    _check(results, "across_documents")

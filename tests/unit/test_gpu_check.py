@@ -39,7 +39,7 @@ def test_dry_run_reports_every_figure(dry_run):
     for key in ("date", "device", "torch", "cuda", "flash_attn", "attention", "overhead", "elapsed_s"):
         assert key in results, key
     cases = results["attention"]["cases"]
-    assert {(c["mask"], c["status"]) for c in cases} == {("causal", "ok"), ("block_causal", "not yet supported")}
+    assert {(c["mask"], c["status"]) for c in cases} == {("causal", "ok"), ("block_causal", "ok")}
     tolerance = {"float32": 1e-5, "float16": 5e-2, "bfloat16": 5e-2}
     assert {c["dtype"] for c in cases if c["mask"] == "causal"} == set(tolerance)
     for case in cases:

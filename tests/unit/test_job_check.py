@@ -25,7 +25,8 @@ def test_the_shipped_config_passes():
 @pytest.mark.parametrize("flavor", ["debugmodel_flex_attn", "debugmodel_varlen_attn"])
 @pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B", "BSIPipe", "TeraPipe", "1F1B"])
 def test_block_causal_flavors_pass(flavor, schedule):
-    _check("--model.flavor", flavor, "--parallelism.pipeline_parallel_schedule", schedule)
+    _check("--model.flavor", flavor, "--parallelism.pipeline_parallel_schedule", schedule,
+           "--sequence_pipeline.expected_document_length", "512")
 
 
 @pytest.mark.parametrize(
@@ -35,11 +36,17 @@ def test_block_causal_flavors_pass(flavor, schedule):
         (("--activation_checkpoint.mode", "memory_budget", "--parallelism.pipeline_parallel_schedule", "1F1B"),
          "activation_checkpoint.mode = 'memory_budget' needs torch.compile"),
         (("--model.flavor", "debugmodel_flash"), "model.flavor = 'debugmodel_flash' is not a flavor"),
+        (("--parallelism.pipeline_parallel_schedule", "Bogus"), "parallelism.pipeline_parallel_schedule = 'Bogus'"),
+        (("--sequence_pipeline.num_subsequences", "4096"), "sequence_pipeline.num_subsequences = 4096"),
+        (("--model.name", "llama3"), 'set [model] name = "llama3_seq"'),
+        (("--sequence_pipeline.expected_document_length", "512"),
+         "sequence_pipeline.expected_document_length = 512 needs a block-causal flavor"),
         (("--validation.enable", "--validation.seq_len", "1024"), "validation.seq_len = 1024 differs"),
         (("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "3"),
          "validation.local_batch_size = 3"),
     ],
-    ids=["memory_budget", "memory_budget-without-compile", "unknown-flavor",
+    ids=["memory_budget", "memory_budget-without-compile", "unknown-flavor", "bogus-schedule", "k-too-large", "model-without-chunk-aware-attention",
+         "document-length-causal",
          "validation-seq_len", "validation-batch"],
 )
 def test_refused_in_one_message_naming_the_setting(overrides, needle):

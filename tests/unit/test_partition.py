@@ -117,3 +117,35 @@ def test_bad_input_names_the_setting(kwargs, needle):
 def test_cost_model_is_required(method):
     with pytest.raises(ValueError, match=f"the '{method}' partition needs a UnitCost"):
         partition_sequence(64, 2, method)
+
+
+def test_document_pairs_are_those_of_random_packed_documents():
+    """UnitCost's block-causal pair count against packed documents of exponentially spread
+    lengths (mean D): the mean over 2000 random sequences, within 3%; and causal as D grows."""
+    import numpy as np
+
+    rng, d, seq_len = np.random.default_rng(0), 256, 4096
+    cost = UnitCost(linear=0.0, attention=1.0, document_length=d)
+    units = [(0, 1024), (1024, 1024), (3072, 1024)]
+    counted = np.zeros(len(units))
+    for _ in range(2000):
+        starts = np.concatenate([[0], np.cumsum(np.maximum(1, np.round(rng.exponential(d, 64))))])
+        starts = starts[starts < seq_len].astype(int)
+        positions = np.arange(seq_len)
+        keys = positions - starts[np.searchsorted(starts, positions, side="right") - 1] + 1
+        counted += [keys[prefix:prefix + length].sum() / 2000 for prefix, length in units]
+    for (prefix, length), mean in zip(units, counted):
+        assert abs(cost.pairs(length, prefix) - mean) / mean < 0.03, (prefix, cost.pairs(length, prefix), mean)
+    causal = UnitCost(linear=0.0, attention=1.0)
+    huge = UnitCost(linear=0.0, attention=1.0, document_length=1e9)
+    assert abs(huge.pairs(1024, 3072) / causal.pairs(1024, 3072) - 1) < 1e-5
+
+
+def test_short_documents_even_out_the_compute_partition():
+    """A unit's attention no longer grows with its offset once documents are short."""
+    cut = {d: partition_sequence(4096, 4, "compute", multiple=64,
+                                 cost=UnitCost.from_model_args(seq_llama3_flavors["debugmodel"], d))
+           for d in (None, 4096, 512, 64)}
+    assert cut[None] == [1600, 960, 832, 704] and cut[64] == [1024] * 4
+    spreads = [max(c) - min(c) for c in cut.values()]
+    assert spreads == sorted(spreads, reverse=True)

@@ -68,8 +68,9 @@ def test_torch_reference_figures():
 
 @pytest.mark.slow
 def test_sweep_no_deadlock_no_ordering_violation():
-    """p <= 8, N <= 16, k <= 8, split backward both ways for p <= 4 (BSIPipe: the
-    shapes it runs, even p and N, k <= 4).
+    """p <= 8, N <= 10 and 12, 16, k <= 5 and 8, split backward both ways for p <= 4
+    (BSIPipe: the shapes it runs, even p and N, k <= 4). Every N up to p + 2 for
+    the largest p: where warm-up and cool-down meet.
 
     simulate() validates the unit order (raising ScheduleOrderError) and runs
     torch's lowering, so a pass here means both hold.
@@ -78,8 +79,10 @@ def test_sweep_no_deadlock_no_ordering_violation():
         pairs = name == "BSIPipe"  # even p and N, full backward only; k <= 4 keeps it quick
         for p in range(2 if pairs else 1, 9, 2 if pairs else 1):
             for split in (False, True) if p <= 4 and not pairs else (False,):
-                for n in range(2 if pairs else 1, 17, 2 if pairs else 1):
-                    for k in range(1, 5 if pairs else 9):
+                for n in [*range(1, 11), 12, 16]:
+                    if pairs and n % 2:
+                        continue
+                    for k in range(1, 5) if pairs else (1, 2, 3, 4, 5, 8):
                         r = _run(name, p, n, k, split_backward=split)
                         assert r.deadlock is None, (name, p, n, k, split, r.deadlock)
                         assert r.makespan > 0
@@ -292,3 +295,17 @@ def test_schedules_folder_is_fresh(tmp_path):
     ), "run: python -m torchtitan_seq.simulate --regenerate schedules"
     for name in fresh:
         assert (tmp_path / name).read_bytes() == (committed / name).read_bytes(), name
+
+
+def test_packed_documents_cost_less_attention_and_cut_more_evenly(capsys):
+    """--document-length D: the transformer cost scores the pairs of packed documents, and
+    the compute partition follows; short documents leave less work and a more even cut."""
+    common = ["--schedule", "Seq1F1B", "--pp", "2", "--microbatches", "4", "--subsequences", "4",
+              "--cost", "transformer", "--partition", "compute", "--seq-len", "4096", "--json"]
+    runs = {}
+    for d in ("0", "4096", "512"):
+        assert sim.main([*common, "--document-length", d]) == 0
+        runs[d] = json.loads(capsys.readouterr().out)
+    assert runs["0"]["makespan"] > runs["4096"]["makespan"] > runs["512"]["makespan"]
+    spread = {d: max(r["lengths"]) - min(r["lengths"]) for d, r in runs.items()}
+    assert spread["0"] > spread["4096"] > spread["512"], spread

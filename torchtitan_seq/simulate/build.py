@@ -69,6 +69,9 @@ class SimConfig:
     """S, tokens per sequence."""
     partition: str = "even"
     """How sequences are cut: 'even' or 'compute' (torchtitan_seq.partition)."""
+    document_length: float = 0.0
+    """Packed documents (block-causal attention): expected tokens per document, for the
+    'transformer' cost and the partitions; 0: causal."""
     comm_latency: float = 0.0
     """Time from a SEND to the data being usable on the receiving rank."""
 

@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--flavor", default="debugmodel", help="model flavor (transformer cost, compute partition)")
     ap.add_argument("--seq-len", type=int, default=2048, help="S, tokens per sequence")
     ap.add_argument("--partition", default="even", choices=PARTITIONS)
+    ap.add_argument("--document-length", type=float, default=0.0,
+                    help="packed documents: expected tokens per document (block-causal attention); 0: causal")
     ap.add_argument("--comm-latency", type=float, default=0.0, help="SEND to usable data, in time units")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     ap.add_argument("--csv", type=Path, help="write the compute-only action table (torch's CSV format)")

@@ -7,7 +7,8 @@ rank). Unit j of length L_j after a prefix P_j costs:
 - ``uniform``: F = L_j / S, B = 2 F, I = W = F (S the sequence length);
 - ``transformer``: :class:`~torchtitan_seq.partition.UnitCost` of the model
   flavor: F = forward(L_j, P_j), I = backward_input, W = backward_weight,
-  B = I + W, divided by forward(S, 0);
+  B = I + W, divided by forward(S, 0); with ``document_length`` D > 0 attention
+  scores the pairs of packed documents D tokens long on average;
 - a JSON file of measured times of one unit on a stage with 1/p of the layers,
   one entry per subsequence j::
 
@@ -52,7 +53,7 @@ def unit_times(config: SimConfig, lengths: list[int]) -> UnitTimes:
         fwd = tuple(length / total for length in lengths)
         return UnitTimes(F=fwd, B=tuple(2 * t for t in fwd), I=fwd, W=fwd)
     if config.cost == "transformer":
-        cost = _model_cost(config.flavor)
+        cost = _model_cost(config)
         norm = cost.forward(total, 0)
         prefixes = [sum(lengths[:j]) for j in range(len(lengths))]
 
@@ -81,16 +82,16 @@ def _load_times(path: Path, k: int) -> UnitTimes:
     return UnitTimes(**passes)
 
 
-def _model_cost(flavor: str) -> UnitCost:
+def _model_cost(config: SimConfig) -> UnitCost:
     # Imported here: the model pulls in torchtitan, which uniform costs never need.
     from ..models.llama3_seq import seq_llama3_flavors
 
-    if flavor not in seq_llama3_flavors:
-        raise ValueError(f"unknown flavor {flavor!r}: use one of {sorted(seq_llama3_flavors)}")
-    return UnitCost.from_model_args(seq_llama3_flavors[flavor])
+    if config.flavor not in seq_llama3_flavors:
+        raise ValueError(f"unknown flavor {config.flavor!r}: use one of {sorted(seq_llama3_flavors)}")
+    return UnitCost.from_model_args(seq_llama3_flavors[config.flavor], config.document_length or None)
 
 
 def subsequence_lengths(config: SimConfig) -> list[int]:
     """Lengths of ``config``'s k subsequences under its partition."""
-    cost = _model_cost(config.flavor) if config.partition != "even" else None
+    cost = _model_cost(config) if config.partition != "even" else None
     return partition_sequence(config.seq_len, config.subsequences, config.partition, cost=cost)
