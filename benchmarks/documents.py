@@ -13,8 +13,9 @@ reports per step:
 * KV-context bytes: the peak and the mean, over the step's actions, of the K/V
   the stage's context keeps referenced (:meth:`~torchtitan_seq.kv_context.KVContext.held_bytes`);
 * saved activations: the peak bytes autograd keeps for backward
-  (:class:`~torchtitan_seq.memory.ActivationMemory`), and the peak of the two
-  summed (K/V the context keeps under checkpointing are not saved activations);
+  (:class:`~torchtitan_seq.memory.ActivationMemory`), and the peak of both together,
+  each storage once (without checkpointing autograd saves the K/V the context
+  refers to; under it the context's K/V are not saved activations);
 * attention FLOPs: each kernel call's scored (query, key) pairs times
   4 heads x head_dim, and 2.5 times that in backward (flash backward recomputes
   the scores); the units' prefix calls apart.
@@ -109,8 +110,9 @@ def run_step(tokens: torch.Tensor, documents: list[Documents] | None, ac: bool, 
             else:
                 with context.backward(unit):
                     outputs.pop(unit).float().square().mean().backward()
-            kv_held.append(context.held_bytes())
-            total_peak = max(total_peak, kv_held[-1] + memory.current)
+            held = context.held_storages()
+            kv_held.append(sum(held.values()))
+            total_peak = max(total_peak, memory.current + sum(n for p, n in held.items() if not memory.saves(p)))
     return {
         "kv_context_peak_bytes": max(kv_held),
         "kv_context_mean_bytes": statistics.mean(kv_held),

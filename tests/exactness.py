@@ -105,6 +105,18 @@ def packed_tokens(batch: int, seq_len: int, g: torch.Generator, shift: int = 0) 
     return tokens
 
 
+class DenseDocumentAttention(torch.nn.Module):
+    """The reference's inner attention: SDPA with the dense document mask, or causal."""
+
+    def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True, documents=None):
+        from torchtitan_seq.documents import document_mask
+
+        mask = None if documents is None else document_mask(documents)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
+        )
+
+
 def _free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -194,6 +206,8 @@ def _run_variant(v: Variant, rank: int) -> dict:
     whole = SeqTransformer(args)
     init_test_weights(whole)
     reference = copy.deepcopy(whole)
+    for layer in reference.layers.values():
+        layer.attention.inner_attention = DenseDocumentAttention()
     reference_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     batch = 2 * v.microbatches
     g = torch.Generator().manual_seed(1)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .documents import Documents, document_mask
+from .documents import Documents
 from .kv_context import KVBlock, KVContext, Unit
 
 __all__ = ["AttentionKernel", "select_kernel", "SequenceAttention", "bind_kv_context"]
@@ -270,6 +270,36 @@ def _reads(unit: Unit | None, documents: Documents | None, length: int, prefix: 
     return diagonal, rectangles
 
 
+def _diagonal_forward(
+    kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, diagonal: list[_Diagonal], scale: float
+) -> tuple[Tensor, Tensor]:
+    """out (B, Hq, L, D) and lse (B, Hq, L) of the causal ``diagonal`` pieces, which cover the unit."""
+    if len(diagonal) == 1:
+        return kernel.forward(q, k, v, True, scale)
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    for rows, a, e in diagonal:
+        out[rows, :, a:e], lse[rows, :, a:e] = kernel.forward(
+            q[rows, :, a:e], k[rows, :, a:e], v[rows, :, a:e], True, scale
+        )
+    return out, lse
+
+
+def _diagonal_backward(
+    kernel: AttentionKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    diagonal: list[_Diagonal], scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of the causal ``diagonal`` pieces, given the unit's merged ``out`` and ``lse``."""
+    if len(diagonal) == 1:
+        return kernel.backward(dout, q, k, v, out, lse, True, scale)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for rows, a, e in diagonal:
+        dq[rows, :, a:e], dk[rows, :, a:e], dv[rows, :, a:e] = kernel.backward(
+            dout[rows, :, a:e], q[rows, :, a:e], k[rows, :, a:e], v[rows, :, a:e],
+            out[rows, :, a:e], lse[rows, :, a:e], True, scale,
+        )
+    return dq, dk, dv
+
+
 def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
     # A custom op's outputs must have the strides of its fake implementation.
     return tuple(t.contiguous() for t in tensors)
@@ -304,14 +334,7 @@ def _unit_attention(
         prefix, _ = context.append(layer_id, k.clone() if compiled else k, v.clone() if compiled else v, compiled)
     documents = context.documents_of(unit) if unit is not None else None
     diagonal, rectangles = _reads(unit, documents, q.shape[2], prefix)
-    if len(diagonal) == 1:
-        out, lse = kernel.forward(q, k, v, True, scale)
-    else:
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-        for rows, a, e in diagonal:
-            out[rows, :, a:e], lse[rows, :, a:e] = kernel.forward(
-                q[rows, :, a:e], k[rows, :, a:e], v[rows, :, a:e], True, scale
-            )
+    out, lse = _diagonal_forward(kernel, q, k, v, diagonal, scale)
     if rectangles:
         out = out.float()
         for rows, stop, p, a, e in rectangles:
@@ -345,15 +368,7 @@ def _unit_attention_backward(
     prefix, grads = context.recorded(layer_id) if unit is not None else ([], None)
     documents = context.documents_of(unit) if unit is not None else None
     diagonal, rectangles = _reads(unit, documents, q.shape[2], prefix)
-    if len(diagonal) == 1:
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
-    else:
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for rows, a, e in diagonal:
-            dq[rows, :, a:e], dk[rows, :, a:e], dv[rows, :, a:e] = kernel.backward(
-                dout[rows, :, a:e], q[rows, :, a:e], k[rows, :, a:e], v[rows, :, a:e],
-                out[rows, :, a:e], lse[rows, :, a:e], True, scale,
-            )
+    dq, dk, dv = _diagonal_backward(kernel, dout, q, k, v, out, lse, diagonal, scale)
     for rows, stop, p, a, e in rectangles:
         dq_i, dk_i, dv_i = kernel.backward(
             dout[rows, :, :stop], q[rows, :, :stop], p.k[rows, :, a:e], p.v[rows, :, a:e],
@@ -389,6 +404,55 @@ def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
 
 
 _unit_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _document_pieces(documents: Tensor) -> list[_Diagonal]:
+    """The causal pieces of whole packed sequences, from their (B, S) document ids."""
+    layout = Documents.from_ids(documents)
+    seq_len = documents.shape[1]
+    return [(slice(b, b + 1), a, e) for b in range(layout.batch) for a, e in layout.pieces(b, 0, seq_len)]
+
+
+@torch.library.custom_op("torchtitan_seq::document_attention", mutates_args=())
+def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Block-causal attention of whole packed sequences (no pipeline unit): causal within
+    each document piece, one kernel call a piece, no mask. documents: (B, L) ids.
+    Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
+    out, lse = _diagonal_forward(select_kernel(q.device), q, k, v, _document_pieces(documents), scale)
+    return _heads_inner(out), lse.contiguous()
+
+
+@_document_attention.register_fake
+def _(q, k, v, documents, scale):
+    b, h, n, d = q.shape
+    return q.new_empty(b, n, h, d).transpose(1, 2), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("torchtitan_seq::document_attention_backward", mutates_args=())
+def _document_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, documents: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of :func:`_document_attention`."""
+    kernel, pieces = select_kernel(q.device), _document_pieces(documents)
+    return _contiguous(*_diagonal_backward(kernel, dout.contiguous(), q, k, v, out, lse, pieces, scale))
+
+
+@_document_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, documents, scale):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _document_setup_context(ctx, inputs, output) -> None:
+    q, k, v, documents, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, *output, documents)
+
+
+def _document_backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    dq, dk, dv = torch.ops.torchtitan_seq.document_attention_backward(dout, *ctx.saved_tensors, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_document_attention.register_autograd(_document_backward, setup_context=_document_setup_context)
 
 
 class SequenceAttention(nn.Module):
@@ -436,14 +500,14 @@ class SequenceAttention(nn.Module):
         documents: (B, L) document ids of a packed batch (block-causal attention), read
         when unbound; a bound layer reads its unit's documents from the KV context.
         Returns (B, Hq, L, D)."""
-        if self.ids is None:
-            mask = None if documents is None else document_mask(documents)
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal and mask is None, enable_gqa=enable_gqa
-            )
+        if self.ids is None and documents is None:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
         if not is_causal:
             raise ValueError("SequenceAttention runs units of causal attention only")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if self.ids is None:
+            out, _ = torch.ops.torchtitan_seq.document_attention(q, k, v, documents, scale)
+            return out
         out, _ = torch.ops.torchtitan_seq.unit_attention(
             q, k, v, self.ids, scale, torch.compiler.is_compiling()
         )

@@ -30,7 +30,8 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 
 def document_mask(ids: torch.Tensor) -> torch.Tensor:
-    """(B, S) document ids -> (B, 1, S, S) bool: causal within each document."""
+    """(B, S) document ids -> (B, 1, S, S) bool: causal within each document. The dense
+    mask, O(S^2): the reference that attention without a mask is checked against."""
     s = ids.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
     return (ids.unsqueeze(2) == ids.unsqueeze(1)).unsqueeze(1) & causal

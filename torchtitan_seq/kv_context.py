@@ -273,12 +273,15 @@ class KVContext:
         self._blocks.clear()
         self._records.clear()
 
-    def held_bytes(self) -> int:
-        """Bytes of K/V the context keeps alive (blocks and records, each tensor once)."""
+    def held_storages(self) -> dict[int, int]:
+        """The storages of the K/V the context keeps alive (blocks and records): data_ptr -> bytes."""
         blocks = [b for layers in self._blocks.values() for bs in layers.values() for b in bs if b is not None]
         blocks += [b for rec in self._records.values() for prefix, _ in rec.values() for b in prefix]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in blocks for t in (b.k, b.v)}
-        return sum(storages.values())
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in blocks for t in (b.k, b.v)}
+
+    def held_bytes(self) -> int:
+        """Bytes of K/V the context keeps alive, each storage once."""
+        return sum(self.held_storages().values())
 
     def __len__(self) -> int:
         """Number of microbatches and units whose K/V the context still holds."""

@@ -69,6 +69,10 @@ class ActivationMemory:
         weakref.finalize(saved, self._release, keys)
         return saved
 
+    def saves(self, storage_ptr: int) -> bool:
+        """Whether autograd keeps the storage at ``storage_ptr`` (its data_ptr) for backward."""
+        return storage_ptr in self._live
+
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
         return t

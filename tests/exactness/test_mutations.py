@@ -6,7 +6,7 @@ gradient is off by more than 100x the tolerance, relative to its own scale.
 The clean twin of every variant (the same variant without its mutation)
 passes the same comparison in the exactness tests (test_seq1f1b.py,
 test_interleaved.py, test_compose.py, test_bsipipe.py,
-test_documents.py), so what fails here is
+test_packed_documents.py), so what fails here is
 the mutation alone.
 """
 

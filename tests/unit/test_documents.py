@@ -104,3 +104,28 @@ def test_schedule_rejects_masks_unlike_the_batch(bad):
         ids = ids[:3]
     with pytest.raises(ValueError, match="attention_masks"):
         sched._split_units(ids, "attention_masks")
+
+
+def test_whole_sequence_attention_equals_the_dense_document_mask():
+    """Unbound (no pipeline, torch's schedules): one causal kernel call per document piece,
+    no mask; output and gradients against SDPA with the dense mask, relative to their scale."""
+    import torch.nn.functional as F
+
+    from torchtitan_seq.attention import SequenceAttention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, h, 32, 8, generator=g).requires_grad_() for h in (4, 2, 2))
+    dout = torch.randn(5, 4, 32, 8, generator=g)
+    ids = document_ids(_tokens(), EOS)
+    results = []
+    for attend in (
+        lambda: SequenceAttention(0)(q, k, v, enable_gqa=True, documents=ids),
+        lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(ids), enable_gqa=True),
+    ):
+        out = attend()
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        results.append((out, *grads))
+    for got, ref in zip(*results):
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert (results[0][0] - causal).abs().max() >= 0.1 * causal.abs().max()
