@@ -13,8 +13,8 @@ reports per step:
 * KV-context bytes: the peak and the mean, over the step's actions, of the K/V
   the stage's context keeps referenced (:meth:`~torchtitan_seq.kv_context.KVContext.held_bytes`);
 * saved activations: the peak bytes autograd keeps for backward
-  (:class:`~torchtitan_seq.memory.ActivationMemory`), and the peak of both together,
-  each storage once (without checkpointing autograd saves the K/V the context
+  (:class:`~torchtitan_seq.memory.ActivationMemory`), and the largest of both together
+  at the end of an action, each storage once (without checkpointing autograd saves the K/V the context
   refers to; under it the context's K/V are not saved activations);
 * attention FLOPs: each kernel call's scored (query, key) pairs times
   4 heads x head_dim, and 2.5 times that in backward (flash backward recomputes
@@ -159,7 +159,7 @@ def table(results: dict) -> str:
         f"(mean {results['document_length_mean']:.0f}, median {results['document_length_median']:.0f} tokens).",
         "",
         "| run | KV context peak (MiB) | KV context mean (MiB) | saved activations peak (MiB) "
-        "| activations + KV peak (MiB) | attention GFLOP diagonal | attention GFLOP prefix | attention GFLOP total |",
+        "| activations + KV at action ends, peak (MiB) | attention GFLOP diagonal | attention GFLOP prefix | attention GFLOP total |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in runs.items():
