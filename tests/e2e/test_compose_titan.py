@@ -50,13 +50,14 @@ def tensorboard_losses(dump_folder: Path) -> dict[int, float]:
 # 1. Meshes: PP x FSDP2, PP x TP, PP x FSDP2 x TP
 
 
-# 3 steps of each schedule on each mesh (FSDP2 over gloo takes 14 s a step on 2 cores),
+# 2 steps of each schedule on each mesh (FSDP2 over gloo takes 14 s a step on 2 cores;
+# that training learns is asserted on the shared 10-step run, tests/e2e/test_train.py),
 # at seq 256 (64-token subsequences):
 # the units, and the FSDP2 and TP collectives each makes, are the same at
 # seq 512, for half the compute. FSDP2 and TP together (8 ranks, 2.5 to 3.5
 # minutes a run on 2 cores) are checked against the single-process reference in
 # tests/exactness/test_compose.py, through torchtitan's parallelize_llama.
-MESH_STEPS = 3
+MESH_STEPS = 2
 MESHES = {
     # name: (processes, degrees)
     "pp2-fsdp2": (4, {"dp_shard": 2, "tp": 1}),
@@ -84,7 +85,6 @@ def test_seq1f1b_logs_the_losses_of_1f1b_on_the_same_mesh(mesh, tmp_path):
         assert f"Building device mesh with parallelism: {layout}" in run.output, run.output[-3000:]
     assert "Sequence pipeline Seq1F1B: 4 microbatches x 4 subsequences" in seq.output
     assert_same_losses(seq, ref, TOL_SCHEDULES)
-    assert min(seq.losses) < seq.losses[0] - 0.3  # it learns
 
 
 # ---------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def test_torch_reference_figures():
 
 @pytest.mark.slow
 def test_sweep_no_deadlock_no_ordering_violation():
-    """p <= 8, N <= 10 and 12, 16, k <= 5 and 8, split backward both ways for p <= 4
+    """p <= 8, N <= 10 and 12, 16, k 1-3, 5 and 8, split backward both ways for p <= 4
     (BSIPipe: the shapes it runs, even p and N, k <= 4). Every N up to p + 2 for
     the largest p: where warm-up and cool-down meet.
 
@@ -82,7 +82,7 @@ def test_sweep_no_deadlock_no_ordering_violation():
                 for n in [*range(1, 11), 12, 16]:
                     if pairs and n % 2:
                         continue
-                    for k in range(1, 5) if pairs else (1, 2, 3, 4, 5, 8):
+                    for k in range(1, 5) if pairs else (1, 2, 3, 5, 8):
                         r = _run(name, p, n, k, split_backward=split)
                         assert r.deadlock is None, (name, p, n, k, split, r.deadlock)
                         assert r.makespan > 0
