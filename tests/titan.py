@@ -48,7 +48,9 @@ def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-def assert_same_losses(run: Run, ref: Run, tol: float = 1e-3) -> None:
+def assert_same_losses(run: Run, ref: Run, tol: float = 1e-3, steps: int | None = None) -> None:
     """Two runs logged the same losses, step by step, within ``tol`` (1e-3: the same maths
-    summed in another order, as the console rounds it)."""
-    assert max_diff(run.losses, ref.losses) <= tol, (run.losses, ref.losses)
+    summed in another order, as the console rounds it); with ``steps``, the first ``steps``
+    of ``ref`` (a shorter run with REFERENCE's LR schedule against a shared 10-step run)."""
+    expected = ref.losses if steps is None else ref.losses[:steps]
+    assert max_diff(run.losses, expected) <= tol, (run.losses, expected)

@@ -18,7 +18,7 @@ from torchtitan_seq import timeline
 def test_bench_cli_smoke(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, bench.__file__, "--seq-lens", "256", "--steps", "3", "--rounds", "1",
+        [sys.executable, bench.__file__, "--seq-lens", "256", "--steps", "2", "--rounds", "1",
          "--schedules", "1F1B,Seq1F1B", "--calibrate", "--repeats", "1", "--out", str(out)],
         # Valid jobs: run_train.sh may skip its start-up check (every rank checks the job).
         env={**os.environ, "TORCHTITAN_SEQ_SKIP_CHECK": "1"},

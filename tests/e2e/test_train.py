@@ -38,8 +38,8 @@ def test_interleaved_1f1b_trains(shared_run):
 
 @pytest.mark.slow
 def test_seq1f1b_holds_fewer_activations_than_1f1b(tmp_path):
-    """seq 2048, 4 microbatches, k=4, rank 0 (measured saved-activation peaks)."""
-    common = ("--training.steps", "1", "--training.seq_len", "2048", "--training.local_batch_size", "4")
+    """seq 1024, 4 microbatches, k=4, rank 0 (measured saved-activation peaks)."""
+    common = ("--training.steps", "1", "--training.seq_len", "1024", "--training.local_batch_size", "4")
     one_f_one_b = run_train(*common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "a",
                             check=False)
     compute = run_train(*common, dump_folder=tmp_path / "b", check=False)
