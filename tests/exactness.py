@@ -8,7 +8,7 @@ differences, each relative to its own reference: a parameter's gradient error
 over the largest magnitude of that parameter's reference gradient, the loss
 error over the reference loss. With ``optimizer_steps`` both sides first take
 that many SGD steps, so the compared step also checks what happens between
-steps (BSIPipe's copies). A ``mutation`` (:mod:`mutations`) breaks one
+steps (BSIPipe's and Chimera's copies). A ``mutation`` (:mod:`mutations`) breaks one
 mechanism on purpose.
 """
 
@@ -57,7 +57,7 @@ class Variant:
         from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 
         return SEQUENCE_SCHEDULES[self.schedule].stages_per_rank
-    optimizer_steps: int = 0  # SGD steps (and BSIPipe copy syncs) on both sides before the compared step
+    optimizer_steps: int = 0  # SGD steps (and BSIPipe/Chimera copy syncs) on both sides before the compared step
     mutation: str | None = None  # a mechanism broken on purpose: a key of mutations.MUTATIONS
 
 
@@ -174,7 +174,7 @@ def _pipeline_chunks(whole, args, v: Variant):
 def _relative_errors(chunks, ref_grads: dict) -> dict[str, float]:
     """Per parameter of this rank's primary chunks: max |grad - reference| / max |reference|.
 
-    A BSIPipe chunk's gradient ends on its chain-A copy (stage index < chain length).
+    A BSIPipe or Chimera chunk's gradient ends on its chain-A copy (stage index < chain length).
     """
     errors = {}
     for index, chain, chunk in chunks:
@@ -291,7 +291,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
             opt.step()
             reference_opt.step()
             sched.after_optimizer_step()  # as the trainer's optimizer hook does
-            if hasattr(sched, "copies"):  # BSIPipe
+            if hasattr(sched, "copies"):  # BSIPipe, Chimera
                 copies_diff.append(sched.copies.max_difference())
         losses = step(*batches[-1], repeats=v.steps)
         ref_loss, ref_grads = reference_step(*batches[-1])
@@ -314,7 +314,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
         "graphs": graphs,  # compiled graphs so far, after each step
         "graph_breaks": sum(counters["graph_break"].values()),
     }
-    # Every last stage holds its units' losses (BSIPipe has two); the pipeline's sum is the loss.
+    # Every last stage holds its units' losses (BSIPipe and Chimera have two); the pipeline's sum is the loss.
     loss = torch.tensor(float(sum(losses)) if last else 0.0)
     dist.all_reduce(loss, group=pp_mesh.get_group())
     if last:

@@ -144,14 +144,14 @@ def _tp_wrong_shard(ctx: MutationContext) -> list:
 
 
 def _pairs_not_combined(ctx: MutationContext) -> list:
-    """BSIPipe: a chunk's two copies keep their own gradients; nothing adds them up."""
+    """BSIPipe, Chimera: a chunk's two copies keep their own gradients; nothing adds them up."""
     from torchtitan_seq.schedules import MirroredCopies
 
     return [mock.patch.object(MirroredCopies, "combine_gradients", lambda self: None)]
 
 
 def _copies_not_synced(ctx: MutationContext) -> list:
-    """BSIPipe: after an optimizer step the chain-B copies keep their old values."""
+    """BSIPipe, Chimera: after an optimizer step the chain-B copies keep their old values."""
     from torchtitan_seq.schedules import MirroredCopies
 
     return [mock.patch.object(MirroredCopies, "sync_parameters", lambda self: None)]
@@ -174,8 +174,8 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "recompute_without_prefix": _recompute_without_prefix,
     "split_w_without_kv_grad": _split_w_without_kv_grad,
     "tp_wrong_shard": _tp_wrong_shard,
-    "bsipipe_pairs_not_combined": _pairs_not_combined,
-    "bsipipe_copies_not_synced": _copies_not_synced,
+    "pairs_not_combined": _pairs_not_combined,
+    "copies_not_synced": _copies_not_synced,
     "across_documents": _across_documents,
 }
 

@@ -17,8 +17,9 @@ __all__ = ["SequencePipeline", "JobConfig"]
 class SequencePipeline:
     """How sequence schedules cut and run each microbatch.
 
-    Read when ``[parallelism] pipeline_parallel_schedule`` names a sequence
-    schedule (``Seq1F1B``, ``InterleavedSeq1F1B``, ``BSIPipe``, ``TeraPipe``); ignored by torch's own schedules.
+    Read when ``[parallelism] pipeline_parallel_schedule`` names a sequence schedule
+    (``Seq1F1B``, ``InterleavedSeq1F1B``, ``BSIPipe``, ``Chimera``, ``TeraPipe``); ignored by
+    torch's own schedules.
     """
 
     num_subsequences: int = 4
@@ -46,7 +47,7 @@ class SequencePipeline:
     torch's flash kernel), 'flash' (flash-attn) or 'sdpa' (torch's kernels)."""
 
     bidirectional_placement: Literal["paired", "linear"] = "paired"
-    """BSIPipe only: 'paired' puts each mirrored pair of pipeline positions
+    """BSIPipe and Chimera only: 'paired' puts each mirrored pair of pipeline positions
     (q, p - 1 - q), whose gradients are all-reduced, on neighbouring ranks;
     'linear' puts position q on pipeline rank q."""
 

@@ -75,7 +75,7 @@ def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences
 
 # --- what flows between stages ------------------------------------------------
 # Stages form chains of ``chain_length`` consecutive indices (one chain of all
-# stages, or BSIPipe's two): a forward feeds the next stage of its chain, an
+# stages, or BSIPipe's and Chimera's two): a forward feeds the next stage of its chain, an
 # input-gradient pass the previous one, and nothing crosses a chain's end. The
 # lowering and the simulator both follow these three functions.
 

@@ -18,9 +18,28 @@ import bisect
 import math
 from dataclasses import dataclass
 
-__all__ = ["UnitCost", "PARTITIONS", "partition_sequence"]
+__all__ = ["UnitCost", "PARTITIONS", "partition_sequence", "ffn_hidden_dim", "chunk_parameters"]
 
 PARTITIONS = ("even", "compute", "latency")
+
+
+def ffn_hidden_dim(args) -> int:
+    """Width of a Llama 3 SwiGLU MLP (w1, w3 outputs), as torchtitan's ``FeedForward`` computes it
+    from ``TransformerModelArgs``: 8/3 dim, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``."""
+    hidden = int(2 * 4 * args.dim / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * math.ceil(hidden / args.multiple_of)
+
+
+def chunk_parameters(args, layers: float, first: bool, last: bool, tp: int = 1) -> float:
+    """Parameters of a model chunk of ``layers`` Llama 3 blocks on one TP rank: the matrices
+    and embeddings divided by ``tp``, norm weights whole; ``first`` adds the token
+    embeddings, ``last`` the final norm and the output projection."""
+    d, f = args.dim, ffn_hidden_dim(args)
+    kv = (args.n_kv_heads or args.n_heads) * (d // args.n_heads)
+    per_layer = (2 * d * d + 2 * d * kv + 3 * d * f) / tp + 2 * d
+    return layers * per_layer + (args.vocab_size * d / tp if first else 0) + ((args.vocab_size * d / tp + d) if last else 0)
 
 
 @dataclass(frozen=True)
@@ -55,10 +74,7 @@ class UnitCost:
         dim, n_heads = args.dim, args.n_heads
         n_kv = args.n_kv_heads or n_heads
         head_dim = dim // n_heads
-        hidden = int(2 * 4 * dim / 3)
-        if args.ffn_dim_multiplier is not None:
-            hidden = int(args.ffn_dim_multiplier * hidden)
-        hidden = args.multiple_of * math.ceil(hidden / args.multiple_of)
+        hidden = ffn_hidden_dim(args)
         proj = 2 * dim * head_dim * (2 * n_heads + 2 * n_kv)
         ffn = 2 * 3 * dim * hidden
         output = 2 * dim * args.vocab_size / args.n_layers

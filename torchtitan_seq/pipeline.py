@@ -98,7 +98,8 @@ def stages_per_rank(job_config: JobConfig, model_args: TransformerModelArgs, pp_
             raise ValueError(
                 f"parallelism.pipeline_parallel_layers_per_stage = {per_stage} cuts the "
                 f"{model_args.n_layers} layers into {num_stages} chunks, but {name} runs exactly "
-                f"{chunks} (two per pipeline rank and direction): change it (or leave it unset)"
+                f"{chunks} ({default // cls.parameter_copies} per pipeline rank and direction): change it "
+                "(or leave it unset)"
             )
         return default
     v = num_stages // pp_degree

@@ -42,8 +42,8 @@ class SequencePipelineStage(PipelineStage):
         seq_dim: sequence dimension of the stage's inputs and outputs.
         kernel: block attention kernel; chosen for ``device`` when omitted.
         chain_length: stages per chain where the stages form several chains
-            (BSIPipe's two: stage s is first of its chain when s % chain_length
-            == 0); one chain of ``num_stages`` by default.
+            (BSIPipe's and Chimera's two: stage s is first of its chain when
+            s % chain_length == 0); one chain of ``num_stages`` by default.
         recomputes: the chunk runs under activation checkpointing, so the KV
             context alone keeps K/V alive between a unit's forward and backward
             (``KVContext.copy_tails``).
@@ -85,6 +85,22 @@ class SequencePipelineStage(PipelineStage):
     @property
     def num_subsequences(self) -> int:
         return len(self.lengths)
+
+    # torch's runtime hands a stage's output straight to stage index + 1 (and an
+    # input gradient to index - 1) when that stage is on the same rank (its
+    # V-schedule special case). Across the end of a chain nothing flows: with
+    # Chimera's two straight chains, chain A's last stage and chain B's first
+    # share a rank and adjacent indices.
+    def set_local_fwd_input(self, prev_stage_outputs: Any, mb_index: int) -> None:
+        if not self.is_first:
+            super().set_local_fwd_input(prev_stage_outputs, mb_index)
+
+    def get_local_bwd_output(self, mb_index: int):
+        return () if self.is_first else super().get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple, mb_index: int) -> None:
+        if not self.is_last:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def unit(self, unit_id: int) -> Unit:
         """The (microbatch, subsequence) unit behind torch's microbatch index."""

@@ -172,7 +172,7 @@ class SeqTrainer(Trainer):
         super().__init__(job_config)
         cpu_compat.fsdp_for_gloo(self.model_parts)
         if isinstance(getattr(self, "pp_schedule", None), SequenceSchedule):
-            # e.g. BSIPipe: the optimizer steps each chunk's primary copy; the mirror copy follows.
+            # e.g. BSIPipe, Chimera: the optimizer steps each chunk's primary copy; the mirror copy follows.
             self.optimizers.register_step_post_hook(lambda *_: self.pp_schedule.after_optimizer_step())
         if isinstance(self.metrics_processor, SeqMetricsProcessor):
             self.metrics_processor.activation_memory = self.activation_memory

@@ -5,7 +5,7 @@ through the exactness harness and asserts that the loss or some parameter's
 gradient is off by more than 100x the tolerance, relative to its own scale.
 The clean twin of every variant (the same variant without its mutation)
 passes the same comparison in the exactness tests (test_seq1f1b.py,
-test_interleaved.py, test_compose.py, test_bsipipe.py,
+test_interleaved.py, test_compose.py, test_bsipipe.py, test_chimera.py,
 test_packed_documents.py), so what fails here is
 the mutation alone.
 """
@@ -27,9 +27,10 @@ TWO_RANKS = [
     Variant("unit_mean_loss", k=3, partition="compute", mutation="unit_mean_loss"),
     Variant("recompute_without_prefix", k=3, partition="compute", ac="full", mutation="recompute_without_prefix"),
     Variant("split_w_without_kv_grad", k=4, split_backward=True, mutation="split_w_without_kv_grad"),
-    Variant("bsipipe_pairs_not_combined", schedule="BSIPipe", k=2, mutation="bsipipe_pairs_not_combined"),
-    Variant("bsipipe_copies_not_synced", schedule="BSIPipe", k=2, optimizer_steps=3,
-            mutation="bsipipe_copies_not_synced"),
+    Variant("pairs_not_combined-bsipipe", schedule="BSIPipe", k=2, mutation="pairs_not_combined"),
+    Variant("copies_not_synced-bsipipe", schedule="BSIPipe", k=2, optimizer_steps=3, mutation="copies_not_synced"),
+    Variant("pairs_not_combined-chimera", schedule="Chimera", k=2, mutation="pairs_not_combined"),
+    Variant("copies_not_synced-chimera", schedule="Chimera", k=2, optimizer_steps=3, mutation="copies_not_synced"),
     Variant("across_documents", k=4, documents=True, mutation="across_documents"),
 ]
 FOUR_RANKS = [
@@ -91,14 +92,16 @@ def test_tensor_parallel_kv_of_the_wrong_shard(results):
     _check(results, "tp_wrong_shard")
 
 
-def test_bsipipe_pair_gradients_not_combined(results):
-    _check(results, "bsipipe_pairs_not_combined")
+@pytest.mark.parametrize("schedule", ["bsipipe", "chimera"])
+def test_mirrored_pair_gradients_not_combined(results, schedule):
+    _check(results, f"pairs_not_combined-{schedule}")
 
 
-def test_bsipipe_copies_not_resynchronised_after_the_optimizer_step(results):
+@pytest.mark.parametrize("schedule", ["bsipipe", "chimera"])
+def test_mirror_copies_not_resynchronised_after_the_optimizer_step(results, schedule):
     """Judged against the reference trained by the same SGD steps in one process, not by
     comparing the copies with the code that syncs them."""
-    _check(results, "bsipipe_copies_not_synced")
+    _check(results, f"copies_not_synced-{schedule}")
 
 
 def test_unit_attending_across_a_document_boundary(results):

@@ -23,7 +23,7 @@ def test_the_shipped_config_passes():
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel_flex_attn", "debugmodel_varlen_attn"])
-@pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B", "BSIPipe", "TeraPipe", "1F1B"])
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B", "BSIPipe", "Chimera", "TeraPipe", "1F1B"])
 def test_block_causal_flavors_pass(flavor, schedule):
     _check("--model.flavor", flavor, "--parallelism.pipeline_parallel_schedule", schedule,
            "--sequence_pipeline.expected_document_length", "512")

@@ -69,14 +69,14 @@ def test_torch_reference_figures():
 @pytest.mark.slow
 def test_sweep_no_deadlock_no_ordering_violation():
     """p <= 8, N <= 10 and 12, 16, k 1-3, 5 and 8, split backward both ways for p <= 4
-    (BSIPipe: the shapes it runs, even p and N, k <= 4). Every N up to p + 2 for
+    (BSIPipe, Chimera: the shapes they run, even p and N, k <= 4). Every N up to p + 2 for
     the largest p: where warm-up and cool-down meet.
 
     simulate() validates the unit order (raising ScheduleOrderError) and runs
     torch's lowering, so a pass here means both hold.
     """
     for name in SEQUENCE_SCHEDULES:
-        pairs = name == "BSIPipe"  # even p and N, full backward only; k <= 4 keeps it quick
+        pairs = SEQUENCE_SCHEDULES[name].parameter_copies == 2  # even p and N, full backward only; k <= 4 keeps it quick
         for p in range(2 if pairs else 1, 9, 2 if pairs else 1):
             for split in (False, True) if p <= 4 and not pairs else (False,):
                 for n in [*range(1, 11), 12, 16]:

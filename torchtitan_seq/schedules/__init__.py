@@ -2,8 +2,9 @@
 
 * :mod:`.seq1f1b`: ``Seq1F1B`` and ``TeraPipe`` (one stage per rank);
 * :mod:`.interleaved`: ``InterleavedSeq1F1B`` (v stages per rank);
-* :mod:`.bsipipe`: ``BSIPipe``, with :mod:`.bidirectional` (two chains: layout,
-  lowering, mirrored copies);
+* :mod:`.bsipipe`: ``BSIPipe`` (two V-shaped chains) and :mod:`.chimera`:
+  ``Chimera`` (two straight chains), with :mod:`.bidirectional` (two chains in
+  opposite directions: layout, lowering, mirrored copies, their runtime);
 * :mod:`.base`: the runtime they share; ``_common``: unit orders and 1F1B.
 
 Each schedule is a short pure function ``(num_ranks, num_microbatches,
@@ -35,8 +36,9 @@ from torch.distributed.pipelining import schedules as _torch_schedules
 
 from ._common import ActionLists
 from .base import SequenceSchedule, StagePlacement
-from .bidirectional import PLACEMENTS, BidirectionalLayout, MirroredCopies, lower_chains
+from .bidirectional import PLACEMENTS, BidirectionalLayout, BidirectionalSchedule, MirroredCopies, lower_chains
 from .bsipipe import ScheduleBSIPipe, bsipipe_actions
+from .chimera import ScheduleChimera, chimera_actions
 from .interleaved import ScheduleInterleavedSeq1F1B, interleaved_seq1f1b_actions
 from .seq1f1b import (
     ScheduleSeq1F1B,
@@ -53,12 +55,15 @@ __all__ = [
     "terapipe_actions",
     "interleaved_seq1f1b_actions",
     "bsipipe_actions",
+    "chimera_actions",
     "ScheduleSeq1F1B",
     "ScheduleTeraPipe",
     "ScheduleInterleavedSeq1F1B",
     "ScheduleBSIPipe",
+    "ScheduleChimera",
     "PLACEMENTS",
     "BidirectionalLayout",
+    "BidirectionalSchedule",
     "MirroredCopies",
     "lower_chains",
     "SEQUENCE_SCHEDULES",
@@ -71,6 +76,7 @@ SEQUENCE_SCHEDULES: dict[str, type[SequenceSchedule]] = {
     "TeraPipe": ScheduleTeraPipe,
     "InterleavedSeq1F1B": ScheduleInterleavedSeq1F1B,
     "BSIPipe": ScheduleBSIPipe,
+    "Chimera": ScheduleChimera,
 }
 
 # torch's concrete schedules, by the names get_schedule_class takes ("Schedule1F1B" -> "1F1B").

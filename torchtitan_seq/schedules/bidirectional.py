@@ -1,29 +1,37 @@
-"""Two V-shaped pipelines in opposite directions over the same ranks (BSIPipe's layout).
+"""Two pipelines in opposite directions over the same ranks: BSIPipe's and Chimera's layouts.
 
-The model is cut into 2p chunks. Pipeline A runs them down and back up the
-ranks in a V: chunk s on position s for s < p, on position 2p - 1 - s after
-the turn. Pipeline B runs the same chunks from the other end: chunk s on
-position p - 1 - (A's position of s). Position q therefore holds chunks
-{q, 2p - 1 - q} of A and {p - 1 - q, p + q} of B, and its mirror p - 1 - q
-holds the same four chunks with the roles swapped: every chunk exists twice,
-once on each rank of a mirrored pair.
+Pipeline A runs the model's chunks down the ranks, pipeline B runs the same
+chunks from the other end: B's chunk s sits on position p - 1 - (A's position
+of s). Two shapes (:data:`SHAPES`):
+
+* ``v`` (BSIPipe): the model is cut into 2p chunks and A runs them down and
+  back up the ranks in a V: chunk s on position s for s < p, on position
+  2p - 1 - s after the turn. Position q holds chunks {q, 2p - 1 - q} of A and
+  {p - 1 - q, p + q} of B.
+* ``straight`` (Chimera): the model is cut into p chunks, A's chunk s on
+  position s. Position q holds chunk q of A and chunk p - 1 - q of B.
+
+Either way the mirror of position q, p - 1 - q, holds the same chunks with the
+roles swapped: every chunk exists twice, once on each rank of a mirrored pair.
 
 torch numbers stages along one chain; here the two chains share one index
-space, A's chunk s is stage s and B's chunk s is stage 2p + s, and a stage is
-first or last of its chain (``chain_length`` = 2p). torch's lowering
-(``_add_send_recv``) knows only one chain, so :func:`lower_chains` adds sends
-and receives the same way with chain boundaries; FSDP actions and gradient
-reduction are still torch's.
+space, A's chunk s is stage s and B's chunk s is stage ``chain_length`` + s
+(``chain_length`` = 2p or p), and a stage is first or last of its chain.
+torch's lowering (``_add_send_recv``) knows only one chain, so
+:func:`lower_chains` adds sends and receives the same way with chain
+boundaries; FSDP actions and gradient reduction are still torch's.
 
 Positions are mapped to ranks by a placement: ``paired`` (default) puts each
 mirrored pair (q, p - 1 - q) on neighbouring ranks (2q, 2q + 1), where their
 gradient all-reduce is cheapest; ``linear`` puts position q on rank q.
-:class:`MirroredCopies` keeps the two copies of each chunk identical.
+:class:`MirroredCopies` keeps the two copies of each chunk identical;
+:class:`BidirectionalSchedule` is the runtime both schedules share.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -41,26 +49,37 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from ..ordering import B, F, I, fed_by, feeds
+from ..stage import SequencePipelineStage
+from .base import SequenceSchedule, StagePlacement
 
-__all__ = ["PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies"]
+__all__ = [
+    "PLACEMENTS", "SHAPES", "Shape", "BidirectionalLayout", "check_bidirectional_shape", "lower_chains",
+    "MirroredCopies", "BidirectionalSchedule",
+]
 
 PLACEMENTS = ("paired", "linear")
+
+Shape = Literal["v", "straight"]
+SHAPES: dict[Shape, int] = {"v": 4, "straight": 2}
+"""Stages per rank of each shape: 2 chunks of each chain in a V, 1 in a straight chain."""
 
 
 @dataclass(frozen=True)
 class BidirectionalLayout:
-    """Where the 4p stages of the two chains live on p ranks (p even)."""
+    """Where the stages of the two chains live on p ranks (p even)."""
 
     num_positions: int
     """p, pipeline ranks."""
     placement: str = "paired"
     """Position -> rank: 'paired' (mirrored pairs on neighbouring ranks) or 'linear'."""
+    shape: Shape = "v"
+    """'v' (BSIPipe: chains of 2p chunks) or 'straight' (Chimera: chains of p chunks)."""
 
     def __post_init__(self) -> None:
         p = self.num_positions
         if p < 2 or p % 2:
             raise ValueError(
-                f"BSIPipe pairs pipeline rank q with rank p - 1 - q, so it needs an even "
+                f"BSIPipe and Chimera pair pipeline rank q with rank p - 1 - q, so they need an even "
                 f"pipeline_parallel_degree, got {p}"
             )
         if self.placement not in PLACEMENTS:
@@ -68,11 +87,25 @@ class BidirectionalLayout:
                 f"sequence_pipeline.bidirectional_placement = {self.placement!r} is unknown: "
                 f"use one of {PLACEMENTS}"
             )
+        if self.shape not in SHAPES:
+            raise ValueError(f"bidirectional layout shape {self.shape!r} is unknown: use one of {tuple(SHAPES)}")
+
+    @classmethod
+    def holding(cls, num_positions: int, stages_per_rank: int, placement: str = "paired") -> BidirectionalLayout:
+        """The layout whose ranks hold ``stages_per_rank`` stages (the shape that has that many)."""
+        shape = next((s for s, v in SHAPES.items() if v == stages_per_rank), None)
+        if shape is None:
+            raise ValueError(f"no bidirectional layout holds {stages_per_rank} stages per rank: {SHAPES}")
+        return cls(num_positions, placement, shape)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return SHAPES[self.shape]
 
     @property
     def chain_length(self) -> int:
-        """2p: stages per chain; the chains' chunks are the model's."""
-        return 2 * self.num_positions
+        """Stages per chain (2p in a V, p straight); the chains' chunks are the model's."""
+        return self.num_positions * self.stages_per_rank // 2
 
     @property
     def num_stages(self) -> int:
@@ -100,7 +133,7 @@ class BidirectionalLayout:
         return {s: self.rank_of_stage(s) for s in range(self.num_stages)}
 
     def stages_of_rank(self, rank: int) -> list[int]:
-        """The rank's 4 stages, ascending: A's two chunks, then B's two."""
+        """The rank's stages, ascending: A's chunks, then B's."""
         return [s for s in range(self.num_stages) if self.rank_of_stage(s) == rank]
 
     def chunk(self, stage: int) -> int:
@@ -123,6 +156,32 @@ class BidirectionalLayout:
                 f"mirrored with rank {self.mirror(rank)}"
             )
         return "\n".join(lines)
+
+
+def check_bidirectional_shape(
+    schedule: str,
+    shape: Shape,
+    num_ranks: int,
+    num_microbatches: int,
+    split_backward: bool,
+    stages_per_rank: int | None = None,
+    placement: str = "paired",
+) -> BidirectionalLayout:
+    """Raise, naming the setting, for a shape the two-direction ``schedule`` cannot run; else its layout."""
+    layout = BidirectionalLayout(num_ranks, placement, shape)  # an even p, a known placement
+    v = layout.stages_per_rank
+    if stages_per_rank not in (None, v):
+        raise ValueError(f"{schedule} holds {v} stages per rank ({v // 2} of each chain), not {stages_per_rank}")
+    if split_backward:
+        # torch's input/weight split special-cases stage 0, which would miss chain B's first stage.
+        raise ValueError(f"{schedule} runs full backwards: set sequence_pipeline.split_backward = false")
+    if num_microbatches % 2:
+        raise ValueError(
+            f"{schedule} shares the microbatches between its two pipelines, so it needs an even "
+            f"number of them, got {num_microbatches}: change training.local_batch_size or "
+            "parallelism.pipeline_parallel_microbatch_size"
+        )
+    return layout
 
 
 def lower_chains(
@@ -200,10 +259,10 @@ class MirroredCopies:
     the optimizer steps each chunk once and gradient-norm clipping counts it
     once; :meth:`sync_parameters` then copies the primaries' new values over
     the mirror copies (one all-reduce again). Both ranks of a pair hold the same
-    four chunks, which fixes a common order: by chunk index.
+    chunks, which fixes a common order: by chunk index.
 
     Args:
-        modules: {stage index: module} of this rank's four stages.
+        modules: {stage index: module} of this rank's stages.
         layout: the stages' layout.
         pp_group: the pipeline's process group (its group ranks are the layout's ranks).
     """
@@ -291,3 +350,100 @@ def _pair_group(layout: BidirectionalLayout, pp_group: dist.ProcessGroup) -> dis
         if me in pair:
             group = g
     return group
+
+
+class BidirectionalSchedule(SequenceSchedule):
+    """The runtime of a schedule of two pipelines in opposite directions (BSIPipe, Chimera).
+
+    A subclass names its ``layout_shape`` (and so its ``stages_per_rank``) and
+    its ``actions_fn``, whose lists are keyed by pipeline position and number
+    the stages as :class:`BidirectionalLayout` does. The two copies of each
+    chunk are one model: a step starts from identical copies (the first step
+    copies A's over B's) and ends with each chunk's whole gradient on its
+    chain-A copy and none on its chain-B copy, so an optimizer over all
+    parameters steps each chunk once; call :meth:`sync_copies` after each
+    optimizer step (the trainer's hook :meth:`after_optimizer_step` does).
+    ``step()`` returns no outputs: each last stage sees half of the microbatches.
+
+    Args (beyond :class:`SequenceSchedule`'s):
+        placement: position -> rank, see :data:`PLACEMENTS`.
+    """
+
+    layout_shape: ClassVar[Shape]
+    parameter_copies = 2
+    stage_placement = "bidirectional"
+
+    def __init__(
+        self,
+        stages: list[SequencePipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        split_backward: bool = False,
+        scale_grads: bool = False,
+        placement: str = "paired",
+    ) -> None:
+        self.layout = BidirectionalLayout(stages[0].group_size, placement, self.layout_shape)
+        held = sorted(s.stage_index for s in stages)
+        if held != self.layout.stages_of_rank(stages[0].group_rank):
+            raise ValueError(
+                f"pipeline rank {stages[0].group_rank} holds stages {held}, but {self._name()}'s "
+                f"{placement!r} layout puts {self.layout.stages_of_rank(stages[0].group_rank)} there"
+            )
+        super().__init__(stages, n_microbatches, loss_fn, split_backward=split_backward, scale_grads=scale_grads)
+        self.copies = MirroredCopies({s.stage_index: s.submod for s in self._stages}, self.layout, stages[0].group)
+        self._copies_synced = False
+
+    @classmethod
+    def _name(cls) -> str:
+        return cls.__name__.removeprefix("Schedule")
+
+    def _prepare_schedule_with_comms(self, actions, format="compute_only"):
+        order = {self.layout.rank_of_position(q): acts for q, acts in actions.items()}
+        self.pipeline_order = order
+        self.stage_index_to_group_rank = self.layout.stage_to_rank()
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        self.pipeline_order_with_comms = lower_chains(
+            order, self.stage_index_to_group_rank, self.layout.chain_length, self._n_microbatches // 2
+        )
+
+    @classmethod
+    def check_shape(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *,
+                    split_backward: bool = False, placement: str = "paired") -> None:
+        # Without building the lists: BSIPipe's list scheduling takes seconds at large shapes.
+        check_bidirectional_shape(
+            cls._name(), cls.layout_shape, num_ranks, num_microbatches, split_backward, placement=placement
+        )
+
+    @classmethod
+    def options_from_config(cls, config: Any) -> dict[str, Any]:
+        return {"placement": config.bidirectional_placement}
+
+    @classmethod
+    def place_stages(cls, num_ranks: int, num_chunks: int, placement: str = "paired") -> StagePlacement:
+        layout = BidirectionalLayout(num_ranks, placement, cls.layout_shape)
+        if num_chunks != layout.chain_length:
+            raise ValueError(
+                f"{cls._name()} cuts the model into {layout.chain_length} chunks "
+                f"({layout.stages_per_rank // 2} per pipeline rank and direction), got {num_chunks}"
+            )
+        return [[(s, layout.chunk(s)) for s in layout.stages_of_rank(r)] for r in range(num_ranks)]
+
+    def describe(self) -> str:
+        return f"{self._name()} placement '{self.layout.placement}':\n{self.layout.describe()}"
+
+    def after_optimizer_step(self) -> None:
+        self.sync_copies()
+
+    def sync_copies(self) -> None:
+        """Copy each chunk's chain-A values over its chain-B copy (after an optimizer step)."""
+        self.copies.sync_parameters()
+        self._copies_synced = True
+
+    def step(self, *args, target=None, losses=None, return_outputs: bool = True, **kwargs) -> None:
+        if not self._copies_synced:
+            self.sync_copies()
+        super().step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        if self._has_backward:
+            self.copies.combine_gradients()

@@ -9,16 +9,13 @@ lowering and the mirrored parameter copies are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-import torch
 from torch.distributed.pipelining.schedules import _Action
 
 from ..ordering import B, F, chain_neighbour, fed_by
-from ..stage import SequencePipelineStage
 from ._common import ActionLists, unit_orders
-from .base import SequenceSchedule, StagePlacement
-from .bidirectional import BidirectionalLayout, MirroredCopies, lower_chains
+from .bidirectional import SHAPES, BidirectionalLayout, BidirectionalSchedule, check_bidirectional_shape
 
 __all__ = ["bsipipe_actions", "ScheduleBSIPipe"]
 
@@ -129,23 +126,6 @@ def _list_schedule(
     return _ListSchedule(actions, max(free), most)
 
 
-def _check_bsipipe_shape(
-    num_ranks: int, num_microbatches: int, split_backward: bool, stages_per_rank: int = 4, placement: str = "paired"
-) -> None:
-    """Raise, naming the setting, for a shape BSIPipe cannot run."""
-    if stages_per_rank != 4:
-        raise ValueError(f"BSIPipe holds 4 stages per rank (2 chunks of each chain), not {stages_per_rank}")
-    if split_backward:
-        raise ValueError("BSIPipe runs full backwards: set sequence_pipeline.split_backward = false")
-    if num_microbatches % 2:
-        raise ValueError(
-            f"BSIPipe shares the microbatches between its two pipelines, so it needs an even "
-            f"number of them, got {num_microbatches}: change training.local_batch_size or "
-            "parallelism.pipeline_parallel_microbatch_size"
-        )
-    BidirectionalLayout(num_ranks, placement)  # an even p, a known placement
-
-
 def bsipipe_actions(
     num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False, stages_per_rank: int = 4
 ) -> ActionLists:
@@ -167,7 +147,7 @@ def bsipipe_actions(
     Full backward only: torch's input/weight split special-cases stage 0,
     which would miss chain B's first stage.
     """
-    _check_bsipipe_shape(num_ranks, num_microbatches, split_backward, stages_per_rank)
+    check_bidirectional_shape("BSIPipe", "v", num_ranks, num_microbatches, split_backward, stages_per_rank)
     p, k = num_ranks, num_subsequences
     limit = [[3 * k + 2 * p] * 2 + [6 * k + 4 * p] for _ in range(p)]
     basic_n = min(num_microbatches, 2 * p)
@@ -180,92 +160,15 @@ def bsipipe_actions(
     return min(steps, key=lambda r: (r.peak != basic.peak, r.makespan)).actions
 
 
-class ScheduleBSIPipe(SequenceSchedule):
+class ScheduleBSIPipe(BidirectionalSchedule):
     """BSIPipe: two V-shaped pipelines in opposite directions over units; see
-    :func:`bsipipe_actions` and :mod:`torchtitan_seq.schedules.bidirectional`.
+    :func:`bsipipe_actions`, and :class:`~torchtitan_seq.schedules.bidirectional.BidirectionalSchedule`
+    for the runtime (mirrored copies, placement).
 
     Each rank holds four stages (chunks {q, 2p-1-q} of chain A and
     {p-1-q, p+q} of chain B at position q), built with ``chain_length = 2p``.
-    The two copies of each chunk are one model: a step starts from identical
-    copies (the first step copies A's over B's) and ends with each chunk's
-    whole gradient on its chain-A copy and none on its chain-B copy, so an
-    optimizer over all parameters steps each chunk once; call
-    :meth:`sync_copies` after each optimizer step. ``step()`` returns no
-    outputs: each last stage sees half of the microbatches.
-
-    Args (beyond :class:`SequenceSchedule`'s):
-        placement: position -> rank, see :data:`~torchtitan_seq.schedules.bidirectional.PLACEMENTS`.
     """
 
     actions_fn = staticmethod(bsipipe_actions)
-    stages_per_rank = 4
-    parameter_copies = 2
-    stage_placement = "bidirectional"
-
-    def __init__(
-        self,
-        stages: list[SequencePipelineStage],
-        n_microbatches: int,
-        loss_fn: Callable[..., torch.Tensor] | None = None,
-        *,
-        split_backward: bool = False,
-        scale_grads: bool = False,
-        placement: str = "paired",
-    ) -> None:
-        self.layout = BidirectionalLayout(stages[0].group_size, placement)
-        held = sorted(s.stage_index for s in stages)
-        if held != self.layout.stages_of_rank(stages[0].group_rank):
-            raise ValueError(
-                f"pipeline rank {stages[0].group_rank} holds stages {held}, but BSIPipe's "
-                f"{placement!r} layout puts {self.layout.stages_of_rank(stages[0].group_rank)} there"
-            )
-        super().__init__(stages, n_microbatches, loss_fn, split_backward=split_backward, scale_grads=scale_grads)
-        self.copies = MirroredCopies({s.stage_index: s.submod for s in self._stages}, self.layout, stages[0].group)
-        self._copies_synced = False
-
-    def _prepare_schedule_with_comms(self, actions, format="compute_only"):
-        order = {self.layout.rank_of_position(q): acts for q, acts in actions.items()}
-        self.pipeline_order = order
-        self.stage_index_to_group_rank = self.layout.stage_to_rank()
-        for stage in self._stages:
-            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-        self.pipeline_order_with_comms = lower_chains(
-            order, self.stage_index_to_group_rank, self.layout.chain_length, self._n_microbatches // 2
-        )
-
-    @classmethod
-    def check_shape(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *,
-                    split_backward: bool = False, placement: str = "paired") -> None:
-        # Without building the lists: their list scheduling takes seconds at large shapes.
-        _check_bsipipe_shape(num_ranks, num_microbatches, split_backward, placement=placement)
-
-    @classmethod
-    def options_from_config(cls, config: Any) -> dict[str, Any]:
-        return {"placement": config.bidirectional_placement}
-
-    @classmethod
-    def place_stages(cls, num_ranks: int, num_chunks: int, placement: str = "paired") -> StagePlacement:
-        layout = BidirectionalLayout(num_ranks, placement)
-        if num_chunks != layout.chain_length:
-            raise ValueError(f"BSIPipe cuts the model into 2p = {layout.chain_length} chunks, got {num_chunks}")
-        return [[(s, layout.chunk(s)) for s in layout.stages_of_rank(r)] for r in range(num_ranks)]
-
-    def describe(self) -> str:
-        return f"BSIPipe placement '{self.layout.placement}':\n{self.layout.describe()}"
-
-    def after_optimizer_step(self) -> None:
-        self.sync_copies()
-
-    def sync_copies(self) -> None:
-        """Copy each chunk's chain-A values over its chain-B copy (after an optimizer step)."""
-        self.copies.sync_parameters()
-        self._copies_synced = True
-
-    def step(self, *args, target=None, losses=None, return_outputs: bool = True, **kwargs) -> None:
-        if not self._copies_synced:
-            self.sync_copies()
-        super().step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        if self._has_backward:
-            self.copies.combine_gradients()
-
-
+    layout_shape = "v"
+    stages_per_rank = SHAPES[layout_shape]

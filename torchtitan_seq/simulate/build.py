@@ -17,7 +17,9 @@ lowered lists are what :mod:`.engine` runs. Units are numbered ``m * k + j``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
+from typing import Literal
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
@@ -35,7 +37,8 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ..ordering import B, F, feeds, validate_unit_order
-from ..schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ActionLists, lower_chains
+from ..schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ActionLists, BidirectionalLayout, lower_chains
+from .network import Network
 
 __all__ = ["SimConfig", "MockStage", "Built", "build", "lower", "compute_leaves",
            "send_after_compute"]
@@ -72,8 +75,16 @@ class SimConfig:
     document_length: float = 0.0
     """Packed documents (block-causal attention): expected tokens per document, for the
     'transformer' cost and the partitions; 0: causal."""
+    recompute: float = 0.0
+    """Forwards recomputed per backward under activation checkpointing: 1 for ``full``,
+    1/n for torchtitan's layer-level ``selective`` (every n-th block); added to B and I."""
     comm_latency: float = 0.0
-    """Time from a SEND to the data being usable on the receiving rank."""
+    """Time from a SEND to the data being usable on the receiving rank, on top of the network's."""
+    network: Network = field(default_factory=Network)
+    """Links and what crosses them (:mod:`.network`); the default's are free."""
+    bidirectional_placement: Literal["paired", "linear"] = "paired"
+    """Schedules of two opposite chains (stage_placement 'bidirectional'): position -> rank,
+    as ``sequence_pipeline.bidirectional_placement``."""
 
 
 class MockStage(_PipelineStageBase):
@@ -115,8 +126,10 @@ def build(config: SimConfig) -> Built:
         cls = SEQUENCE_SCHEDULES[config.schedule]
         v = config.stages_per_rank or cls.stages_per_rank
         placement = cls.stage_placement
-        order = cls.compute_order(p, n, k, split_backward=config.split_backward, stages_per_rank=v)
-        validate_unit_order(order, k)
+        order = {r: list(acts) for r, acts in _checked_order(cls, p, n, k, config.split_backward, v).items()}
+        if placement == "bidirectional":  # lists keyed by position, as the runtime maps them
+            layout = BidirectionalLayout.holding(p, v, config.bidirectional_placement)
+            order = {r: order[layout.position_of_rank(r)] for r in range(p)}
     elif config.schedule in TORCH_SCHEDULES:
         if k != 1 or config.split_backward:
             raise ValueError(
@@ -142,6 +155,16 @@ def build(config: SimConfig) -> Built:
             f"{sorted(SEQUENCE_SCHEDULES) + list(TORCH_SCHEDULES)}"
         )
     return Built(order, v, placement, getattr(cls, "parameter_copies", 1))
+
+
+@functools.lru_cache(maxsize=512)
+def _checked_order(cls: type, p: int, n: int, k: int, split_backward: bool, v: int) -> ActionLists:
+    """A sequence schedule's compute-only lists, validated; kept because BSIPipe's list
+    scheduling takes seconds at large shapes and placements and costs share the lists
+    (callers copy them)."""
+    order = cls.compute_order(p, n, k, split_backward=split_backward, stages_per_rank=v)
+    validate_unit_order(order, k)
+    return order
 
 
 def _executed_order(ir: ActionLists) -> ActionLists:

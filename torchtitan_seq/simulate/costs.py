@@ -16,7 +16,12 @@ rank). Unit j of length L_j after a prefix P_j costs:
 
   ``F`` is required, and ``B`` or both ``I`` and ``W``; ``B`` defaults to
   I + W; ``I`` and ``W`` are needed only by schedules that split backward.
-  Other keys (metadata) are ignored. Times are in any one unit (seconds, ms).
+  Other keys (metadata) are ignored. Times are in any one unit (seconds, ms);
+  a network whose links cost time (:mod:`.network`) needs them in seconds,
+  marked ``"unit": "s"`` (as ``bench.py --calibrate`` writes them).
+
+:func:`seconds_per_time_unit` converts the unit of time into seconds for a
+network.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Callable
 from ..partition import UnitCost, partition_sequence
 from .build import SimConfig
 
-__all__ = ["UnitTimes", "unit_times", "subsequence_lengths"]
+__all__ = ["UnitTimes", "unit_times", "transformer_times", "subsequence_lengths", "model_args", "seconds_per_time_unit"]
 
 
 @dataclass(frozen=True)
@@ -47,22 +52,36 @@ class UnitTimes:
 
 
 def unit_times(config: SimConfig, lengths: list[int]) -> UnitTimes:
-    """Per-unit times of ``config.cost`` for subsequences ``lengths`` (see the module docstring)."""
+    """Per-unit times of ``config.cost`` for subsequences ``lengths`` (see the module docstring),
+    with ``config.recompute`` forwards added to each backward (B, and I: it runs first)."""
     total = sum(lengths)
     if config.cost == "uniform":
         fwd = tuple(length / total for length in lengths)
-        return UnitTimes(F=fwd, B=tuple(2 * t for t in fwd), I=fwd, W=fwd)
-    if config.cost == "transformer":
-        cost = _model_cost(config)
-        norm = cost.forward(total, 0)
-        prefixes = [sum(lengths[:j]) for j in range(len(lengths))]
+        times = UnitTimes(F=fwd, B=tuple(2 * t for t in fwd), I=fwd, W=fwd)
+    elif config.cost == "transformer":
+        times = transformer_times(_model_cost(config), lengths)
+    else:
+        times = _load_times(Path(config.cost), len(lengths))
+    if not config.recompute:
+        return times
 
-        def per_unit(pass_cost: Callable[[float, float], float]) -> tuple[float, ...]:
-            return tuple(pass_cost(length, p) / norm for length, p in zip(lengths, prefixes))
+    def plus_forwards(passes: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        return None if passes is None else tuple(t + config.recompute * f for t, f in zip(passes, times.F))
 
-        inp, wgt = per_unit(cost.backward_input), per_unit(cost.backward_weight)
-        return UnitTimes(F=per_unit(cost.forward), B=tuple(i + w for i, w in zip(inp, wgt)), I=inp, W=wgt)
-    return _load_times(Path(config.cost), len(lengths))
+    return UnitTimes(F=times.F, B=plus_forwards(times.B), I=plus_forwards(times.I), W=times.W)
+
+
+def transformer_times(cost: UnitCost, lengths: list[int]) -> UnitTimes:
+    """The 'transformer' times of subsequences ``lengths`` under ``cost``: each pass's cost
+    over a whole sequence's forward."""
+    norm = cost.forward(sum(lengths), 0)
+    prefixes = [sum(lengths[:j]) for j in range(len(lengths))]
+
+    def per_unit(pass_cost: Callable[[float, float], float]) -> tuple[float, ...]:
+        return tuple(pass_cost(length, p) / norm for length, p in zip(lengths, prefixes))
+
+    inp, wgt = per_unit(cost.backward_input), per_unit(cost.backward_weight)
+    return UnitTimes(F=per_unit(cost.forward), B=tuple(i + w for i, w in zip(inp, wgt)), I=inp, W=wgt)
 
 
 def _load_times(path: Path, k: int) -> UnitTimes:
@@ -82,13 +101,32 @@ def _load_times(path: Path, k: int) -> UnitTimes:
     return UnitTimes(**passes)
 
 
-def _model_cost(config: SimConfig) -> UnitCost:
+def model_args(config: SimConfig):
+    """The ``TransformerModelArgs`` of ``config.flavor``."""
     # Imported here: the model pulls in torchtitan, which uniform costs never need.
     from ..models.llama3_seq import seq_llama3_flavors
 
     if config.flavor not in seq_llama3_flavors:
         raise ValueError(f"unknown flavor {config.flavor!r}: use one of {sorted(seq_llama3_flavors)}")
-    return UnitCost.from_model_args(seq_llama3_flavors[config.flavor], config.document_length or None)
+    return seq_llama3_flavors[config.flavor]
+
+
+def _model_cost(config: SimConfig) -> UnitCost:
+    return UnitCost.from_model_args(model_args(config), config.document_length or None)
+
+
+def seconds_per_time_unit(config: SimConfig) -> float:
+    """Seconds of one unit of ``config``'s times: for 'uniform' and 'transformer', one
+    microbatch's forward on 1/p of the flavor's layers at ``config.network``'s FLOP/s;
+    1 for a cost file in seconds."""
+    if config.cost in ("uniform", "transformer"):
+        return config.network.seconds_per_time_unit(model_args(config), _model_cost(config), config.seq_len, config.pp)
+    if json.loads(Path(config.cost).read_text()).get("unit") != "s":
+        raise ValueError(
+            f"--cost {config.cost}: links that cost time need the file's times in seconds, "
+            'marked "unit": "s" (bench.py --calibrate writes it)'
+        )
+    return 1.0
 
 
 def subsequence_lengths(config: SimConfig) -> list[int]:

@@ -6,9 +6,9 @@ its inputs exist:
 
 - F of stage s needs the output of the stage before it in its chain
   (:func:`~torchtitan_seq.ordering.fed_by`): the forward on the same rank, or
-  the matching SEND_F on the rank that holds it, plus ``comm_latency``;
+  the matching SEND_F on the rank that holds it, plus the transfer time;
 - B or I of stage s needs its own F and the input gradient of the stage after
-  it (B/I on the same rank, or the matching SEND_B plus ``comm_latency``);
+  it (B/I on the same rank, or the matching SEND_B plus the transfer time);
 - W needs its I.
 
 SEND is issued when the rank reaches it (right after the compute it sends);
@@ -20,6 +20,12 @@ overlap function. When no rank can progress the simulation stops and reports
 where each rank is stuck (:class:`Deadlock`) instead of hanging; a list that
 torch's ``_add_send_recv`` cannot lower (it deadlocks in lowering already) is
 run with a SEND after every compute that feeds another rank, to say where.
+
+A transfer takes ``comm_latency`` plus, with a :class:`~.network.Network`
+whose links cost time, the link's latency and the unit's bytes over its
+bandwidth (:class:`~.network.Transfers`). Schedules with two copies of each
+model chunk end the step with the copies' all-reduces between the ranks that
+share chunks, once both have finished computing; the makespan includes them.
 
 Pass times come from :mod:`.costs`, scaled to a stage's share of the layers.
 Activations are in M, one microbatch's activations on 1/p of the layers: unit
@@ -37,9 +43,10 @@ from torch.distributed.pipelining.schedules import SEND_B, SEND_F, _Action
 
 from ..ordering import B, F, I, W, fed_by
 from ..render import Interval, Timeline
-from ..schedules import ActionLists, BidirectionalLayout
+from ..schedules import PLACEMENTS, ActionLists, BidirectionalLayout
 from .build import SimConfig, build, compute_leaves, lower, send_after_compute
-from .costs import UnitTimes, subsequence_lengths, unit_times
+from .costs import UnitTimes, model_args, seconds_per_time_unit, subsequence_lengths, unit_times
+from .network import Transfers
 
 __all__ = ["StuckRank", "Deadlock", "SimResult", "simulate", "simulate_order"]
 
@@ -87,6 +94,14 @@ class SimResult(Timeline):
     deadlock: Deadlock | None
     lowered: dict[int, list[_Action]] = field(repr=False)
     time_unit: str = "forwards of one microbatch on 1/p of the layers"
+    copies_synced: list[float] = field(default_factory=list)
+    """Per rank, when the all-reduces of its parameter copies end (the step's last
+    communication); empty for a schedule with one copy."""
+
+    @property
+    def makespan(self) -> float:
+        """The step: the last compute, or the copies' all-reduces after it."""
+        return max([super().makespan, *self.copies_synced])
 
     def title(self) -> str:
         return (
@@ -103,12 +118,15 @@ class SimResult(Timeline):
 
 _SUMMARY = (
     "schedule", "pp", "microbatches", "subsequences", "stages_per_rank", "split_backward", "cost", "lengths",
-    "bubble_ratio", "makespan", "peak_activations", "parameter_copies",
+    "bubble_ratio", "makespan", "peak_activations", "parameter_copies", "copies_synced",
 )
+
+Transfer = Callable[[int, int, int], float]
+"""(source rank, destination rank, unit id) -> time from a SEND to its data on the destination."""
 
 
 def _needs(
-    a: _Action, stage_to_rank: dict[int, int], chain_length: int, latency: float
+    a: _Action, stage_to_rank: dict[int, int], chain_length: int, transfer: Transfer
 ) -> list[tuple[tuple[_Action, ...], float]]:
     """What ``a`` waits for: (any one of these finished actions, plus delay)."""
     s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
@@ -127,7 +145,8 @@ def _needs(
     if stage_to_rank[source] == stage_to_rank[s]:
         made = (_Action(source, F, m),) if kind == F else (_Action(source, B, m), _Action(source, I, m))
         return [*own, (made, 0.0)]
-    return [*own, ((_Action(source, SEND_F if kind == F else SEND_B, m),), latency)]
+    delay = transfer(stage_to_rank[source], stage_to_rank[s], m)
+    return [*own, ((_Action(source, SEND_F if kind == F else SEND_B, m),), delay)]
 
 
 def _run(
@@ -135,7 +154,7 @@ def _run(
     stage_to_rank: dict[int, int],
     chain_length: int,
     duration: Callable[[_Action], float],
-    latency: float,
+    transfer: Transfer,
     list_kind: str,
 ) -> tuple[dict[int, list[Interval]], Deadlock | None]:
     """Run every rank's list in order; the times are final once known, so
@@ -152,7 +171,7 @@ def _run(
         for r, acts in flat.items():
             while pos[r] < len(acts):
                 a = acts[pos[r]][1]
-                needs = _needs(a, stage_to_rank, chain_length, latency)
+                needs = _needs(a, stage_to_rank, chain_length, transfer)
                 missing = next((opts for opts, _ in needs if not any(o in finished for o in opts)), None)
                 if missing is not None:
                     waiting[r] = missing
@@ -191,6 +210,12 @@ def simulate(config: SimConfig) -> SimResult:
     """
     built = build(config)
     lengths = subsequence_lengths(config)
+    transfers = None
+    if not config.network.free:
+        num_chunks = config.pp * built.stages_per_rank // built.parameter_copies
+        transfers = Transfers.for_model(
+            config.network, model_args(config), lengths, num_chunks, seconds_per_time_unit(config)
+        )
     return simulate_order(
         built.order,
         lengths=lengths,
@@ -203,6 +228,7 @@ def simulate(config: SimConfig) -> SimResult:
         cost=config.cost,
         parameter_copies=built.parameter_copies,
         comm_latency=config.comm_latency,
+        transfers=transfers,
     )
 
 
@@ -219,14 +245,18 @@ def simulate_order(
     cost: str = "custom",
     parameter_copies: int = 1,
     comm_latency: float = 0.0,
+    transfers: Transfers | None = None,
 ) -> SimResult:
     """Lower and time compute-only lists ``order`` ({rank: [action or None]}).
 
     ``lengths`` are the subsequence lengths (k = len(lengths)), ``times`` the
     unit times on a stage with 1/p of the layers. ``placement`` ("loop",
     "v" or "bidirectional"), when given, must agree with where the lists put
-    the stages. With ``parameter_copies`` 2 the p v stages are two chains
-    over p v / 2 model chunks (BSIPipe).
+    the stages ("bidirectional": either of its placements). With
+    ``parameter_copies`` 2 the p v stages are two chains over p v / 2 model
+    chunks (BSIPipe, Chimera). A transfer takes ``comm_latency`` plus, when
+    given, the time ``transfers`` says (which also times the copies'
+    all-reduces at the end of the step).
     """
     p, v, k = len(order), stages_per_rank, len(lengths)
     num_stages = p * v
@@ -234,14 +264,14 @@ def simulate_order(
     lowered, stage_to_rank = lower(order, num_stages, microbatches * k, chain_length)
     if placement is not None:
         expected = (
-            BidirectionalLayout(p, "linear").stage_to_rank()
+            [BidirectionalLayout.holding(p, v, name).stage_to_rank() for name in PLACEMENTS]
             if placement == "bidirectional"
-            else generate_stage_to_rank_mapping(p, num_stages, style=placement)
+            else [generate_stage_to_rank_mapping(p, num_stages, style=placement)]
         )
-        if stage_to_rank != expected:
+        if stage_to_rank not in expected:
             raise ValueError(
                 f"{schedule} places stages on ranks {stage_to_rank}, but its stage_placement "
-                f"{placement!r} means {expected}"
+                f"{placement!r} means {' or '.join(map(str, expected))}"
             )
     # A stage holds 1/chain_length of the model, a 1/p stage's p/chain_length.
     share = p / chain_length
@@ -265,7 +295,15 @@ def simulate_order(
     else:
         steps = send_after_compute(order, stage_to_rank, chain_length)
         list_kind = "compute-only"
-    timeline, deadlock = _run(steps, stage_to_rank, chain_length, duration, comm_latency, list_kind)
+    def transfer(src: int, dst: int, unit: int) -> float:
+        return comm_latency + (transfers.send(src, dst, unit % k) if transfers else 0.0)
+
+    timeline, deadlock = _run(steps, stage_to_rank, chain_length, duration, transfer, list_kind)
+    copies_synced = (
+        _sync_copies(timeline, stage_to_rank, chain_length, parameter_copies, transfers)
+        if parameter_copies > 1
+        else []
+    )
 
     weights = [length / sum(lengths) * share for length in lengths]
     return SimResult(
@@ -279,11 +317,35 @@ def simulate_order(
         lengths=list(lengths),
         peak_activations=[_peak(timeline[r], weights, k) for r in sorted(timeline)],
         parameter_copies=parameter_copies,
+        copies_synced=copies_synced,
         deadlock=deadlock,
         timeline=timeline,
         compute_order=order,
         lowered=lowered or {},
     )
+
+
+def _sync_copies(
+    timeline: dict[int, list[Interval]],
+    stage_to_rank: dict[int, int],
+    chain_length: int,
+    copies: int,
+    transfers: Transfers | None,
+) -> list[float]:
+    """Per rank, when the all-reduces of its chunks' copies end (see
+    :meth:`~.network.Transfers.copy_sync`): the ranks that share chunks start
+    once all of them have finished computing; chunk c's copies are stages
+    c + i * chain_length."""
+    shared: dict[tuple[int, ...], int] = {}
+    for chunk in range(chain_length):
+        ranks = tuple(sorted({stage_to_rank[chunk + i * chain_length] for i in range(copies)}))
+        if len(ranks) > 1:
+            shared[ranks] = shared.get(ranks, 0) + 1
+    done = {r: max((end for _, end, _ in ivs), default=0.0) for r, ivs in timeline.items()}
+    for ranks, chunks in sorted(shared.items()):
+        end = max(done[r] for r in ranks) + (transfers.copy_sync(ranks, chunks) if transfers else 0.0)
+        done.update(dict.fromkeys(ranks, end))
+    return [done[r] for r in sorted(done)]
 
 
 def _peak(intervals: list[Interval], weights: list[float], k: int) -> float:

@@ -14,13 +14,15 @@ __all__ = ["standard_configs", "regenerate"]
 
 def standard_configs() -> list[SimConfig]:
     """The shapes of ``schedules/``: every sequence schedule and four of torch's
-    at p=4, N=8 (k=4 for sequence schedules), plus Seq1F1B at N=4."""
+    at p=4, N=8 (k=4 for sequence schedules), plus Seq1F1B at N=4 and plain
+    Chimera (k=1)."""
     seq = [SimConfig(name, pp=4, microbatches=8, subsequences=4) for name in SEQUENCE_SCHEDULES]
     torch_ = [
         SimConfig(name, pp=4, microbatches=8)
         for name in ("1F1B", "Interleaved1F1B", "GPipe", "ZBVZeroBubble")
     ]
-    return seq + torch_ + [SimConfig("Seq1F1B", pp=4, microbatches=4, subsequences=4)]
+    extra = [SimConfig("Seq1F1B", pp=4, microbatches=4, subsequences=4), SimConfig("Chimera", pp=4, microbatches=8)]
+    return seq + torch_ + extra
 
 
 def _stem(result: SimResult) -> str:
@@ -53,7 +55,7 @@ def regenerate(folder: Path) -> list[Path]:
         "of the sequence and of the rank's layers), even subsequences, no communication latency.\n"
         "Time is in forwards of one microbatch on 1/p of the layers; activations in M, one\n"
         "microbatch's activations on 1/p of the layers. Each CSV is the compute-only action list\n"
-        "(torch's `_dump_csv` format, loadable with `_load_csv`, but for BSIPipe's two chains).\n"
+        "(torch's `_dump_csv` format, loadable with `_load_csv`, but for BSIPipe's and Chimera's two chains).\n"
         "See `torchtitan_seq/simulate/`.\n\n"
         "| schedule | p | N | k | V | bubble ratio | makespan | peak activations rank 0 (M) "
         "| parameter copies | files |\n"

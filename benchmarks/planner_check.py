@@ -1,0 +1,118 @@
+"""The planner against a measured benchmark: ranking and activation peaks.
+
+    python benchmarks/bench.py --schedules 1F1B,Interleaved1F1B,Seq1F1B:2:even,... \\
+        --seq-lens 2048 --calibrate --out benchmarks/planner
+    python benchmarks/planner_check.py benchmarks/planner
+
+For every configuration the benchmark ran (debug model, pp=2, the CPU), the
+planner's prediction (:func:`torchtitan_seq.plan.evaluate`, with the
+benchmark's calibration files as ``--cost``) is set beside the measurement:
+tokens/s and its rank, and each rank's activation peak (the memory model's
+activations plus KV context, against the saved-tensor peak the benchmark
+measures). Writes ``planner_check.md`` into the folder and prints it;
+:func:`check` is what ``tests/unit/test_plan.py`` asserts on the committed run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan_seq.plan import Cluster, Job, ScheduleChoice, evaluate, memory
+from torchtitan_seq.simulate import SimConfig
+from torchtitan_seq.simulate.build import build
+
+__all__ = ["Row", "compare", "check", "main"]
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    measured_tokens_per_s: float
+    predicted_tokens_per_s: float
+    measured_peaks: tuple[float, ...]
+    """Per rank, bytes."""
+    predicted_peaks: tuple[float, ...]
+
+    @property
+    def peak_errors(self) -> tuple[float, ...]:
+        return tuple(p / m - 1 for p, m in zip(self.predicted_peaks, self.measured_peaks))
+
+
+def compare(folder: Path) -> list[Row]:
+    """One row per configuration of the benchmark in ``folder`` (its first sequence length)."""
+    records = json.loads((folder / "bench.json").read_text())
+    seq_len = records[0]["seq_len"]
+    records = [r for r in records if r["seq_len"] == seq_len and not r.get("compiled")]
+    costs = tuple(sorted(folder.glob(f"cost_s{seq_len}_*.json")))
+    rows = []
+    for r in records:
+        name, k = r["schedule"], r["num_subsequences"]
+        v = build(SimConfig(name, r["pp"], r["microbatches"], k)).stages_per_rank  # the schedule's own
+        choice = ScheduleChoice(name, k, r["partition"] or "even", v)
+        job = Job("debugmodel", seq_len, r["microbatches"], 1, costs)
+        cluster = Cluster(r["pp"], 1e9, device="cpu")
+        predicted = evaluate(job, cluster, choice, r["pp"])
+        ranks = memory(job, cluster, choice, r["pp"], 1, "none").ranks
+        rows.append(Row(r["label"], r["tokens_per_s"], predicted.tokens_per_s, tuple(r["peak_activation_bytes"]),
+                        tuple(m.activations + m.kv_context for m in ranks)))
+    return rows
+
+
+def _ranks(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=lambda i: -values[i])
+    return [order.index(i) + 1 for i in range(len(values))]
+
+
+def check(rows: list[Row]) -> tuple[int, float]:
+    """(adjacent swaps between the measured and predicted rankings, largest peak error)."""
+    measured = sorted(range(len(rows)), key=lambda i: -rows[i].measured_tokens_per_s)
+    predicted = sorted(range(len(rows)), key=lambda i: -rows[i].predicted_tokens_per_s)
+    position = {row: i for i, row in enumerate(measured)}
+    sequence = [position[i] for i in predicted]
+    swaps = sum(a > b for i, a in enumerate(sequence) for b in sequence[i + 1:])  # inversions
+    return swaps, max(abs(e) for row in rows for e in row.peak_errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    folder = Path((argv or sys.argv[1:] or [str(Path(__file__).parent / "planner")])[0])
+    rows = compare(folder)
+    measured = _ranks([r.measured_tokens_per_s for r in rows])
+    predicted = _ranks([r.predicted_tokens_per_s for r in rows])
+    swaps, worst = check(rows)
+    lines = [
+        "# The planner against the benchmark",
+        "",
+        f"`python benchmarks/planner_check.py {folder}`: debug model, pp=2, CPU; the planner with the "
+        "benchmark's calibration files. Peaks: activations + KV context per rank.",
+        "",
+        "| configuration | measured tokens/s | rank | predicted tokens/s | rank | measured peaks (MiB) "
+        "| predicted peaks (MiB) | peak error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row, m, p in zip(rows, measured, predicted):
+        lines.append(
+            f"| {row.label} | {row.measured_tokens_per_s:.0f} | {m} | {row.predicted_tokens_per_s:.0f} | {p} | "
+            + ", ".join(f"{b / 2**20:.1f}" for b in row.measured_peaks) + " | "
+            + ", ".join(f"{b / 2**20:.1f}" for b in row.predicted_peaks) + " | "
+            + ", ".join(f"{e:+.1%}" for e in row.peak_errors) + " |"
+        )
+    lines += ["", f"Adjacent swaps between the rankings: {swaps}. Largest peak error: {worst:.1%}.", "",
+              "Peaks are the memory model's and hold within 10%. Throughput is the simulator's on the "
+              "calibrated unit times, and the benchmark's own `predicted` column shows where it misses: "
+              "the schedules with several stages per rank (InterleavedSeq1F1B, Chimera) and TeraPipe ran "
+              "9-17% slower than their unit times add up to, Seq1F1B and Interleaved1F1B 2-6% (torch's "
+              "1F1B 11%): per-pass costs of the runtime on the CPU (gloo transfers, the pipeline's own "
+              "bookkeeping, the copies' all-reduces) that the calibration, which times passes alone, does "
+              "not see. The eight measured configurations lie within 10% of one another in tokens/s "
+              "(rounds differ by up to 5%), so those misses reorder them."]
+    text = "\n".join(lines) + "\n"
+    (folder / "planner_check.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

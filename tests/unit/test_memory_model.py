@@ -1,0 +1,239 @@
+"""The memory model (torchtitan_seq.simulate.memory) against measured bytes and the simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_seq.attention import bind_kv_context, select_kernel
+from torchtitan_seq.kv_context import KVContext, Unit
+from torchtitan_seq.memory import ActivationMemory
+from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
+from torchtitan_seq.partition import chunk_parameters
+from torchtitan_seq.simulate import SimConfig, simulate
+from torchtitan_seq.simulate import memory as mm
+from torchtitan_seq.simulate.build import build, compute_leaves
+
+REPO = Path(__file__).resolve().parents[2]
+TOLERANCE = 0.10  # issue #15: every schedule's predicted peak within 10% of the measured one
+# Recorded CPU runs of the debug model, pp=2, 4 microbatches (benchmarks/README.md), by AC mode.
+RECORDED = {
+    "none": ["all_schedules/bench.json", "acceptance/bench.json", "memory/chimera/bench.json"],
+    "full": ["memory/ac_full/bench.json", "memory/chimera_ac_full/bench.json"],
+}
+SCHEDULES = {"1F1B", "Interleaved1F1B", "GPipe", "Seq1F1B", "InterleavedSeq1F1B", "TeraPipe", "BSIPipe", "Chimera"}
+
+
+def _recorded(mode: str) -> list[dict]:
+    rows = []
+    for name in RECORDED[mode]:
+        path = REPO / "benchmarks" / name
+        if path.is_file():
+            rows += [r for r in json.loads(path.read_text()) if not r.get("compiled")]
+    return rows
+
+
+def _config(row: dict, mode: str) -> mm.MemoryConfig:
+    return mm.MemoryConfig(
+        "debugmodel", row["seq_len"], row["schedule"], pp=row["pp"], microbatches=row["microbatches"],
+        subsequences=row["num_subsequences"], partition=row["partition"] or "even", device="cpu",
+        activation_checkpoint=mode,
+    )
+
+
+def _errors(mode: str) -> dict[str, list[float]]:
+    """Per recorded run: (predicted - measured) / measured activation peak, per rank."""
+    errors = {}
+    for row in _recorded(mode):
+        estimate = mm.predict_memory(_config(row, mode))
+        errors[f"{row['label']} {row['seq_len']}"] = [
+            r.activations / measured - 1 for r, measured in zip(estimate.ranks, row["peak_activation_bytes"])
+        ]
+    return errors
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_every_recorded_schedule_within_tolerance(mode):
+    errors = _errors(mode)
+    assert {label.split()[0] for label in errors} == SCHEDULES  # the recorded runs cover every schedule
+    bad = {label: e for label, e in errors.items() if max(abs(x) for x in e) > TOLERANCE}
+    assert not bad, bad
+
+
+def _worst(mode: str) -> float:
+    return max(abs(x) for e in _errors(mode).values() for x in e)
+
+
+def test_wrong_models_miss(monkeypatch):
+    """The check bites: a model without the MLP's SiLU and product, one without the loss's
+    log-softmax, and one that ignores the schedule (a single microbatch in flight) miss by over 10%."""
+    assert _worst("none") < TOLERANCE
+    layer = mm._layer_bytes
+
+    def no_swiglu(args, c, a, mode, unit):
+        return layer(args, c, a, mode, unit) - (2 * a * mm.ffn_hidden_dim(args) / c.tp if mode == "none" else 0)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(mm, "_layer_bytes", no_swiglu)
+        assert _worst("none") > TOLERANCE
+    saved = mm._saved_per_token
+
+    def no_log_softmax(args, c, a, layers, first, last, unit):
+        return saved(args, c, a, layers, first, last, unit) - (4 * args.vocab_size if last else 0)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(mm, "_saved_per_token", no_log_softmax)
+        assert _worst("none") > TOLERANCE
+
+    def one_microbatch(plan, rank, weights, k, n):
+        return max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0
+
+    with monkeypatch.context() as patch:
+        patch.setattr(mm, "_walk", one_microbatch)
+        assert _worst("none") > TOLERANCE
+
+
+def _uniform_weights(plan: mm._Plan, lengths: list[int], share: float) -> dict:
+    unit = [length / sum(lengths) * share for length in lengths]
+    zeros = [0.0] * len(lengths)
+    return {s: mm._StageBytes(unit, zeros, zeros) for s in plan.stages}
+
+
+@pytest.mark.parametrize(
+    "schedule,p,n,k",
+    [("1F1B", 4, 8, 1), ("Interleaved1F1B", 4, 8, 1), ("GPipe", 2, 4, 1), ("Seq1F1B", 4, 8, 4),
+     ("TeraPipe", 2, 4, 3), ("InterleavedSeq1F1B", 4, 6, 2), ("BSIPipe", 4, 8, 2), ("Chimera", 4, 8, 2)],
+)
+def test_walk_reproduces_the_simulators_peak(schedule, p, n, k):
+    """Unit weights in M, L_j / S on a stage with 1/p of the layers: the simulator's peak."""
+    result = simulate(SimConfig(schedule, p, n, k, seq_len=840))
+    plan = mm._plan(schedule, p, n, k, None, False)
+    weights = _uniform_weights(plan, result.lengths, p / plan.chain_length)
+    peaks = [mm._walk(plan, r, weights, k, n)[0] for r in range(p)]
+    assert peaks == pytest.approx(result.peak_activations, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    "schedule,n,k",
+    [("1F1B", 20, 1), ("Interleaved1F1B", 20, 1), ("GPipe", 20, 1), ("Seq1F1B", 23, 3), ("TeraPipe", 20, 2),
+     ("InterleavedSeq1F1B", 20, 2), ("InterleavedSeq1F1B", 22, 1), ("BSIPipe", 20, 2), ("Chimera", 22, 2)],
+)
+def test_peak_from_fewer_microbatches(schedule, n, k):
+    """N on p = 4 is built as 2p + N mod p microbatches: the same peaks as the whole step (GPipe
+    and TeraPipe scaled by N over that), remainders that join earlier rounds included."""
+    p = 4
+    plan = mm._plan(schedule, p, n, k, None, False)
+    assert plan.built_microbatches == 2 * p + n % p
+    built = build(SimConfig(schedule, p, n, k))
+    whole = mm._Plan(
+        {r: tuple(leaf for a in acts if a is not None for leaf in compute_leaves(a)) for r, acts in built.order.items()},
+        plan.chain_length, plan.parameter_copies, n,
+    )
+    lengths = [1] * k
+    weights = _uniform_weights(plan, lengths, 1.0)
+    for r in range(p):
+        assert mm._walk(plan, r, weights, k, n)[0] == pytest.approx(mm._walk(whole, r, weights, k, n)[0]), r
+
+
+def test_kv_context_under_checkpointing(monkeypatch):
+    """benchmarks/documents: rank 0 of Seq1F1B (p 2, N 4, k 4 even, 4096 tokens, the debug
+    model's 6 layers as one stage) under full AC; the context held 50331648 bytes at most.
+    Without the KV context's term (as if recomputation read nothing the context keeps) the
+    prediction misses it by far."""
+    measured = json.loads((REPO / "benchmarks/documents/documents.json").read_text())
+    measured = measured["runs"]["causal-ac_full"]["kv_context_peak_bytes"]
+    args = seq_llama3_flavors["debugmodel"]
+    plan = mm._plan("Seq1F1B", 2, 4, 4, None, False)
+    config = mm.MemoryConfig(
+        "debugmodel", 4096, "Seq1F1B", pp=2, microbatches=4, subsequences=4, device="cpu", activation_checkpoint="full"
+    )
+
+    def held_peak() -> float:
+        held = mm._stage_bytes(args, config, 4, (args.n_layers, False, False), [1024] * 4, True).held
+        zeros = [0.0] * 4
+        weights = {s: mm._StageBytes(zeros, held, zeros) for s in plan.stages}
+        return mm._walk(plan, 0, weights, 4, 4)[1]
+
+    assert held_peak() == measured
+    with monkeypatch.context() as patch:
+        patch.setattr(mm, "_recomputed_fraction", lambda c: 0.0)
+        assert abs(held_peak() / measured - 1) > TOLERANCE
+    # Without recomputation the context's blocks are the K/V autograd saves: no extra.
+    assert mm._recomputed_fraction(dataclasses.replace(config, activation_checkpoint="none")) == 0
+
+
+def _measured_layer(args, dtype: torch.dtype, length: int) -> float:
+    """Bytes per token one transformer block of ``args`` saves, run as a unit through a KV context."""
+    args = dataclasses.replace(args, n_layers=1, max_seq_len=2 * length)
+    with torch.device("meta"):
+        model = SeqTransformer(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    model.layers.to(dtype)
+    context = KVContext()
+    bind_kv_context(model, context, select_kernel(torch.device("cpu")))
+    memory = ActivationMemory()
+    x = torch.randn(1, length, args.dim, dtype=dtype, requires_grad=True)
+    with memory.track(), context.running(Unit(0, 0, 0, length, 2)):
+        model.layers["0"](x, model.freqs_cis, None, torch.arange(length).unsqueeze(0))
+    return memory.peak / length
+
+
+@pytest.mark.parametrize("n_kv_heads,ffn_dim_multiplier", [(None, None), (4, 1.5)])
+def test_layer_bytes_against_autograd(n_kv_heads, ffn_dim_multiplier):
+    """One block's saved bytes per token on the CPU (float32), MHA and GQA with a wider MLP."""
+    args = dataclasses.replace(
+        seq_llama3_flavors["debugmodel"], n_kv_heads=n_kv_heads, ffn_dim_multiplier=ffn_dim_multiplier
+    )
+    config = mm.MemoryConfig(args, 512, "Seq1F1B", device="cpu")
+    predicted = mm._layer_bytes(args, config, 4, "none", unit=True)
+    assert predicted == pytest.approx(_measured_layer(args, torch.float32, 512), rel=0.01)
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "8B"])
+def test_parameter_count(flavor):
+    args = seq_llama3_flavors[flavor]
+    with torch.device("meta"):
+        model = SeqTransformer(args)
+    total = sum(p.numel() for p in model.parameters())
+    chunks = mm._chunk_split(args.n_layers, 1)
+    assert chunk_parameters(args, *chunks[0], 1) == total
+    # Two chunks (pp 2) split the same parameters; tp 2 halves all but the norms.
+    assert sum(chunk_parameters(args, *c, 1) for c in mm._chunk_split(args.n_layers, 2)) == total
+    norms = (2 * args.n_layers + 1) * args.dim
+    assert chunk_parameters(args, *chunks[0], 2) == (total - norms) / 2 + norms
+
+
+def test_state_bytes_and_copies():
+    """Mirrored copies double parameters and gradients, not optimizer states; FSDP shards
+    master weights and states and keeps an unsharded bf16 copy and fp32 gradients."""
+    one = mm.predict_memory(mm.MemoryConfig("debugmodel", 2048, "Seq1F1B", pp=2, microbatches=4, subsequences=2))
+    copies = mm.predict_memory(mm.MemoryConfig("debugmodel", 2048, "Chimera", pp=2, microbatches=4, subsequences=2))
+    whole = one.ranks[0].parameters + one.ranks[1].parameters
+    assert copies.ranks[0].parameters == copies.ranks[1].parameters == whole
+    assert copies.ranks[0].gradients == whole  # fp32 everywhere: no FSDP with pp and no dp
+    assert copies.ranks[0].optimizer + copies.ranks[1].optimizer == 2 * whole
+    fsdp = mm.predict_memory(
+        mm.MemoryConfig("debugmodel", 2048, "Seq1F1B", pp=2, microbatches=4, subsequences=2, dp_shard=4)
+    )
+    n = one.ranks[0].parameters / 4  # parameters of rank 0's stage
+    assert fsdp.ranks[0].parameters == pytest.approx(n * (4 / 4 + 2))
+    assert fsdp.ranks[0].gradients == pytest.approx(n * 4)
+    assert fsdp.ranks[0].optimizer == pytest.approx(n * 8 / 4)
+    assert fsdp.total == max(r.total for r in fsdp.ranks)
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="activation_checkpoint"):
+        mm.MemoryConfig("8B", 8192, activation_checkpoint="memory_budget")
+    with pytest.raises(ValueError, match="compute_dtype"):
+        mm.MemoryConfig("8B", 8192, compute_dtype="bf16")
+    with pytest.raises(ValueError, match="selective_ac_option"):
+        mm.MemoryConfig("8B", 8192, activation_checkpoint="selective", selective_ac_option="every")
+    with pytest.raises(ValueError, match="model = 'llama9'"):
+        mm.predict_memory(mm.MemoryConfig("llama9", 8192))

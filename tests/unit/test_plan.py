@@ -1,0 +1,114 @@
+"""The planner: its search, the shape of its answers and its one-line refusals; its agreement with a recorded benchmark."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from torchtitan_seq import plan as planner
+from torchtitan_seq import simulate as sim
+from torchtitan_seq.render import busy_and_end
+from torchtitan_seq.simulate.costs import seconds_per_time_unit
+
+SMALL = ["--flavor", "debugmodel", "--seq-len", "2048", "--gpus", "4", "--local-batch-size", "8"]
+
+
+def _json(capsys, *argv: str) -> dict:
+    assert planner.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_ranks_plans_that_fit_and_gives_the_best_as_overrides(capsys):
+    out = _json(capsys, *SMALL, "--gpu-memory-gib", "4")
+    plans = out["plans"]
+    keys = {"schedule", "pp", "tp", "dp_shard", "num_subsequences", "partition", "stages_per_rank",
+            "activation_checkpoint", "tokens_per_s", "peak_memory_gib", "fits"}
+    assert plans and all(keys <= set(p) for p in plans)
+    assert all(p["fits"] and p["peak_memory_gib"] <= 4 for p in plans)
+    speeds = [p["tokens_per_s"] for p in plans]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(p["pp"] * p["tp"] * p["dp_shard"] == 4 for p in plans)
+    best = plans[0]
+    assert f"--parallelism.pipeline_parallel_schedule {best['schedule']}" in out["overrides"]
+    assert f"--parallelism.pipeline_parallel_degree {best['pp']}" in out["overrides"]
+
+
+def test_a_tight_budget_leaves_only_what_fits_and_picks_a_sequence_schedule(capsys):
+    """Under the budget that torch's 1F1B needs, with no checkpointing, only lighter plans remain."""
+    roomy = _json(capsys, *SMALL, "--gpu-memory-gib", "64", "--tp", "1", "--top", "200")["plans"]
+    one_f_one_b = min(p["peak_memory_gib"] for p in roomy
+                      if p["schedule"] == "1F1B" and p["activation_checkpoint"] == "none")
+    tight = _json(capsys, *SMALL, "--gpu-memory-gib", f"{0.98 * one_f_one_b}", "--tp", "1")["plans"]
+    fitting = [p for p in tight if p["fits"]]
+    assert fitting and all(p["peak_memory_gib"] <= 0.98 * one_f_one_b for p in fitting)
+    assert not any(p["schedule"] == "1F1B" and p["activation_checkpoint"] == "none" for p in fitting)
+    assert tight[0]["schedule"] in planner.SEQUENCE_SCHEDULES
+
+
+def test_the_step_extended_from_fewer_microbatches_equals_the_simulated_one():
+    """The search simulates N' = 2p and 2N' microbatches and extends the line to N: within 1%."""
+    job = planner.Job("debugmodel", 2048, 24)
+    cluster = planner.Cluster(gpus=4, gpu_memory_gib=80)
+    costs = planner._Costs((), cluster.flops_per_gpu)
+    for choice in (planner.ScheduleChoice("Seq1F1B", 4, "compute"), planner.ScheduleChoice("1F1B"),
+                  planner.ScheduleChoice("InterleavedSeq1F1B", 2, "even", 2)):
+        step = planner._simulated_step(choice, 2, 1, 2, "full", 24, job, cluster, costs)
+        network = sim.Network(cluster.intra_node, cluster.inter_node, 8, gpus_per_rank=2,
+                              flops_per_gpu=cluster.flops_per_gpu)
+        config = sim.SimConfig(choice.schedule, 2, 24, choice.num_subsequences, stages_per_rank=choice.stages_per_rank,
+                               cost="transformer", flavor="debugmodel", seq_len=2048, partition=choice.partition,
+                               network=network, recompute=1.0)
+        whole = sim.simulate(config)
+        seconds = whole.makespan * seconds_per_time_unit(config)
+        assert step.seconds == pytest.approx(seconds, rel=1e-2), choice
+        busy = max(busy_and_end(ivs)[0] for ivs in whole.timeline.values())
+        assert step.bubble_ratio == pytest.approx(1 - busy / whole.makespan, abs=1e-2), choice
+        # Without recomputation the step is shorter: the AC mode reaches the simulation.
+        lighter = planner._simulated_step(choice, 2, 1, 2, "none", 24, job, cluster, costs)
+        assert lighter.seconds < 0.9 * step.seconds
+
+
+def test_the_toml_snippet_says_what_the_overrides_say():
+    p = planner.Plan("Seq1F1B", 4, 2, 8, 8, "compute", 1, "full", 1.0, 1.0, 0.1, True)
+    toml = p.toml("8B", 32768, 16)
+    assert '[parallelism]\npipeline_parallel_degree = 4' in toml
+    assert 'pipeline_parallel_schedule = "Seq1F1B"' in toml
+    assert '[sequence_pipeline]\nnum_subsequences = 8\npartition = "compute"' in toml
+    assert '[activation_checkpoint]\nmode = "full"' in toml
+    torch_plan = replace(p, schedule="1F1B", num_subsequences=1)
+    assert "sequence_pipeline" not in torch_plan.overrides("8B", 32768, 16)
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--flavor", "9B", "--seq-len", "2048", "--gpus", "4", "--gpu-memory-gib", "80", "--local-batch-size", "8"],
+         "--flavor '9B' does not exist"),
+        (["--flavor", "debugmodel", "--seq-len", "2048", "--gpus", "6", "--tp", "4", "--gpu-memory-gib", "80",
+          "--local-batch-size", "8"], "--gpus 6 is not a multiple of --tp 4"),
+        (["--flavor", "debugmodel", "--seq-len", "2048", "--gpus", "7", "--tp", "1", "--gpu-memory-gib", "80",
+          "--local-batch-size", "8"], "--gpus 7: no pipeline degree"),  # 7 > the 6 layers
+        (["--flavor", "8B", "--seq-len", "32768", "--gpus", "4", "--gpu-memory-gib", "1", "--local-batch-size", "4"],
+         "--gpu-memory-gib 1: nothing fits; the smallest configuration"),
+    ],
+)
+def test_bad_input_gets_one_line_naming_the_setting(argv, needle, capsys):
+    assert planner.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_activation_peaks_agree_with_the_recorded_benchmark():
+    """benchmarks/planner/: a CPU benchmark (debug model, pp=2) of eight schedules and k,
+    calibrated; the planner, given its cost files, predicts each rank's activation peak
+    within 10%. (Its ranking is reported in planner_check.md, not asserted: it misses the
+    measured one, see there.)"""
+    import planner_check
+
+    rows = planner_check.compare(Path(__file__).resolve().parents[2] / "benchmarks" / "planner")
+    assert len(rows) >= 6
+    _, worst = planner_check.check(rows)
+    assert worst <= 0.10, (worst, rows)

@@ -1,0 +1,481 @@
+"""Choosing a configuration: the best schedule and settings for a model, a cluster and a memory budget.
+
+    python -m torchtitan_seq.plan --flavor 8B --seq-len 32768 --gpus 64 --gpu-memory-gib 80 \\
+        --local-batch-size 16 [--tp 8] [--gpus-per-node 8] [--cost FILE] [--json]
+
+The search covers the pipeline, tensor- and data-parallel (FSDP) degrees, the
+schedule (torch's and the sequence schedules), k, the partition, the stages
+per rank and the activation checkpointing mode (:data:`CHOICES` on every
+split of the GPUs). Memory is the memory model's
+(:mod:`torchtitan_seq.simulate.memory`, the fullest rank's total); time is the
+simulator's (:mod:`torchtitan_seq.simulate`) with the network's transfers and
+the recomputation of the AC mode, plus TP's collectives, which torchtitan does
+not overlap (data-parallel collectives are taken as overlapped). It does not
+simulate every combination at full size:
+
+- a configuration is slower than the same one with less TP or less
+  recomputation, so per schedule choice and p only the fitting (TP, AC) pairs
+  with no lighter fitting pair are kept;
+- candidates are visited best bound first (their tokens/s without bubbles or
+  transfers) and the search stops once the next bound cannot enter the table;
+- a step is simulated at N' = min(N, 2p) and 2N' microbatches and extended
+  linearly to N: past the warm-up each further microbatch adds the same time
+  (within 1%, tested).
+
+Unit times are the transformer cost model (:class:`~torchtitan_seq.partition.UnitCost`)
+at ``--tflops`` achieved per GPU. With ``--cost``, calibration files
+(``benchmarks/bench.py --calibrate``) replace it: a configuration whose pp and
+sequence cut were measured uses those unit times, the others the model at the
+FLOP/s the files achieved. ``benchmarks/planner_check.py`` sets the planner's
+ranking and peaks beside a measured benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from .partition import UnitCost, partition_sequence
+from .render import busy_and_end
+from .schedules import SEQUENCE_SCHEDULES
+from .simulate.build import SimConfig, build
+from .simulate.costs import seconds_per_time_unit, subsequence_lengths
+from .simulate.engine import simulate
+from .simulate.memory import MemoryConfig, MemoryEstimate, gib, predict_memory
+from .simulate.network import Link, Network
+
+__all__ = ["ScheduleChoice", "Plan", "Job", "Cluster", "CHOICES", "AC_MODES", "plan", "evaluate", "memory", "main"]
+
+ActivationCheckpoint = Literal["none", "selective", "full"]
+AC_MODES: tuple[ActivationCheckpoint, ...] = ("none", "selective", "full")
+# Forward passes recomputed per backward: torchtitan's 'selective' default checkpoints every 2nd layer.
+_RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
+TP_DEGREES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """A schedule with its own settings, independent of the GPUs it runs on."""
+
+    schedule: str
+    num_subsequences: int = 1
+    partition: Literal["even", "compute", "latency"] = "even"
+    stages_per_rank: int = 1
+
+
+def _choices() -> list[ScheduleChoice]:
+    torch_choices = [
+        ScheduleChoice("1F1B"), ScheduleChoice("GPipe"), ScheduleChoice("Interleaved1F1B", stages_per_rank=2)
+    ]
+    seq = [ScheduleChoice("Seq1F1B", k, part) for k in (2, 4, 8, 16) for part in ("even", "compute")]
+    seq += [ScheduleChoice("InterleavedSeq1F1B", k, part, 2) for k in (2, 4, 8) for part in ("even", "compute")]
+    seq += [ScheduleChoice("TeraPipe", k, "latency") for k in (2, 4, 8)]
+    for name in ("BSIPipe", "Chimera"):
+        if name in SEQUENCE_SCHEDULES:
+            v = SEQUENCE_SCHEDULES[name].stages_per_rank
+            seq += [ScheduleChoice(name, 1, "even", v)] + [ScheduleChoice(name, k, "compute", v) for k in (2, 4)]
+    return torch_choices + seq
+
+
+CHOICES: list[ScheduleChoice] = _choices()
+"""What the search tries on every pipeline degree."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One configuration and what the models predict for it."""
+
+    schedule: str
+    pp: int
+    tp: int
+    dp_shard: int
+    num_subsequences: int
+    partition: str
+    stages_per_rank: int
+    activation_checkpoint: ActivationCheckpoint
+    tokens_per_s: float
+    """Whole job (every data-parallel replica)."""
+    peak_memory_gib: float
+    """The largest over pipeline ranks."""
+    bubble_ratio: float
+    """Idle share of the busiest rank's step."""
+    fits: bool
+
+    def overrides(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
+        """The configuration as ``./run_train.sh`` arguments."""
+        args = {
+            "model.flavor": flavor,
+            "training.seq_len": seq_len,
+            "training.local_batch_size": local_batch_size,
+            "parallelism.pipeline_parallel_degree": self.pp,
+            "parallelism.tensor_parallel_degree": self.tp,
+            "parallelism.data_parallel_shard_degree": self.dp_shard,
+            "parallelism.pipeline_parallel_microbatch_size": 1,
+            "parallelism.pipeline_parallel_schedule": self.schedule,
+            "activation_checkpoint.mode": self.activation_checkpoint,
+        }
+        if self.schedule in SEQUENCE_SCHEDULES:
+            args["sequence_pipeline.num_subsequences"] = self.num_subsequences
+            args["sequence_pipeline.partition"] = self.partition
+        return " ".join(f"--{k} {v}" for k, v in args.items())
+
+    def toml(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
+        """The configuration as a torchtitan TOML snippet."""
+        sections: dict[str, dict[str, object]] = {}
+        for arg in self.overrides(flavor, seq_len, local_batch_size).split(" --"):
+            key, value = arg.removeprefix("--").split(" ")
+            section, name = key.split(".")
+            sections.setdefault(section, {})[name] = value if not value.isdigit() else int(value)
+        return "\n\n".join(
+            f"[{section}]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in fields.items())
+            for section, fields in sections.items()
+        )
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a job may use."""
+
+    gpus: int
+    gpu_memory_gib: float
+    gpus_per_node: int = 8
+    flops_per_gpu: float = 400e12
+    """Achieved FLOP/s per GPU (about 40% of an H100's dense bf16 peak)."""
+    intra_node: Link = Link(200e9, 5e-6)
+    """NVLink-class, per GPU and direction."""
+    inter_node: Link = Link(25e9, 1e-5)
+    """One 200 Gb/s NIC per GPU."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """What the memory model sizes (RMSNorm saves more on the CPU)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained: a flavor at a sequence length, ``local_batch_size`` sequences per
+    data-parallel rank and step, one sequence per microbatch."""
+
+    flavor: str
+    seq_len: int
+    local_batch_size: int
+    tp: int | None = None
+    """A fixed TP degree; None searches 1, 2, 4, 8 within a node."""
+    costs: tuple[Path, ...] = ()
+    """Calibration files (``bench.py --calibrate``) of this flavor and sequence length."""
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    choice: ScheduleChoice
+    pp: int
+    tp: int
+    dp: int
+    ac: ActivationCheckpoint
+    bound: float
+    """tokens/s without bubbles or transfers under the cost model: what the simulation
+    can at best reach (with measured costs, about)."""
+
+
+def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int]]:
+    """(pp, tp, dp_shard) splits of the GPUs: TP within a node and dividing the heads, pp >= 2."""
+    heads = (args.n_heads, args.n_kv_heads or args.n_heads)
+    if job.tp is not None:
+        if cluster.gpus % job.tp:
+            raise ValueError(f"--gpus {cluster.gpus} is not a multiple of --tp {job.tp}")
+        if any(h % job.tp for h in heads) or job.tp > cluster.gpus_per_node:
+            raise ValueError(
+                f"--tp {job.tp}: TP must divide the {job.flavor} heads {heads} and fit a node of "
+                f"{cluster.gpus_per_node} GPUs"
+            )
+    tps = [job.tp] if job.tp else [t for t in TP_DEGREES if t <= cluster.gpus_per_node and not any(h % t for h in heads)]
+    meshes = [
+        (pp, tp, cluster.gpus // (pp * tp))
+        for tp in tps
+        for pp in range(2, min(args.n_layers, cluster.gpus // tp) + 1)
+        if cluster.gpus % (pp * tp) == 0
+    ]
+    if not meshes:
+        raise ValueError(
+            f"--gpus {cluster.gpus}: no pipeline degree of at least 2 divides it with TP {tps} "
+            f"(and at most the {args.n_layers} layers of {job.flavor}): use a multiple of 2 x TP"
+        )
+    return meshes
+
+
+
+def _step_flops(cost: UnitCost, n_layers: int, lengths: list[int], pp: int, recompute: float = 0.0) -> float:
+    """Cost-model FLOPs of one microbatch's forward, backward and ``recompute`` forwards
+    again on 1/pp of the layers."""
+    prefixes = [sum(lengths[:j]) for j in range(len(lengths))]
+    return n_layers / pp * sum(
+        (1 + recompute) * cost.forward(length, p) + cost.backward_input(length, p) + cost.backward_weight(length, p)
+        for length, p in zip(lengths, prefixes)
+    )
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """Where unit times come from: a calibration file measured at the same pp and cut,
+    else the transformer model at ``flops_per_gpu``, which the files (when given) fit:
+    the geometric mean of their achieved cost-model FLOP/s."""
+
+    files: tuple[tuple[tuple[int, tuple[int, ...]], str], ...]
+    flops_per_gpu: float
+
+    @classmethod
+    def load(cls, job: Job, cluster: Cluster, args) -> "_Costs":
+        if not job.costs:
+            return cls((), cluster.flops_per_gpu)
+        files, rates = {}, []
+        for path in job.costs:
+            data = json.loads(path.read_text()) if path.is_file() else {}
+            if data.get("unit") != "s" or "lengths" not in data or "stages" not in data:
+                raise ValueError(f"--cost {path}: not a calibration file (benchmarks/bench.py --calibrate writes them)")
+            if data.get("flavor") != job.flavor or data.get("seq_len") != job.seq_len:
+                raise ValueError(
+                    f"--cost {path}: measured for flavor {data.get('flavor')!r} at seq_len {data.get('seq_len')}, "
+                    f"not {job.flavor!r} at {job.seq_len}"
+                )
+            pp, lengths = len(data["stages"]), tuple(data["lengths"])
+            files[pp, lengths] = str(path)
+            measured = sum(data["F"]) + sum(data["B"])
+            rates.append(_step_flops(UnitCost.from_model_args(args), args.n_layers, list(lengths), pp) / measured)
+        return cls(tuple(files.items()), math.exp(sum(map(math.log, rates)) / len(rates)))
+
+    def cost_for(self, pp: int, lengths: list[int]) -> str:
+        """SimConfig.cost for a pipeline of ``pp`` ranks cutting sequences into ``lengths``."""
+        return dict(self.files).get((pp, tuple(lengths)), "transformer")
+
+
+def _tp_seconds(args, seq_len: int, pp: int, tp: int, recompute: float, cluster: Cluster) -> float:
+    """Tensor parallelism's collectives for one microbatch on one rank, which torchtitan does
+    not overlap with compute: per layer, sequence parallelism's two all-gathers and two
+    reduce-scatters of the activations (bf16) in forward, as many in backward and in each
+    recomputed forward, each moving (tp - 1) / tp of S x dim over a ring in the node."""
+    if tp == 1:
+        return 0.0
+    per_collective = cluster.intra_node.seconds((tp - 1) / tp * seq_len * args.dim * 2)
+    return args.n_layers / pp * 4 * (2 + recompute) * per_collective
+
+
+@dataclass(frozen=True)
+class _Step:
+    seconds: float
+    bubble_ratio: float
+
+
+@lru_cache(maxsize=None)
+def _simulated_step(choice: ScheduleChoice, pp: int, tp: int, dp: int, ac: ActivationCheckpoint, microbatches: int,
+                    job: Job, cluster: Cluster, costs: _Costs) -> _Step:
+    """A step's time, simulated at N' = min(N, 2p) and 2N' microbatches and extended to N
+    (each microbatch past the warm-up adds the same time)."""
+    network = Network(cluster.intra_node, cluster.inter_node, cluster.gpus_per_node, gpus_per_rank=tp * dp,
+                      tensor_parallel=tp, flops_per_gpu=costs.flops_per_gpu)
+    config = SimConfig(
+        choice.schedule, pp, microbatches, choice.num_subsequences, stages_per_rank=choice.stages_per_rank,
+        flavor=job.flavor, seq_len=job.seq_len, partition=choice.partition, network=network,
+        recompute=_RECOMPUTE[ac],
+    )
+    config = replace(config, cost=costs.cost_for(pp, subsequence_lengths(config)))
+    unit = seconds_per_time_unit(config)
+
+    def run(n: int) -> tuple[float, float]:
+        result = simulate(replace(config, microbatches=n))
+        if result.deadlock:
+            raise ValueError(result.deadlock.describe())
+        busy = max(busy_and_end(ivs)[0] for ivs in result.timeline.values())
+        return result.makespan * unit, busy * unit
+
+    small = min(microbatches, 2 * pp)
+    makespan, busy = run(small)
+    if small < microbatches:
+        twice = min(microbatches, 2 * small)
+        longer, busy_longer = run(twice)
+        slope = (longer - makespan) / (twice - small)
+        makespan, busy = longer + slope * (microbatches - twice), busy_longer * microbatches / twice
+    return _Step(makespan, 1 - busy / makespan)
+
+
+@lru_cache(maxsize=None)
+def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> bool:
+    """Whether the schedule can run this choice (the errors a job check would give)."""
+    copies = SEQUENCE_SCHEDULES[choice.schedule].parameter_copies if choice.schedule in SEQUENCE_SCHEDULES else 1
+    if pp * choice.stages_per_rank // copies > n_layers:
+        return False  # a chunk without a layer
+    try:
+        if choice.schedule in SEQUENCE_SCHEDULES:
+            SEQUENCE_SCHEDULES[choice.schedule].check_shape(pp, microbatches, choice.num_subsequences)
+        else:
+            build(SimConfig(choice.schedule, pp, microbatches, stages_per_rank=choice.stages_per_rank))
+    except ValueError:
+        return False
+    return True
+
+
+def memory(
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ActivationCheckpoint
+) -> MemoryEstimate:
+    """The memory model's estimate for ``choice`` on a (pp, tp, rest data-parallel) split."""
+    return predict_memory(MemoryConfig(
+        job.flavor, job.seq_len, choice.schedule, pp, job.local_batch_size, choice.num_subsequences,
+        choice.partition, choice.stages_per_rank, tp=tp, dp_shard=cluster.gpus // (pp * tp),
+        activation_checkpoint=ac, device=cluster.device,
+    ))
+
+
+def evaluate(
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int = 1, ac: ActivationCheckpoint = "none"
+) -> Plan:
+    """One configuration's predicted throughput, bubble and peak memory (what the search ranks)."""
+    from .models.llama3_seq import seq_llama3_flavors
+
+    args = seq_llama3_flavors[job.flavor]
+    costs = _Costs.load(job, cluster, args)
+    dp = cluster.gpus // (pp * tp)
+    peak = gib(memory(job, cluster, choice, pp, tp, ac).total)
+    c = _Candidate(choice, pp, tp, dp, ac, math.inf)
+    return _measure(c, job, cluster, costs, args, peak, peak <= cluster.gpu_memory_gib)
+
+
+def _measure(c: _Candidate, job: Job, cluster: Cluster, costs: _Costs, args, peak_gib: float, fits: bool) -> Plan:
+    n = job.local_batch_size
+    step = _simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs)
+    seconds = step.seconds + n * _tp_seconds(args, job.seq_len, c.pp, c.tp, _RECOMPUTE[c.ac], cluster)
+    return Plan(c.choice.schedule, c.pp, c.tp, c.dp, c.choice.num_subsequences, c.choice.partition,
+                c.choice.stages_per_rank, c.ac, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits)
+
+
+def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
+    """The ``top`` fastest configurations that fit, best first, followed by the three
+    configurations closest to fitting when fewer fit.
+
+    Raises ValueError, naming the setting, for an unknown flavor, GPU counts no
+    degrees divide, or a memory budget nothing fits.
+    """
+    from .models.llama3_seq import seq_llama3_flavors  # torchtitan's model arguments
+
+    if job.flavor not in seq_llama3_flavors:
+        raise ValueError(f"--flavor {job.flavor!r} does not exist: use one of {sorted(seq_llama3_flavors)}")
+    args = seq_llama3_flavors[job.flavor]
+    if job.seq_len < 2 or job.local_batch_size < 1 or cluster.gpu_memory_gib <= 0:
+        raise ValueError("--seq-len, --local-batch-size and --gpu-memory-gib must be positive (seq-len at least 2)")
+    costs = _Costs.load(job, cluster, args)
+    cost = UnitCost.from_model_args(args)
+    n = job.local_batch_size
+    by_pp: dict[int, list[tuple[int, int]]] = {}
+    for pp, tp, dp in _meshes(job, cluster, args):
+        by_pp.setdefault(pp, []).append((tp, dp))
+    candidates: list[_Candidate] = []
+    memories: dict[_Candidate, float] = {}
+    closest: list[tuple[float, _Candidate]] = []
+
+    def fits(c: _Candidate) -> bool:
+        nonlocal closest
+        memories[c] = gib(memory(job, cluster, c.choice, c.pp, c.tp, c.ac).total)
+        if memories[c] <= cluster.gpu_memory_gib:
+            return True
+        closest = sorted([*closest, (memories[c], c)], key=lambda mc: mc[0])[:3]
+        return False
+
+    for choice in CHOICES:
+        lengths = [job.seq_len] if choice.schedule not in SEQUENCE_SCHEDULES else partition_sequence(
+            job.seq_len, choice.num_subsequences, "even")
+        for pp, splits in by_pp.items():
+            if choice.num_subsequences > job.seq_len or not _runs(choice, pp, n, args.n_layers):
+                continue
+
+            def candidate(tp: int, dp: int, ac: ActivationCheckpoint) -> _Candidate:
+                r = _RECOMPUTE[ac]
+                seconds = n * (_step_flops(cost, args.n_layers, lengths, pp, r) / (tp * costs.flops_per_gpu)
+                               + _tp_seconds(args, job.seq_len, pp, tp, r, cluster))
+                return _Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds)
+
+            if not fits(candidate(*splits[-1], "full")):
+                continue  # its lightest configuration does not fit
+            # A configuration is slower than one with no more TP and no more recomputation:
+            # keep those that fit with no lighter one fitting.
+            kept: list[int] = []
+            for ac in AC_MODES:
+                for tp, dp in splits:
+                    if not any(t <= tp for t in kept) and fits(c := candidate(tp, dp, ac)):
+                        kept.append(tp)
+                        candidates.append(c)
+    candidates.sort(key=lambda c: -c.bound)
+    fitting: list[Plan] = []
+    for c in candidates:
+        if len(fitting) >= top and c.bound < fitting[top - 1].tokens_per_s:
+            break
+        fitting.append(_measure(c, job, cluster, costs, args, memories[c], True))
+        fitting.sort(key=lambda p: -p.tokens_per_s)
+    if not fitting:
+        need, c = closest[0]
+        raise ValueError(
+            f"--gpu-memory-gib {cluster.gpu_memory_gib:g}: nothing fits; the smallest configuration "
+            f"({c.choice.schedule}, pp {c.pp}, tp {c.tp}, k {c.choice.num_subsequences}, activation "
+            f"checkpointing {c.ac}) needs {need:.1f} GiB per GPU"
+        )
+    over = [
+        Plan(c.choice.schedule, c.pp, c.tp, c.dp, c.choice.num_subsequences, c.choice.partition,
+             c.choice.stages_per_rank, c.ac, math.nan, need, math.nan, False)
+        for need, c in closest
+    ] if len(fitting) < top else []
+    return fitting[:top] + over
+
+
+def _table(plans: list[Plan]) -> str:
+    head = "| # | schedule | pp | tp | dp_shard | k | partition | v | AC | tokens/s | peak GiB | bubble | fits |"
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for i, p in enumerate(plans, 1):
+        rows.append(
+            f"| {i} | {p.schedule} | {p.pp} | {p.tp} | {p.dp_shard} | {p.num_subsequences} | {p.partition} | "
+            f"{p.stages_per_rank} | {p.activation_checkpoint} | {p.tokens_per_s:,.0f} | {p.peak_memory_gib:.1f} | "
+            f"{p.bubble_ratio:.3f} | {'yes' if p.fits else 'no'} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_seq.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flavor", required=True, help="a llama3_seq flavor, e.g. 8B, 70B, debugmodel")
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu-memory-gib", type=float, required=True)
+    parser.add_argument("--local-batch-size", type=int, required=True,
+                        help="sequences per data-parallel rank and step (one per microbatch)")
+    parser.add_argument("--tp", type=int, help="fix the TP degree (default: search 1, 2, 4, 8)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--tflops", type=float, default=Cluster.flops_per_gpu / 1e12,
+                        help="achieved TFLOP/s per GPU of the cost model (default %(default)g)")
+    parser.add_argument("--cost", type=Path, action="append", default=[],
+                        help="a calibration file (benchmarks/bench.py --calibrate), repeatable, or a folder of them")
+    parser.add_argument("--top", type=int, default=10, help="rows of the table (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: plans and overrides")
+    a = parser.parse_args(argv)
+    costs = tuple(f for path in a.cost for f in (sorted(path.glob("cost_*.json")) if path.is_dir() else [path]))
+    job = Job(a.flavor, a.seq_len, a.local_batch_size, a.tp, costs)
+    cluster = Cluster(a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12)
+    try:
+        plans = plan(job, cluster, a.top)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    best = plans[0]
+    overrides = best.overrides(job.flavor, job.seq_len, job.local_batch_size)
+    if a.json:
+        print(json.dumps({"plans": [asdict(p) for p in plans], "overrides": overrides}, indent=1))
+        return 0
+    print(f"{job.flavor}, seq {job.seq_len}, {cluster.gpus} GPUs of {cluster.gpu_memory_gib:g} GiB, "
+          f"local batch {job.local_batch_size}; {'measured' if costs else 'transformer-model'} costs\n")
+    print(_table(plans))
+    print(f"\nBest, as ./run_train.sh overrides:\n  ./run_train.sh {overrides}\n")
+    print("As TOML:\n\n" + best.toml(job.flavor, job.seq_len, job.local_batch_size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,541 @@
+"""Memory model in bytes: what one pipeline rank holds at its peak, by arithmetic.
+
+:func:`predict_memory` takes a :class:`MemoryConfig` (a torchtitan Llama 3 flavor or
+``TransformerModelArgs``, sequence length, schedule, parallel degrees, activation
+checkpointing, dtypes) and returns a :class:`MemoryEstimate`: per rank and for the
+fullest rank, parameters, gradients, optimizer states, activations, the KV context's
+extra, a transient workspace and the pipeline's receive buffers, in bytes. No model is
+built and nothing runs on a device: per-token byte counts times token counts, walked
+along each rank's action list from the simulator's :func:`~.build.build` (the very
+lists the runtime executes; memory on a rank depends only on the order of its own
+actions, not on their timing).
+
+Notation: D = ``dim``, H and Hkv query and K/V heads, hd = D / H, F = the MLP width
+(:func:`~torchtitan_seq.partition.ffn_hidden_dim`), V = vocabulary, t = TP degree, a =
+bytes of the compute dtype, b = microbatch size, L_j = tokens of unit j (the whole
+sequence for torch's schedules). A chunk is the part of the model a stage runs: torchtitan's
+``generate_llm_fqn_per_model_part`` split (embeddings and norm + output weighted as one
+layer each), or, when that split has an empty chunk (more chunks than layers), an even
+real-valued share of the layers, embeddings on the first chunk and the output on the last.
+
+**Activations** (what autograd saves for backward, the figure
+:class:`torchtitan_seq.memory.ActivationMemory` measures). Per token and layer, as
+torchtitan's ``TransformerBlock`` saves it with the project's attention (checked against
+autograd's saved tensors on the CPU, ``tests/unit/test_memory_model.py``):
+
+* ``none``: each RMSNorm's input (the block input x, and h = x + attention; D/t each under
+  sequence parallel) and 1/rms, aD/t + 4/t per norm with CUDA's fused kernel, 8D/t + 4/t
+  with the CPU's composite form (it keeps x upcast to float32 and x/rms, both float32);
+  the normed inputs of the attention and MLP projections, gathered to whole tokens under
+  TP, 2aD; q, the attention output (the output projection saves the same storage), K and
+  V, the MLP's w1 and w3 outputs, SiLU's output and their product, a (2D + 2 Hkv hd + 4F) / t;
+  the log-sum-exp, 4H/t; for a unit, its RoPE rows (hd/2 complex64, 4 hd). The whole RoPE
+  table (4 S hd) is saved once per stage where layers get it whole: torch's schedules, and
+  checkpointed blocks (an input).
+* ``full`` (every block checkpointed): the block input, aD/t; units add their positions
+  (8 bytes a token, once per stage).
+* ``selective`` with ``selective_ac_option = "op"``: the input plus what torchtitan's op
+  list keeps: the outputs of every other matmul (wq, wv, w1, w2) and of TP's
+  reduce-scatter: a (2D + Hkv hd + F) / t + aD (w2's output, before its reduce-scatter
+  under TP, plus aD/t after it when t > 1). The unit attention op is not in the list, so
+  it is recomputed and the KV context keeps K/V (below). Not measurable with
+  ``ActivationMemory`` (selective checkpointing's cache bypasses saved-tensor hooks).
+* ``selective`` with an integer option n: every n-th block checkpointed: 1/n of the
+  layers at ``full``'s bytes, the rest at ``none``'s.
+
+Stages add: the first, the token ids (8 bytes a token); the last, the final norm, its
+gathered output (aD, the output projection's input) and the loss's log-softmax in
+float32 with the labels (4V/t + 8). A unit of stage s holds b L_j times its chunk's
+per-token bytes from its forward until its backward (B, or W where backward is split).
+
+**KV context** (:mod:`torchtitan_seq.kv_context`), per stage and microbatch, 2 Hkv hd a / t
+bytes per token and recomputed layer:
+
+* under checkpointing (``full``, op-level ``selective``, and the checkpointed 1/n of
+  layer-level ``selective``) the context alone keeps K/V between a unit's forward and its
+  backward: blocks 0..j after F(m, j) (the last unit adds none), and after the
+  microbatch's last forward the records of the units not yet backward: blocks
+  0..i-2 once units i..k-1 have run backward. Without checkpointing these are the
+  tensors autograd saves anyway: no extra.
+* in every mode, the gradient side buffers (:class:`~torchtitan_seq.kv_context.KVGrads`):
+  once units j..k-1 of a microbatch ran backward, blocks 0..j-1 hold dK/dV until their
+  own backward.
+
+``kv_context`` is what these add to the peak: the largest activations + context over the
+rank's actions, less the activation peak (so activations + kv_context is that sum's peak).
+
+**Parameters, gradients, optimizer** per parameter of every stage the rank holds (BSIPipe's
+and Chimera's mirrored copies: each chunk twice over a pair of ranks, ``parameter_copies``
+2): parameters as FSDP shards them over ``dp_shard`` (``param_dtype``), plus the
+unsharded compute copy that FSDP keeps through a pipeline step (torchtitan does not
+reshard after forward under PP; without PP a layer's copy is transient) or, without FSDP,
+a compute copy when its dtype differs; gradients in the reduce dtype, unsharded under PP
+(FSDP accumulates a step's microbatches unsharded and reduce-scatters after the last
+backward; both copies of a mirrored chunk get one), sharded without PP; optimizer states (``optimizer_states`` x ``optimizer_dtype``) sharded
+over ``dp_shard``, for chain A's copy only (:class:`~torchtitan_seq.schedules.MirroredCopies`
+drops the mirror's gradients before the step, so AdamW never makes its states). TP divides
+every matrix and the embeddings by t (norm weights stay whole). Gradients are counted
+whole at the activation peak, an upper bound (early in a step some are not allocated yet).
+
+**Workspace** (an estimate, not measured): the largest transient of one pass on the rank,
+on top of what it holds: on a last stage the loss's logits in the compute dtype, their
+float32 copy and gradient, (8 + a) V / t a token; in every layer's backward the MLP's
+and attention's input gradients, a (2F + 2D + 2 Hkv hd) / t a token, plus with k > 1 the
+unit attention's float32 merge of prefix blocks, 8D/t; times b and the longest unit.
+
+**Buffers**: torch's pipeline stage allocates a receive buffer for every microbatch
+(unit) of the step when it sets up: activations into every stage but a chain's first,
+gradients into every stage but its last, b L_j aD/t each, held for the whole step. They
+scale with N, whatever the schedule.
+
+The peak of a schedule whose backwards interleave its forwards is reached within
+2p + (N mod p) microbatches, so the action lists are built for at most that many
+(BSIPipe's basic unit is 2p) and cached per shape; where a rank runs all its forwards
+before any backward (GPipe, TeraPipe) the peak grows with N and is scaled by N / N'.
+Calls after the first for a shape take milliseconds; building BSIPipe's lists at
+p = 16 takes seconds once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+from ..ordering import B, F, I, W
+from ..partition import UnitCost, chunk_parameters, ffn_hidden_dim, partition_sequence
+from ..schedules import SEQUENCE_SCHEDULES
+from .build import SimConfig, build, compute_leaves
+
+if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
+    from torchtitan.models.llama3 import TransformerModelArgs
+
+__all__ = ["MemoryConfig", "RankMemory", "MemoryEstimate", "predict_memory", "gib", "DTYPE_BYTES"]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+"""Bytes per element of the dtypes a config may name (torchtitan's names)."""
+
+ACMode = Literal["none", "selective", "full"]
+
+
+def gib(nbytes: float) -> float:
+    """Bytes in GiB (2^30)."""
+    return nbytes / 2**30
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """One training job's shape, as torchtitan's config names it."""
+
+    model: str | TransformerModelArgs
+    """A ``llama3_seq`` flavor name (``seq_llama3_flavors``) or the model's arguments."""
+    seq_len: int
+    """Tokens per sequence (``training.seq_len``)."""
+    schedule: str = "1F1B"
+    """A name of ``SEQUENCE_SCHEDULES`` or one of torch's schedules."""
+    pp: int = 1
+    """Pipeline ranks."""
+    microbatches: int = 1
+    """N, microbatches per step and pipeline (local batch size / microbatch size)."""
+    subsequences: int = 1
+    """k, units per microbatch (sequence schedules; 1 for torch's)."""
+    partition: str = "even"
+    """How sequences are cut: ``even``, ``compute`` or ``latency``."""
+    stages_per_rank: int | None = None
+    """v; None: the schedule's own (as :class:`~.build.SimConfig`)."""
+    split_backward: bool = False
+    """Separate input- and weight-gradient passes (activations live until W)."""
+    microbatch_size: int = 1
+    """b, sequences per microbatch (``pipeline_parallel_microbatch_size``)."""
+    tp: int = 1
+    """Tensor-parallel degree (with sequence parallel, as torchtitan applies it)."""
+    dp_shard: int = 1
+    """FSDP degree (``data_parallel_shard_degree``); FSDP is on when it is above 1."""
+    activation_checkpoint: ACMode = "none"
+    """``activation_checkpoint.mode``."""
+    selective_ac_option: str = "2"
+    """``activation_checkpoint.selective_ac_option``: ``"op"`` or every n-th layer (torchtitan's default 2)."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """Where it runs: RMSNorm saves more on the CPU (its composite form, in float32)."""
+    param_dtype: str = "float32"
+    """Master weights (FSDP's sharded parameters; torchtitan's parameters)."""
+    compute_dtype: str | None = None
+    """Activations and the compute copy of the weights; None: torchtitan's rule,
+    ``mixed_precision_param`` under FSDP (or with neither PP nor TP: autocast), else ``param_dtype``
+    (torchtitan turns mixed precision off with PP or TP and no FSDP)."""
+    mixed_precision_param: str = "bfloat16"
+    """``training.mixed_precision_param``."""
+    mixed_precision_reduce: str = "float32"
+    """``training.mixed_precision_reduce``: FSDP's gradient dtype."""
+    optimizer_states: int = 2
+    """States per parameter (AdamW: 2)."""
+    optimizer_dtype: str = "float32"
+    """dtype of the optimizer states."""
+    length_multiple: int = 64
+    """``sequence_pipeline.length_multiple`` (lengths are multiples of it and of tp)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "mixed_precision_param", "mixed_precision_reduce", "optimizer_dtype"):
+            _bytes(getattr(self, name), name)
+        if self.compute_dtype is not None:
+            _bytes(self.compute_dtype, "compute_dtype")
+        if self.activation_checkpoint not in ("none", "selective", "full"):
+            raise ValueError(
+                f"activation_checkpoint = {self.activation_checkpoint!r}: the memory model knows "
+                "'none', 'selective' and 'full' ('memory_budget' depends on the compiler)"
+            )
+        option = self.selective_ac_option
+        if self.activation_checkpoint == "selective" and option != "op" and not (option.isdigit() and int(option)):
+            raise ValueError(f"selective_ac_option = {option!r}: use 'op' or a positive integer")
+        for name in ("seq_len", "pp", "microbatches", "subsequences", "microbatch_size", "tp", "dp_shard"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)}: it must be at least 1")
+
+    @property
+    def model_args(self) -> TransformerModelArgs:
+        if not isinstance(self.model, str):
+            return self.model
+        # The package's flavors, imported on use: they import torchtitan.
+        from ..models.llama3_seq import seq_llama3_flavors
+
+        if self.model not in seq_llama3_flavors:
+            raise ValueError(f"model = {self.model!r}: use one of {sorted(seq_llama3_flavors)} or TransformerModelArgs")
+        return seq_llama3_flavors[self.model]
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def activation_dtype(self) -> str:
+        """The compute dtype: activations, and the weights' compute copy."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        if self.fsdp or (self.pp == 1 and self.tp == 1):
+            return self.mixed_precision_param
+        return self.param_dtype
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds at its peak, by kind (see the module docstring)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    kv_context: int
+    workspace: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters + self.gradients + self.optimizer + self.activations + self.kv_context
+            + self.workspace + self.buffers
+        )
+
+    def gib(self) -> dict[str, float]:
+        """Every field and the total, in GiB."""
+        return {f.name: gib(getattr(self, f.name)) for f in dataclasses.fields(RankMemory)} | {"total": gib(self.total)}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate(RankMemory):
+    """The fullest rank's :class:`RankMemory` (its index ``rank``), and every rank's."""
+
+    rank: int = 0
+    ranks: tuple[RankMemory, ...] = field(default=(), repr=False)
+
+
+def predict_memory(config: MemoryConfig) -> MemoryEstimate:
+    """Peak bytes per rank of ``config``'s job; the fullest rank's fields at the top level."""
+    args, c = config.model_args, config
+    a = _bytes(c.activation_dtype, "compute_dtype")
+    lengths = _lengths(c, args)
+    plan = _plan(c.schedule, c.pp, c.microbatches, c.subsequences, c.stages_per_rank, c.split_backward)
+    chunks = _chunk_split(args.n_layers, plan.chain_length)
+    tokens = [length * c.microbatch_size for length in lengths]
+    is_sequence = c.schedule in SEQUENCE_SCHEDULES
+
+    weights = {
+        s: _stage_bytes(args, c, a, chunks[s % plan.chain_length], tokens, is_sequence) for s in plan.stages
+    }
+    ranks = []
+    for r in range(c.pp):
+        act, combined = _walk(plan, r, weights, c.subsequences, c.microbatches)
+        ranks.append(
+            RankMemory(
+                **_state_bytes(args, c, plan, chunks, r),
+                activations=round(act),
+                kv_context=round(combined - act),
+                workspace=round(_workspace(args, c, a, plan, chunks, r, max(tokens), is_sequence)),
+                buffers=round(_buffers(args, c, a, plan, chunks, r, lengths)),
+            )
+        )
+    worst = max(range(c.pp), key=lambda r: ranks[r].total)
+    return MemoryEstimate(**dataclasses.asdict(ranks[worst]), rank=worst, ranks=tuple(ranks))
+
+
+# --------------------------------------------------------------------------
+# The schedule: each rank's actions, built once per shape
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A schedule's per-rank compute actions at ``built_microbatches`` (see ``_plan``)."""
+
+    order: dict[int, tuple]
+    chain_length: int
+    parameter_copies: int
+    built_microbatches: int
+
+    @property
+    def stages(self) -> set[int]:
+        return {a.stage_index for acts in self.order.values() for a in acts}
+
+    def stages_of(self, rank: int) -> list[int]:
+        return sorted({a.stage_index for a in self.order[rank]})
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(schedule: str, p: int, n: int, k: int, v: int | None, split_backward: bool) -> _Plan:
+    """Compute-only lists of ``schedule`` for min(n, 2p + n mod p) microbatches, cached."""
+    built_n = n if n <= 2 * p else 2 * p + n % p
+    built = build(SimConfig(schedule, p, built_n, k, stages_per_rank=v, split_backward=split_backward))
+    order = {r: tuple(leaf for act in acts if act is not None for leaf in compute_leaves(act))
+             for r, acts in built.order.items()}
+    num_stages = p * built.stages_per_rank
+    return _Plan(order, num_stages // built.parameter_copies, built.parameter_copies, built_n)
+
+
+class _StageBytes(NamedTuple):
+    """What a stage's units weigh, per unit j (bytes)."""
+
+    saved: list[float]
+    """Saved activations, from the unit's forward to its backward."""
+    held: list[float]
+    """K/V the context keeps for the unit under recomputation."""
+    side: list[float]
+    """dK/dV side buffers of the unit's block."""
+    constant: float = 0.0
+    """Saved once while any unit of the stage is (the RoPE table)."""
+
+
+def _stage_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tuple[float, bool, bool],
+                 tokens: list[int], is_sequence: bool) -> _StageBytes:
+    """What units of ``tokens`` tokens weigh on a stage running ``chunk``."""
+    layers, first, last = chunk
+    per_token = _saved_per_token(args, c, a, layers, first, last, is_sequence)
+    kv = 2 * _kv_width(args) / c.tp * a * layers
+    recomputed = _recomputed_fraction(c)
+    # The whole RoPE table (complex64, seq_len x hd / 2) is saved once per stage where layers
+    # get it whole: torch's schedules slice it, checkpointed blocks take it as an input.
+    table = 4 * c.seq_len * (args.dim // args.n_heads) if layers and (not is_sequence or recomputed) else 0
+    return _StageBytes(
+        [n * per_token for n in tokens], [n * kv * recomputed for n in tokens], [n * kv for n in tokens], table
+    )
+
+
+def _walk(plan: _Plan, rank: int, weights: dict[int, _StageBytes], k: int, n: int) -> tuple[float, float]:
+    """(peak of saved activations, peak of activations + KV context) over ``rank``'s actions.
+
+    Per (stage, microbatch) the context keeps blocks 0..c-1 with c = min(forwards run, k - 1,
+    lowest unit backward - 1), and side buffers for blocks below the lowest unit whose
+    input-gradient pass has run.
+    """
+    act = kv = peak_act = peak_all = 0.0
+    forwards: dict[tuple[int, int], int] = {}
+    backward_low: dict[tuple[int, int], int] = {}  # lowest unit whose backward ended
+    input_low: dict[tuple[int, int], int] = {}  # lowest unit whose input gradients ran
+    live = dict.fromkeys(weights, 0)  # units in flight per stage
+    for a in plan.order[rank]:
+        stage, kind = a.stage_index, a.computation_type
+        m, j = divmod(a.microbatch_index, k)
+        saved, held, side, constant = weights[stage]
+        key = (stage, m)
+        before = _context_bytes(forwards.get(key, 0), backward_low.get(key, k), input_low.get(key, k), held, side, k)
+        if kind == F:
+            forwards[key] = j + 1
+            act += saved[j] + (constant if live[stage] == 0 else 0)
+            live[stage] += 1
+        else:
+            if kind in (B, I):
+                input_low[key] = j
+            if kind == B or kind == W:
+                backward_low[key] = j
+                live[stage] -= 1
+                act -= saved[j] + (constant if live[stage] == 0 else 0)
+        kv += _context_bytes(forwards[key], backward_low.get(key, k), input_low.get(key, k), held, side, k) - before
+        peak_act, peak_all = max(peak_act, act), max(peak_all, act + kv)
+    scale = n / plan.built_microbatches if _all_forwards_first(plan.order[rank]) else 1.0
+    return peak_act * scale, peak_all * scale
+
+
+def _all_forwards_first(actions: tuple) -> bool:
+    """Whether the rank runs every forward before its first backward (GPipe, TeraPipe)."""
+    kinds = [a.computation_type for a in actions]
+    last_forward = max(i for i, kind in enumerate(kinds) if kind == F)
+    return all(kind == F for kind in kinds[: last_forward + 1])
+
+
+def _context_bytes(forwards: int, backward_low: int, input_low: int, held: list[float], side: list[float],
+                   k: int) -> float:
+    kept = max(min(forwards, k - 1, backward_low - 1), 0)
+    return sum(held[:kept]) + sum(side[: input_low if input_low < k else 0])
+
+
+# --------------------------------------------------------------------------
+# The model: chunks and bytes per token
+
+
+def _bytes(dtype: str, name: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"{name} = {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def _kv_width(args: TransformerModelArgs) -> int:
+    """Hkv hd: K (or V) values per token and layer."""
+    return (args.n_kv_heads or args.n_heads) * (args.dim // args.n_heads)
+
+
+def _lengths(c: MemoryConfig, args: TransformerModelArgs) -> list[int]:
+    """Unit lengths, as the runtime cuts them (``pipeline.sequence_lengths``)."""
+    if c.schedule not in SEQUENCE_SCHEDULES:
+        return [c.seq_len]
+    cost = UnitCost.from_model_args(args) if c.partition != "even" else None
+    return partition_sequence(
+        c.seq_len, c.subsequences, c.partition, multiple=math.lcm(c.length_multiple, c.tp), cost=cost
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_split(n_layers: int, num_chunks: int) -> tuple[tuple[float, bool, bool], ...]:
+    """Per chunk: (transformer layers, holds the embeddings, holds norm + output)."""
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    try:
+        names = generate_llm_fqn_per_model_part(num_chunks, n_layers, 1, 1)
+    except ValueError:  # more chunks than layers: an even real-valued share
+        share = n_layers / num_chunks
+        return tuple((share, i == 0, i == num_chunks - 1) for i in range(num_chunks))
+    return tuple(
+        (sum(name.startswith("layers.") for name in chunk), "tok_embeddings" in chunk, "output" in chunk)
+        for chunk in names
+    )
+
+
+def _recomputed_fraction(c: MemoryConfig) -> float:
+    """Share of layers whose forward is recomputed in backward (their K/V kept by the context)."""
+    if c.activation_checkpoint == "none":
+        return 0.0
+    if c.activation_checkpoint == "selective" and c.selective_ac_option != "op":
+        return 1 / int(c.selective_ac_option)
+    return 1.0
+
+
+def _layer_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, mode: str, unit: bool) -> float:
+    """Saved bytes per token of one transformer layer, ``mode`` 'none', 'full' or 'op'."""
+    d, t, f = args.dim, c.tp, ffn_hidden_dim(args)
+    kv = _kv_width(args)
+    if mode == "full":
+        return a * d / t
+    if mode == "op":
+        return a * (2 * d + kv + f) / t + a * d + (a * d / t if t > 1 else 0)
+    norms = 2 * _norm_bytes(args, c, a)  # attention_norm's input x, ffn_norm's h
+    gathered = 2 * a * d  # the attention and MLP projections' input, whole tokens under TP
+    body = a * (2 * d + 2 * kv + 4 * f) / t  # q, attention output, K, V; w1, w3, SiLU, product
+    lse = 4 * args.n_heads / t
+    rope = 4 * (d // args.n_heads) if unit else 0  # the unit's RoPE rows, complex64
+    return norms + gathered + body + lse + rope
+
+
+def _norm_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int) -> float:
+    """What one RMSNorm saves per token: on CUDA torch's fused kernel keeps its input and
+    1/rms (float32); on the CPU the composite form keeps the input upcast to float32,
+    1/rms and x/rms, all float32."""
+    d, t = args.dim, c.tp
+    return (a * d / t if c.device == "cuda" else 8 * d / t) + 4 / t
+
+
+def _saved_per_token(args: TransformerModelArgs, c: MemoryConfig, a: int, layers: float, first: bool,
+                     last: bool, unit: bool) -> float:
+    """Saved bytes per token of a unit on a chunk of ``layers`` layers (see the module docstring)."""
+    mode = c.activation_checkpoint
+    if mode == "none":
+        per_layer = _layer_bytes(args, c, a, "none", unit)
+    elif mode == "full" or c.selective_ac_option == "op":
+        per_layer = _layer_bytes(args, c, a, "full" if mode == "full" else "op", unit)
+    else:
+        n = int(c.selective_ac_option)
+        per_layer = (_layer_bytes(args, c, a, "full", unit) + (n - 1) * _layer_bytes(args, c, a, "none", unit)) / n
+    out = layers * per_layer
+    if unit and mode != "none" and layers:
+        out += 8  # positions, a checkpoint input
+    if first:
+        out += 8  # token ids
+    if last:
+        out += _norm_bytes(args, c, a) + a * args.dim + 4 * args.vocab_size / c.tp + 8
+    return out
+
+
+# --------------------------------------------------------------------------
+# Parameters, gradients, optimizer, workspace, buffers
+
+
+def _state_bytes(args: TransformerModelArgs, c: MemoryConfig, plan: _Plan, chunks, rank: int) -> dict[str, int]:
+    held = [chunk_parameters(args, *chunks[s % plan.chain_length], c.tp) for s in plan.stages_of(rank)]
+    primary = [
+        chunk_parameters(args, *chunks[s % plan.chain_length], c.tp)
+        for s in plan.stages_of(rank)
+        if s < plan.chain_length
+    ]
+    master, compute = _bytes(c.param_dtype, "param_dtype"), _bytes(c.activation_dtype, "compute_dtype")
+    if c.fsdp:
+        # Under PP torchtitan keeps the unsharded copy through the step and the schedule
+        # reduce-scatters after the last backward; without PP each layer reshards after use
+        # and every backward reduce-scatters.
+        pipelined = c.pp > 1
+        per_param = master / c.dp_shard + (compute if pipelined else 0)
+        grad = _bytes(c.mixed_precision_reduce, "mixed_precision_reduce")
+        grad_per_param = grad if pipelined else grad / c.dp_shard
+    else:
+        per_param = master + (compute if compute != master else 0)
+        grad_per_param = master
+    optimizer = c.optimizer_states * _bytes(c.optimizer_dtype, "optimizer_dtype") / c.dp_shard
+    return {
+        "parameters": round(sum(held) * per_param),
+        "gradients": round(sum(held) * grad_per_param),
+        "optimizer": round(sum(primary) * optimizer),
+    }
+
+
+def _workspace(args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int,
+               longest: int, unit: bool) -> float:
+    d, t, f, kv = args.dim, c.tp, ffn_hidden_dim(args), _kv_width(args)
+    largest = 0.0
+    for s in plan.stages_of(rank):
+        layers, _, last = chunks[s % plan.chain_length]
+        per_token = a * (2 * f + 2 * d + 2 * kv) / t if layers else 0.0
+        if unit and c.subsequences > 1 and layers:
+            per_token += 8 * d / t
+        if last:
+            per_token = max(per_token, (8 + a) * args.vocab_size / t)
+        largest = max(largest, per_token)
+    return largest * longest
+
+
+def _buffers(args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int,
+             lengths: list[int]) -> float:
+    scale = c.microbatches / plan.built_microbatches
+    total = 0.0
+    for s in plan.stages_of(rank):
+        position = s % plan.chain_length
+        tokens = sum(lengths[x.microbatch_index % len(lengths)] for x in plan.order[rank]
+                     if x.stage_index == s and x.computation_type == F)
+        ends = (position > 0) + (position < plan.chain_length - 1)
+        total += ends * tokens * scale * c.microbatch_size * a * args.dim / c.tp
+    return total
