@@ -41,9 +41,11 @@ structured record, ``metrics.jsonl`` in the run's dump folder
   the median step is the compile time.
 
 ``--calibrate`` then times the passes of every unit on every pipeline
-stage, each stage in its own process (one thread, like a training rank) and
+rank, each rank in its own process (one thread, like a training rank) and
 all at once, as the ranks share the machine, at each run's subsequence
-lengths (:func:`calibration.calibrate`); writes the slowest stage's times as a
+lengths and with the model chunks the run's schedule puts on each rank
+(:func:`chunks_of_ranks`; a rank of several chunks alternates between them,
+:func:`calibration.calibrate`); writes the slowest rank's times as a
 cost file of :mod:`torchtitan_seq.simulate` (seconds) in ``--out``; and records the
 simulator's predicted step time (makespan of the pipeline alone, no
 optimizer, no communication time) and its error against the measured step
@@ -80,8 +82,9 @@ from training_run import ROOT, Run, run_train  # noqa: E402
 from torchtitan_seq.partition import PARTITIONS  # noqa: E402
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: E402
 from torchtitan_seq.simulate import SimConfig, simulate  # noqa: E402
+from torchtitan_seq.simulate.build import build, compute_leaves  # noqa: E402
 
-__all__ = ["Variant", "parse_variants", "Record", "measure", "calibrate", "predicted_step_time",
+__all__ = ["Variant", "parse_variants", "Record", "measure", "calibrate", "chunks_of_ranks", "predicted_step_time",
            "add_predictions", "main"]
 
 BASELINE = "1F1B"
@@ -296,17 +299,31 @@ def predicted_step_time(record: Record, cost_file: Path) -> float:
     return result.makespan
 
 
+def chunks_of_ranks(schedule: str, pp: int, microbatches: int, k: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the model chunks its stages run (stage index modulo the chain length)."""
+    built = build(SimConfig(schedule, pp, microbatches, k))
+    chain = pp * built.stages_per_rank // built.parameter_copies
+    return tuple(
+        tuple(sorted({leaf.stage_index % chain for a in built.order[q] if a for leaf in compute_leaves(a)}))
+        for q in range(pp)
+    )
+
+
 def add_predictions(records: list[Record], out: Path, repeats: int) -> None:
     """Calibrate each (length, cut) once and record the simulator's prediction for every record."""
-    files: dict[tuple[int, tuple[int, ...], bool], Path] = {}
+    files: dict[tuple[int, tuple[int, ...], bool, tuple[tuple[int, ...], ...]], Path] = {}
     for r in records:
         units = r.schedule in SEQUENCE_SCHEDULES
-        key = (r.seq_len, tuple(r.lengths), units)
+        chunks = chunks_of_ranks(r.schedule, r.pp, r.microbatches, r.num_subsequences)
+        key = (r.seq_len, tuple(r.lengths), units, chunks)
         if key not in files:
             began = time.monotonic()
-            cost = calibrate(r.seq_len, r.lengths, r.pp, units=units, repeats=repeats)
+            cost = calibrate(r.seq_len, r.lengths, r.pp, units=units, chunks=[list(c) for c in chunks],
+                             repeats=repeats)
             cut = "-".join(map(str, r.lengths))
-            files[key] = out / f"cost_s{r.seq_len}_{'units' if units else 'whole'}_{cut}.json"
+            layout = "" if chunks == tuple((q,) for q in range(r.pp)) else "_chunks-" + "-".join(
+                ".".join(map(str, c)) for c in chunks)
+            files[key] = out / f"cost_s{r.seq_len}_{'units' if units else 'whole'}_{cut}{layout}.json"
             files[key].write_text(json.dumps(cost, indent=1) + "\n")
             print(f"calibrated {files[key].name} ({time.monotonic() - began:.0f} s)", flush=True)
         r.cost_file = files[key].name

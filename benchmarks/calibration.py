@@ -22,7 +22,7 @@ __all__ = ["calibrate"]
 
 
 def _stage_model(flavor: str, seq_len: int, pp: int, stage: int) -> tuple[torch.nn.Module, object]:
-    """Stage ``stage`` of ``pp`` of the flavor's SeqTransformer, cut as torchtitan's pipeline split
+    """Chunk ``stage`` of ``pp`` of the flavor's SeqTransformer, cut as torchtitan's pipeline split
     cuts it (its default first- and last-stage weights), and the model args."""
     args = dataclasses.replace(seq_llama3_flavors[flavor], max_seq_len=seq_len)
     defaults = Parallelism()
@@ -55,86 +55,120 @@ def _timed(fn: Callable[[], object], device: torch.device) -> tuple[float, objec
     return time.perf_counter() - start, out
 
 
-def _calibrate_stage(
+class _Chunk:
+    """One chunk of the model with its KV context, timing its passes of the units ``lengths``."""
+
+    def __init__(self, seq_len: int, lengths: list[int], num_chunks: int, chunk: int, units: bool, flavor: str,
+                 dev: torch.device) -> None:
+        self.model, args = _stage_model(flavor, seq_len, num_chunks, chunk)
+        self.model.to(dev)
+        self.first, self.last = chunk == 0, chunk == num_chunks - 1
+        self.context = KVContext()
+        if units:
+            bind_kv_context(self.model, self.context, select_kernel(dev))
+        self.seq_len, self.lengths, self.units, self.dev = seq_len, lengths, units, dev
+        self.dim, self.vocab = args.dim, args.vocab_size
+        self.offsets = [sum(lengths[:j]) for j in range(len(lengths))]
+        self.times: dict[str, list[float]] = {p: [0.0] * len(lengths) for p in "FBIW"}
+
+    def unit(self, j: int) -> Unit:
+        return Unit(0, j, self.offsets[j], self.lengths[j], len(self.lengths))
+
+    def start(self) -> None:
+        """Fresh inputs (token ids on the first chunk, activations (1, L_j, D) after it) and targets."""
+        dev, lengths = self.dev, self.lengths
+        if self.first:
+            self.inputs = [torch.randint(self.vocab, (1, n), device=dev) for n in lengths]
+        else:
+            self.inputs = [torch.randn(1, n, self.dim, device=dev, requires_grad=True) for n in lengths]
+        self.targets = [torch.randint(self.vocab, (1, n), device=dev) for n in lengths]
+        self.outs: list[torch.Tensor] = []
+
+    def forward(self, j: int) -> None:
+        def run() -> torch.Tensor:
+            with self.context.running(self.unit(j)) if self.units else contextlib.nullcontext():
+                out = self.model(self.inputs[j])
+            if not self.last:
+                return out
+            loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), self.targets[j].flatten(), reduction="sum")
+            return loss / self.seq_len
+
+        self.times["F"][j], out = _timed(run, self.dev)
+        self.outs.append(out)
+
+    def backward(self, j: int, split: bool) -> None:
+        """B of unit j; with ``split``, I then W, with torch's own ``stage_backward*``."""
+        if j == len(self.lengths) - 1:
+            self.grads = [None if self.last else torch.randn_like(o) for o in self.outs]
+        values = [] if self.first else [self.inputs[j]]
+        if not split or self.first:
+            # The first stage has no input gradient: torch runs its I as nothing and its W as a full backward.
+            with self.context.backward(self.unit(j)):
+                t, _ = _timed(lambda: stage_backward(self.outs[j], self.grads[j], values), self.dev)
+            self.times["W" if split else "B"][j] = t
+            return
+        grad = None if self.last else (self.grads[j],)
+        params = self.model.parameters
+        with self.context.backward(self.unit(j), last_pass=False):
+            self.times["I"][j], (_, groups) = _timed(
+                lambda: stage_backward_input((self.outs[j],), grad, values, params()), self.dev
+            )
+        with self.context.backward(self.unit(j)):
+            self.times["W"][j], _ = _timed(lambda: stage_backward_weight(params(), groups), self.dev)
+
+    def clear(self) -> None:
+        self.context.clear()
+        self.model.zero_grad(set_to_none=True)
+
+
+def _round(chunks: list[_Chunk]) -> list[dict[str, list[float]]]:
+    """Per round, the units run forward in order and a full backward (B) last unit first, then
+    forward again and the split backward; each pass of a unit runs on every chunk of the rank in
+    turn, as a rank of several stages alternates between them (their weights and activations
+    compete for the caches)."""
+    k = len(chunks[0].lengths)
+    for split in (False, True):
+        for c in chunks:
+            c.start()
+        for j in range(k):
+            for c in chunks:
+                c.forward(j)
+        for j in reversed(range(k)):
+            for c in chunks:
+                c.backward(j, split)
+        for c in chunks:
+            c.clear()
+    return [{p: list(ts) for p, ts in c.times.items()} for c in chunks]
+
+
+def _calibrate_rank(
     seq_len: int,
     lengths: list[int],
-    pp: int,
-    stage: int,
+    num_chunks: int,
+    chunks: list[int],
     units: bool,
     flavor: str,
     repeats: int,
     device: str,
     barrier,
-) -> dict[str, list[float]]:
-    """Median seconds of each pass of each unit on one stage (one process; see :func:`calibrate`)."""
+) -> list[dict[str, list[float]]]:
+    """Median seconds of each pass of each unit on each of one rank's chunks (one process; see
+    :func:`calibrate`)."""
     dev = torch.device(device)
     if dev.type == "cpu":
         torch.set_num_threads(1)  # as a training rank on a CPU (run_train.sh's OMP_NUM_THREADS=1)
-    torch.manual_seed(stage)
-    model, model_args = _stage_model(flavor, seq_len, pp, stage)
-    model.to(dev)
-    first, last = stage == 0, stage == pp - 1
-    context = KVContext()
-    if units:
-        bind_kv_context(model, context, select_kernel(dev))
-    k = len(lengths)
-    offsets = [sum(lengths[:j]) for j in range(k)]
-    dim, vocab = model_args.dim, model_args.vocab_size
-
-    def unit(j: int) -> Unit:
-        return Unit(0, j, offsets[j], lengths[j], k)
-
-    def forward(j: int, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        with context.running(unit(j)) if units else contextlib.nullcontext():
-            out = model(x)
-        if not last:
-            return out
-        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="sum")
-        return loss / seq_len
-
-    def one_round() -> dict[str, list[float]]:
-        if first:
-            inputs = [torch.randint(vocab, (1, n), device=dev) for n in lengths]
-        else:
-            inputs = [torch.randn(1, n, dim, device=dev, requires_grad=True) for n in lengths]
-        targets = [torch.randint(vocab, (1, n), device=dev) for n in lengths]
-        times: dict[str, list[float]] = {p: [0.0] * k for p in "FBIW"}
-        for split in (False, True):
-            outs = []
-            for j in range(k):
-                times["F"][j], out = _timed(lambda: forward(j, inputs[j], targets[j]), dev)
-                outs.append(out)
-            grads = [None if last else torch.randn_like(o) for o in outs]
-            values = [[] if first else [x] for x in inputs]
-            for j in reversed(range(k)):
-                if not split or first:
-                    # The first stage has no input gradient: torch runs its I as nothing
-                    # and its W as a full backward.
-                    with context.backward(unit(j)):
-                        t, _ = _timed(lambda: stage_backward(outs[j], grads[j], values[j]), dev)
-                    times["W" if split else "B"][j] = t
-                    continue
-                out = (outs[j],)
-                grad = None if last else (grads[j],)
-                with context.backward(unit(j), last_pass=False):
-                    times["I"][j], (_, groups) = _timed(
-                        lambda: stage_backward_input(out, grad, values[j], model.parameters()), dev
-                    )
-                with context.backward(unit(j)):
-                    times["W"][j], _ = _timed(
-                        lambda: stage_backward_weight(model.parameters(), groups), dev
-                    )
-            context.clear()
-            model.zero_grad(set_to_none=True)
-        return times
-
+    torch.manual_seed(chunks[0])
+    timers = [_Chunk(seq_len, lengths, num_chunks, c, units, flavor, dev) for c in chunks]
     barrier.wait()
-    one_round()  # allocations, kernel choice
+    _round(timers)  # allocations, kernel choice
     rounds = []
     for _ in range(repeats):
-        barrier.wait()  # every stage times its passes while the others run theirs
-        rounds.append(one_round())
-    return {p: [statistics.median(r[p][j] for r in rounds) for j in range(k)] for p in "FBIW"}
+        barrier.wait()  # every rank times its passes while the others run theirs
+        rounds.append(_round(timers))
+    return [
+        {p: [statistics.median(r[i][p][j] for r in rounds) for j in range(len(lengths))] for p in "FBIW"}
+        for i in range(len(chunks))
+    ]
 
 
 def calibrate(
@@ -143,37 +177,53 @@ def calibrate(
     pp: int,
     *,
     units: bool,
+    chunks: list[list[int]] | None = None,
     flavor: str = "debugmodel",
     repeats: int = 3,
     device: str = "cpu",
 ) -> dict:
-    """Seconds of each pass of each unit on the slowest stage: the simulator's cost file.
+    """Seconds of each pass of each unit on the slowest rank: the simulator's cost file.
 
-    Each of the ``pp`` stages runs in its own process, all at once, as the
+    Each of the ``pp`` ranks runs in its own process, all at once, as the
     training ranks share the machine (on a CPU they contend for cores and
-    memory bandwidth), each rank's stage cut as torchtitan cuts the model.
-    ``units``: run subsequences ``lengths`` through a KV context, as a
-    sequence schedule does; otherwise the whole sequence with plain attention,
-    as torch's schedules do (``lengths`` is then ``[seq_len]``). Per round,
-    the units run forward in order and a full backward (B) last unit first,
-    then forward again and the split backward: input gradients (I), then
-    weight gradients (W), with torch's own ``stage_backward*`` functions, as
-    the pipeline stage runs them. The last stage's loss (sum cross-entropy over
-    the sequence) counts as forward. Median of ``repeats`` rounds after one
-    untimed round. The simulator gives every stage the same costs: F, B, I
-    and W are those of the slowest stage (largest total F + B), ``stage``;
-    ``stages`` keeps every stage's.
+    memory bandwidth). ``chunks``: per rank, the model chunks it holds, of as
+    many chunks as the lists name (default: one per rank, ``[[0], [1], ...]``),
+    each cut as torchtitan cuts the model; a rank of several chunks runs each
+    pass on all of them in turn (:func:`_round`). ``units``: run subsequences
+    ``lengths`` through a KV context, as a sequence schedule does; otherwise
+    the whole sequence with plain attention, as torch's schedules do
+    (``lengths`` is then ``[seq_len]``). Per round, the units run forward in
+    order and a full backward (B) last unit first, then forward again and the
+    split backward: input gradients (I), then weight gradients (W), with
+    torch's own ``stage_backward*`` functions, as the pipeline stage runs them.
+    The last chunk's loss (sum cross-entropy over the sequence) counts as
+    forward. Median of ``repeats`` rounds after one untimed round.
+
+    A rank's times are its chunks' mean scaled to 1/pp of the layers (the
+    simulator's unit: it gives a stage of c chunks' share pp / c of them).
+    The simulator gives every rank the same costs: F, B, I and W are those of
+    the slowest rank (largest total F + B), ``stage``; ``stages`` keeps every
+    rank's, ``chunk_times`` every chunk's.
     """
+    chunks = chunks or [[r] for r in range(pp)]
+    num_chunks = 1 + max(c for held in chunks for c in held)
     ctx = torch.multiprocessing.get_context("spawn")
     with ctx.Manager() as manager, ctx.Pool(pp) as pool:
         barrier = manager.Barrier(pp)
-        work = [(seq_len, lengths, pp, s, units, flavor, repeats, device, barrier) for s in range(pp)]
-        stages = pool.starmap(_calibrate_stage, work)
-    slowest = max(range(pp), key=lambda s: sum(stages[s]["F"]) + sum(stages[s]["B"]))
+        work = [(seq_len, lengths, num_chunks, held, units, flavor, repeats, device, barrier) for held in chunks]
+        chunk_times = pool.starmap(_calibrate_rank, work)
+    scale = num_chunks / pp
+    ranks = [
+        {p: [scale * statistics.mean(t[p][j] for t in times) for j in range(len(lengths))] for p in "FBIW"}
+        for times in chunk_times
+    ]
+    slowest = max(range(pp), key=lambda r: sum(ranks[r]["F"]) + sum(ranks[r]["B"]))
     return {
-        **stages[slowest],
+        **ranks[slowest],
         "stage": slowest,
-        "stages": stages,
+        "stages": ranks,
+        "chunks": chunks,
+        "chunk_times": chunk_times,
         "unit": "s",
         "seq_len": seq_len,
         "lengths": lengths,

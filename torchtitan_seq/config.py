@@ -1,11 +1,9 @@
 """The ``[sequence_pipeline]`` section of a torchtitan job config.
 
-torchtitan merges this module's ``JobConfig`` into its own when a job names it
-(``[job] custom_config_module = "torchtitan_seq.config"``; ``torchtitan_seq.train``
-adds it for you), so every field is settable from TOML and from the command
-line, e.g. ``--sequence_pipeline.num_subsequences 4``.
+torchtitan merges this module's ``JobConfig`` into its own when a job names it (``[job]
+custom_config_module = "torchtitan_seq.config"``; ``torchtitan_seq.train`` adds it for you), so every
+field is settable from TOML and from the command line, e.g. ``--sequence_pipeline.num_subsequences 4``.
 """
-
 
 from dataclasses import dataclass, field
 from typing import Literal
@@ -15,26 +13,22 @@ __all__ = ["SequencePipeline", "JobConfig"]
 
 @dataclass
 class SequencePipeline:
-    """How sequence schedules cut and run each microbatch.
-
-    Read when ``[parallelism] pipeline_parallel_schedule`` names a sequence schedule
-    (``Seq1F1B``, ``InterleavedSeq1F1B``, ``BSIPipe``, ``Chimera``, ``TeraPipe``); ignored by
-    torch's own schedules.
-    """
+    """How sequence schedules (``Seq1F1B``, ``InterleavedSeq1F1B``, ``BSIPipe``, ``Chimera``,
+    ``TeraPipe``) cut and run each microbatch; torch's own schedules ignore it."""
 
     num_subsequences: int = 4
     """k: subsequences each microbatch's sequence is cut into."""
 
     partition: Literal["compute", "even", "latency"] = "compute"
-    """'compute' (every unit costs the same forward + backward under the causal
-    mask), 'even' (equal lengths) or 'latency' (TeraPipe's slicing: the cut on the
-    length_multiple grid whose costliest unit costs least, which minimises the
-    pipeline latency sum(t) + (K-1)·max(t) under the cost model)."""
+    """'compute' (every unit costs the same forward + backward under the causal mask), 'even'
+    (equal lengths) or 'latency' (TeraPipe's slicing: the cut on the length_multiple grid whose
+    costliest unit costs least, which minimises the pipeline latency sum(t) + (K-1)·max(t) under
+    the cost model)."""
 
     expected_document_length: int = 0
     """Block-causal flavors (packed documents): the mean tokens per document, which the
-    'compute' and 'latency' partitions cost attention by (a query reaches back about
-    that many keys); 0 costs attention as causal, as if a sequence were one document."""
+    'compute' and 'latency' partitions cost attention by (a query reaches back about that many
+    keys); 0 costs attention as causal, as if a sequence were one document."""
 
     length_multiple: int = 1
     """Every subsequence length is a multiple of this and of the TP degree."""
@@ -48,10 +42,12 @@ class SequencePipeline:
 
     bidirectional_placement: Literal["paired", "linear"] = "paired"
     """BSIPipe and Chimera only: 'paired' puts each mirrored pair of pipeline positions
-    (q, p - 1 - q), whose gradients are all-reduced, on neighbouring ranks;
-    'linear' puts position q on pipeline rank q."""
+    (q, p - 1 - q), whose gradients are all-reduced, on neighbouring ranks; 'linear' puts
+    position q on pipeline rank q."""
 
 
 @dataclass
 class JobConfig:
+    """torchtitan's job config gains the ``[sequence_pipeline]`` section."""
+
     sequence_pipeline: SequencePipeline = field(default_factory=SequencePipeline)

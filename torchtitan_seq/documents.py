@@ -51,10 +51,6 @@ class Documents:
         new[:, 1:] = ids[:, 1:] != ids[:, :-1]
         return cls(tuple(tuple(row.nonzero().flatten().tolist()) for row in new.cpu()))
 
-    @property
-    def batch(self) -> int:
-        return len(self.starts)
-
     def start_of(self, row: int, position: int) -> int:
         """The first position of the document that holds ``position`` in batch row ``row``."""
         starts = self.starts[row]
@@ -63,11 +59,10 @@ class Documents:
     def first_needed(self, position: int) -> int:
         """The earliest position any row's document at ``position`` reaches back to: keys
         before it are never read again by queries at ``position`` or later."""
-        return min(self.start_of(row, position) for row in range(self.batch))
+        return min(self.start_of(row, position) for row in range(len(self.starts)))
 
     def pieces(self, row: int, begin: int, end: int) -> list[tuple[int, int]]:
         """The documents' pieces within [begin, end) of row ``row``, as [start, stop)
         relative to ``begin``, in order."""
-        cuts = [p - begin for p in self.starts[row] if begin < p < end]
-        bounds = [0, *cuts, end - begin]
+        bounds = [0, *(p - begin for p in self.starts[row] if begin < p < end), end - begin]
         return list(zip(bounds, bounds[1:]))

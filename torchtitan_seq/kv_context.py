@@ -7,41 +7,29 @@ per layer, one :class:`KVBlock` per finished unit.
 
 Gradients flow backwards through the blocks without joining the units'
 autograd graphs (joining them would let the backward of unit j walk into, and
-free, the graph of unit j-1):
+free, the graph of unit j-1): a block stores its K/V *detached*; a later unit's
+attention backward adds dL/dK and dL/dV of every block it read into that block's
+side buffers (:class:`KVGrads`); the block's own unit's attention backward adds
+them to the gradient of its own K/V, once. This is exact when, per microbatch and
+stage, backwards run last unit first (``torchtitan_seq.ordering``), for full and
+split input/weight backward alike: the side buffers are filled and consumed inside
+the attention's own backward, in the input-gradient pass.
 
-* a block stores its K/V *detached*;
-* when a later unit's attention runs backward, it adds dL/dK and dL/dV of every
-  block it read into that block's side buffers (:meth:`KVBlock.accumulate`,
-  into :class:`KVGrads`);
-* when the block's own unit runs backward, its attention adds the side buffers
-  to the gradient of its own K/V, once (:meth:`KVGrads.take`).
+Lifetime: the context forgets a microbatch once its last unit has run forward on
+the stage; from then on the records of the units that read a block keep it alive,
+until their backward. A unit's own record keeps only its side buffers: its
+backward recomputes or has saved its K/V. :meth:`KVContext.clear` ends a step.
 
-This is exact when, per microbatch and stage, backwards run last unit first
-(see ``torchtitan_seq.ordering``). It works for full backward and for split
-input/weight backward alike, because the side buffers are filled and consumed
-inside the attention's own backward, which runs in the input-gradient pass.
+Packed documents (:attr:`KVContext.documents`): a unit reads only the prefix blocks
+holding keys of the document continuing into it, and the context lets go of the K/V of
+documents that ended: whole blocks, and a block's ended head, keeping a copy of its
+tail, where the context's reference is what keeps the K/V alive (``copy_tails``: under
+activation checkpointing and compile; otherwise autograd keeps them for the backward).
 
-Lifetime: the context forgets a microbatch once its last unit has run forward
-on the stage; from then on the records of the units that read a block keep it
-alive, until their backward. A unit's own record keeps only its side buffers:
-its backward recomputes or has saved its K/V. :meth:`KVContext.clear` drops everything at
-the end of a step.
-
-Packed documents (block-causal attention): the schedule hands the context each
-microbatch's :class:`~torchtitan_seq.documents.Documents`. A unit then reads,
-of the prefix, only the blocks that hold keys of the document continuing into
-it, and the context lets go of the K/V of documents that ended before the unit:
-no later unit of the microbatch reads them. Whole blocks go; a block that ends
-with the start of a continuing document is cut to that tail, copied, where the
-context's reference is what keeps the K/V alive (``copy_tails``: under
-activation checkpointing, and under compile, where blocks are copies anyway);
-otherwise autograd keeps the unit's K/V for its backward regardless.
-
-Activation checkpointing re-runs a unit's forward inside its backward. The
-stage announces that backward (:meth:`KVContext.backward`), and the attention
-then reads the blocks the unit's first forward used (:meth:`KVContext.recorded`)
-instead of appending again, so recomputation reproduces the same tensors and
-never touches the context's state.
+Activation checkpointing re-runs a unit's forward inside its backward
+(:meth:`KVContext.backward`); the attention then reads the blocks the unit's first
+forward used (:meth:`KVContext.recorded`) instead of appending again, so
+recomputation reproduces the same tensors and never touches the context's state.
 """
 
 from __future__ import annotations
@@ -59,21 +47,13 @@ __all__ = ["Unit", "KVGrads", "KVBlock", "KVContext"]
 
 @dataclass(frozen=True)
 class Unit:
-    """One (microbatch, subsequence) unit as a stage runs it.
+    """One (microbatch, subsequence) unit as a stage runs it."""
 
-    Attributes:
-        microbatch: index m of the microbatch in the step.
-        index: index j of the subsequence within the microbatch.
-        offset: position of the unit's first token in the full sequence.
-        length: number of tokens in the unit.
-        num_subsequences: k, the number of units the microbatch is cut into.
-    """
-
-    microbatch: int
-    index: int
-    offset: int
-    length: int
-    num_subsequences: int
+    microbatch: int  # m, the microbatch's index in the step
+    index: int  # j, the subsequence's index within the microbatch
+    offset: int  # position of the unit's first token in the full sequence
+    length: int  # tokens in the unit
+    num_subsequences: int  # k, the units the microbatch is cut into
 
     @property
     def is_last(self) -> bool:
@@ -97,16 +77,12 @@ class KVGrads:
                 self.k, self.v = torch.zeros_like(self._like), torch.zeros_like(self._like)
             self.k[where] += grad_k
             self.v[where] += grad_v
-        elif self.k is None:
-            self.k, self.v = grad_k, grad_v
         else:
-            self.k = self.k + grad_k
-            self.v = self.v + grad_v
+            self.k, self.v = (grad_k, grad_v) if self.k is None else (self.k + grad_k, self.v + grad_v)
 
     def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Hand over (and forget) everything later units sent; ``(None, None)`` if nothing."""
-        grads = self.k, self.v
-        self.k = self.v = None
+        grads, self.k, self.v = (self.k, self.v), None, None
         return grads
 
 
@@ -124,11 +100,8 @@ class KVBlock:
     def __init__(
         self, k: torch.Tensor, v: torch.Tensor, offset: int = 0, grads: KVGrads | None = None, start: int = 0
     ):
-        self.k = k.detach()
-        self.v = v.detach()
-        self.offset = offset
+        self.k, self.v, self.offset, self.start = k.detach(), v.detach(), offset, start
         self.grads = grads or KVGrads(self.k)
-        self.start = start
 
     @property
     def end(self) -> int:
@@ -146,24 +119,21 @@ class KVBlock:
     def tail(self, first: int) -> KVBlock:
         """A copy of the keys from position ``first`` on, sending its gradient to this block's unit."""
         cut = first - self.offset
-        k, v = self.k[:, :, cut:].clone(), self.v[:, :, cut:].clone()
-        return KVBlock(k, v, first, self.grads, self.start + cut)
+        return KVBlock(self.k[:, :, cut:].clone(), self.v[:, :, cut:].clone(), first, self.grads, self.start + cut)
 
 
 class KVContext:
-    """Per-stage K/V state of the microbatches in flight.
-
-    One context belongs to one pipeline stage (model chunk); the stage binds it
-    to the chunk's attention layers and announces each unit with
-    :meth:`running`. Outside :meth:`running` the layers compute plain
-    full-sequence causal attention.
-    """
+    """Per-stage K/V state of the microbatches in flight. The stage (model chunk) binds it to
+    the chunk's attention layers and announces each unit with :meth:`running`; outside a
+    unit the layers compute plain full-sequence causal attention."""
 
     def __init__(self, copy_tails: bool = False) -> None:
         self.copy_tails = copy_tails
         """Cut blocks to the tail later units read, copied (see the module docstring)."""
-        self._unit: Unit | None = None
-        self._backward_unit: Unit | None = None
+        self.unit: Unit | None = None
+        """The unit being run forward (:meth:`running`; not a recomputation), or None."""
+        self.backward_unit: Unit | None = None
+        """The unit whose backward (:meth:`backward`), with any recomputation, is running, or None."""
         self.documents: list[Documents] | None = None
         """Per microbatch, its packed documents (block-causal attention); None: causal."""
         # microbatch -> layer id -> blocks of units 0..j-1, in order; None for a
@@ -173,40 +143,20 @@ class KVContext:
         # forward, kept until the unit's backward is over, for recomputation
         self._records: dict[tuple[int, int], dict[int, tuple[list[KVBlock], KVGrads]]] = {}
 
-    @property
-    def unit(self) -> Unit | None:
-        """The unit being run forward, or None outside a unit."""
-        return self._unit
-
-    @property
-    def in_backward(self) -> bool:
-        """Whether a unit's backward pass is running."""
-        return self._backward_unit is not None
-
-    @property
-    def active_unit(self) -> Unit | None:
-        """The unit whose forward, recomputation or backward is running."""
-        return self._unit or self._backward_unit
-
-    def documents_of(self, unit: Unit) -> Documents | None:
-        """The packed documents of ``unit``'s microbatch; None under causal attention."""
-        return None if self.documents is None else self.documents[unit.microbatch]
-
-    @property
-    def recomputing(self) -> bool:
-        """Whether a forward now is a recomputation inside a unit's backward."""
-        return self._unit is None and self._backward_unit is not None
+    def documents_of(self, unit: Unit | None) -> Documents | None:
+        """The packed documents of ``unit``'s microbatch; None under causal attention or outside a unit."""
+        return None if self.documents is None or unit is None else self.documents[unit.microbatch]
 
     @contextlib.contextmanager
     def running(self, unit: Unit) -> Iterator[None]:
         """Run the forward of ``unit`` inside this context."""
-        if self._unit is not None:
-            raise RuntimeError(f"KVContext: {unit} started while {self._unit} is running")
-        self._unit = unit
+        if self.unit is not None:
+            raise RuntimeError(f"KVContext: {unit} started while {self.unit} is running")
+        self.unit = unit
         try:
             yield
         finally:
-            self._unit = None
+            self.unit = None
             if unit.is_last:
                 # The unit graphs keep what backward needs; the context lets go.
                 self._blocks.pop(unit.microbatch, None)
@@ -214,36 +164,31 @@ class KVContext:
     @contextlib.contextmanager
     def backward(self, unit: Unit, last_pass: bool = True) -> Iterator[None]:
         """Run a backward pass of ``unit``; ``last_pass``: the unit's backward ends with it."""
-        self._backward_unit = unit
+        self.backward_unit = unit
         try:
             yield
         finally:
-            self._backward_unit = None
+            self.backward_unit = None
             if last_pass:
                 self._records.pop((unit.microbatch, unit.index), None)
 
     def recorded(self, layer_id: int) -> tuple[list[KVBlock], KVGrads]:
         """The prefix that ``layer_id`` read in the forward of the unit in backward, and the
         side buffers of the unit's own block."""
-        unit = self._backward_unit
+        unit = self.backward_unit
         try:
             return self._records[(unit.microbatch, unit.index)][layer_id]
         except (KeyError, TypeError):
-            raise RuntimeError(
-                f"layer {layer_id} recomputed outside the backward of a unit it ran forward"
-            ) from None
+            raise RuntimeError(f"layer {layer_id} recomputed outside the backward of a unit it ran forward") from None
 
     def append(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, copied: bool = False
     ) -> tuple[list[KVBlock], KVGrads]:
         """Record the current unit's K/V for ``layer_id``; ``copied``: k and v are the
-        context's own copies (no one else keeps them), so cut blocks are copied too.
-
-        Returns the blocks of the earlier units that the unit reads (with packed
-        documents, those holding keys of the document that continues into it) and
-        the side buffers of the current unit's new block.
-        """
-        unit = self._unit
+        context's own copies (no one else keeps them), so cut blocks are copied too. Returns
+        the earlier units' blocks the unit reads (with packed documents, those holding keys
+        of the document continuing into it) and the side buffers of the unit's new block."""
+        unit = self.unit
         if unit is None:
             raise RuntimeError("KVContext.append called outside a unit")
         blocks = self._blocks.setdefault(unit.microbatch, {}).setdefault(layer_id, [])
@@ -269,7 +214,7 @@ class KVContext:
 
     def clear(self) -> None:
         """Forget every microbatch (end of step)."""
-        self._unit = self._backward_unit = None
+        self.unit = self.backward_unit = None
         self._blocks.clear()
         self._records.clear()
 

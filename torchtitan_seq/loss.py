@@ -1,9 +1,8 @@
 """Token-normalised loss: the recipe that makes sums over units exact.
 
-The loss of a step is the sum of its token losses divided by its token count
-(torchtitan's recipe). Each unit (or microbatch) contributes its *sum* divided
-by that same count, so the pieces add up to the step's loss whatever their
-lengths; a per-unit mean would weight short and long units alike.
+The loss of a step is the sum of its token losses divided by its token count (torchtitan's recipe).
+Each unit (or microbatch) contributes its *sum* divided by that same count, so the pieces add up to
+the step's loss whatever their lengths; a per-unit mean would weight short and long units alike.
 """
 
 from __future__ import annotations
@@ -17,12 +16,8 @@ __all__ = ["TokenNormalizedLoss"]
 
 
 class TokenNormalizedLoss:
-    """``loss_fn(pred, target) / denominator`` with a per-step denominator.
-
-    Args:
-        loss_fn: a loss with sum reduction over tokens, e.g. torchtitan's
-            ``cross_entropy_loss``.
-    """
+    """``loss_fn(pred, target) / denominator`` with a per-step denominator; ``loss_fn`` sums over
+    tokens (e.g. torchtitan's ``cross_entropy_loss``)."""
 
     def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
         self.loss_fn = loss_fn

@@ -1,44 +1,30 @@
 """torchtitan's metrics, plus what sequence pipelines need to show, and a structured record.
 
-Per logged step, every rank's peak activation bytes (measured by
-:class:`~torchtitan_seq.memory.ActivationMemory`) join torchtitan's metrics:
-in TensorBoard as ``memory/peak_activation_bytes/rank{r}`` and on the
-console as one line after torchtitan's step line (MiB, then exact bytes).
-So do every rank's measured bubble ratio of the step and the step's
-pipeline makespan (:mod:`torchtitan_seq.timeline`), as
-``pipeline/bubble_ratio/rank{r}`` and ``pipeline/makespan(s)``. On
-the steps torchtitan's profiler traces, or every N steps with
-``TORCHTITAN_SEQ_TIMELINE_FREQ=N`` (:func:`~torchtitan_seq.timeline.export_due`),
-the step's pipeline timeline is written as a Chrome trace in torchtitan's
-profiling folder (``iteration_{step}/pipeline_timeline.json``) and as the
-TensorBoard image ``pipeline/timeline``.
+Per logged step, every rank's peak activation bytes
+(:class:`~torchtitan_seq.memory.ActivationMemory`) and bubble ratio, and the
+step's pipeline makespan (:mod:`torchtitan_seq.timeline`) join torchtitan's
+metrics (TensorBoard tags: :data:`PER_RANK_FIELDS`, ``pipeline/makespan(s)``)
+and its console (a line after torchtitan's step line); on the steps
+:func:`~torchtitan_seq.timeline.export_due` picks, the step's timeline is
+exported (:func:`~torchtitan_seq.timeline.export_timeline`).
 
-Console lines are for people. Programs (the benchmark, the tests) read
-``<dump_folder>/metrics.jsonl`` (:data:`RECORD_FILE`), which rank 0 appends
-to, one JSON object a line, TensorBoard or not:
+Programs (the benchmark, the tests) read the record rank 0 appends to,
+``<dump_folder>/metrics.jsonl`` (:data:`RECORD_FILE`), one JSON object a line,
+TensorBoard or not (every rank knows the loss, :class:`~torchtitan_seq.trainer.SeqTrainer`,
+and gathers the per-rank figures; ``tps`` and the memory figures are rank 0's own):
 
 * ``{"event": "start", "time", "schedule", "lengths"}`` once the trainer is
-  built (:meth:`SeqMetricsProcessor.record_start`); ``lengths`` are the
-  subsequence lengths the sequence schedule runs, null for torch's schedules.
-  A dump folder used again gets another start record: the latest run is what
-  follows the last one.
-* ``{"event": "step", "step", "time", ...}`` per logged step, with the values
-  torchtitan's ``MetricsProcessor.log`` computed, unrounded (see
-  :data:`STEP_FIELDS`): ``loss``, ``max_loss``, ``grad_norm``, ``lr``,
-  ``n_tokens_seen``, ``tps`` (tokens/s per device), ``tflops``, ``mfu_pct``,
-  ``end_to_end_s``, ``data_loading_s``, ``memory_gib`` and ``memory_pct``
-  (max reserved: the console's ``memory``), ``max_active_gib``; and ours:
-  ``peak_activation_bytes`` and ``bubble_ratio`` (lists by rank; the bubble
-  ratios are [] when the stages are not timed, torch's schedules) and
-  ``pipeline_s`` (the makespan; null when not timed).
-* ``{"event": "validation", "step", "time", "loss", "tps", "memory_gib"}``
-  per validation.
+  built; ``lengths``: the sequence schedule's subsequence lengths, else null.
+  A dump folder used again gets another: the latest run follows the last one.
+* ``{"event": "step", "step", "time", ...}`` per logged step: the
+  :data:`STEP_FIELDS` torchtitan's ``MetricsProcessor.log`` computed,
+  unrounded, and the lists by rank ``peak_activation_bytes`` and
+  ``bubble_ratio`` (this one [] when the stages are not timed, torch's
+  schedules; ``pipeline_s`` is null then).
+* ``{"event": "validation", "step", "time", "loss", "tps", "memory_gib"}``.
 
-``time`` is ``time.time()`` when the record was written: step wall times are
-differences of consecutive records (the first step's since the start record).
-Rank 0 writes it because every rank knows the loss
-(:class:`~torchtitan_seq.trainer.SeqTrainer`) and the per-rank figures are
-gathered on every rank; ``tps`` and the memory figures are rank 0's own.
+``time`` is ``time.time()`` at writing: step wall times are differences of
+consecutive records (the first step's since the start record).
 """
 
 from __future__ import annotations
@@ -50,16 +36,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.metrics import (
-    BaseLogger,
-    LoggerContainer,
-    MetricsProcessor,
-    TensorBoardLogger,
-)
+from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor, TensorBoardLogger
 from torchtitan.tools.logging import logger
 
 from . import timeline
 from .memory import ActivationMemory
+from .render import bubble_ratios, busy_and_end
 from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 
 __all__ = ["RECORD_FILE", "STEP_FIELDS", "MetricsRecord", "SeqMetricsProcessor", "build_seq_metrics_processor"]
@@ -68,49 +50,26 @@ RECORD_FILE = "metrics.jsonl"
 """The structured record's file name in the job's dump folder."""
 
 STEP_FIELDS = {
-    "loss": "loss_metrics/global_avg_loss",
-    "max_loss": "loss_metrics/global_max_loss",
-    "grad_norm": "grad_norm",
-    "lr": "lr",
-    "n_tokens_seen": "n_tokens_seen",
-    "tps": "throughput(tps)",
-    "tflops": "tflops",
-    "mfu_pct": "mfu(%)",
-    "end_to_end_s": "time_metrics/end_to_end(s)",
-    "data_loading_s": "time_metrics/data_loading(s)",
-    "memory_gib": "memory/max_reserved(GiB)",
-    "memory_pct": "memory/max_reserved(%)",
-    "max_active_gib": "memory/max_active(GiB)",
-    "pipeline_s": "pipeline/makespan(s)",
+    "loss": "loss_metrics/global_avg_loss", "max_loss": "loss_metrics/global_max_loss", "grad_norm": "grad_norm",
+    "lr": "lr", "n_tokens_seen": "n_tokens_seen", "tps": "throughput(tps)", "tflops": "tflops", "mfu_pct": "mfu(%)",
+    "end_to_end_s": "time_metrics/end_to_end(s)", "data_loading_s": "time_metrics/data_loading(s)",
+    "memory_gib": "memory/max_reserved(GiB)", "memory_pct": "memory/max_reserved(%)",
+    "max_active_gib": "memory/max_active(GiB)", "pipeline_s": "pipeline/makespan(s)",
 }
-"""A step record's fields: the name of each in the metrics torchtitan logs (TensorBoard's tags)."""
+"""A step record's fields: the name of each in the metrics torchtitan logs (TensorBoard's tags).
+``tps`` is tokens/s per device; ``memory_*`` is max reserved, the console's ``memory``."""
 
-VALIDATION_FIELDS = {
-    "loss": "validation_metrics/loss",
-    "tps": "validation_metrics/throughput(tps)",
-    "memory_gib": "validation_metrics/memory/max_reserved(GiB)",
-}
+VALIDATION_FIELDS = {"loss": "validation_metrics/loss", "tps": "validation_metrics/throughput(tps)",
+                     "memory_gib": "validation_metrics/memory/max_reserved(GiB)"}
 
-PER_RANK_FIELDS = {
-    "peak_activation_bytes": "memory/peak_activation_bytes",
-    "bubble_ratio": "pipeline/bubble_ratio",
-}
+PER_RANK_FIELDS = {"peak_activation_bytes": "memory/peak_activation_bytes", "bubble_ratio": "pipeline/bubble_ratio"}
 """A step record's lists by rank: the prefix of their per-rank metrics, ``{prefix}/rank{r}``."""
 
 
-def _per_rank(metrics: dict[str, Any], prefix: str) -> list[Any]:
-    values = []
-    while (name := f"{prefix}/rank{len(values)}") in metrics:
-        values.append(metrics[name])
-    return values
-
-
 class MetricsRecord(BaseLogger):
-    """One of torchtitan's metric loggers: appends each step's metrics to ``path`` as a JSON line.
-
-    It receives exactly the metrics torchtitan hands its TensorBoard logger.
-    Each line is written and closed at once, so a run that dies keeps every
-    step it logged."""
+    """One of torchtitan's metric loggers: appends the metrics torchtitan hands its TensorBoard
+    logger to ``path``, a JSON line a step, each written and closed at once so that a run that
+    dies keeps every step it logged."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -126,8 +85,10 @@ class MetricsRecord(BaseLogger):
         fields = VALIDATION_FIELDS if validation else STEP_FIELDS
         record = {"event": "validation" if validation else "step", "step": step, "time": time.time()}
         record.update({field: metrics.get(name) for field, name in fields.items()})
-        if not validation:
-            record.update({field: _per_rank(metrics, prefix) for field, prefix in PER_RANK_FIELDS.items()})
+        for field, prefix in ({} if validation else PER_RANK_FIELDS).items():  # {prefix}/rank0, rank1, ...
+            record[field] = values = []
+            while (name := f"{prefix}/rank{len(values)}") in metrics:
+                values.append(metrics[name])
         self.append(record)
 
 
@@ -153,44 +114,38 @@ class SeqMetricsProcessor(MetricsProcessor):
             name = self.job_config.parallelism.pipeline_parallel_schedule
             self.record.append({"event": "start", "time": time.time(), "schedule": name, "lengths": lengths})
 
-    def _gather_per_rank(self) -> list[tuple[int, float, float]]:
-        """Every rank's (peak activation bytes, busy ms, latest action end ms), in one all-gather."""
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None):
+        # Every rank's peak activation bytes, busy ms and latest action end ms, in one all-gather.
         peak = self.activation_memory.peak if self.activation_memory else 0
-        local = torch.tensor([peak, *timeline.local_step()], dtype=torch.float64,
+        local = torch.tensor([peak, *busy_and_end(timeline.RECORDER.intervals())], dtype=torch.float64,
                              device=self.device_memory_monitor.device)
         gathered = [local]
         if dist.is_initialized():
             gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, local)
-        return [(int(t[0]), float(t[1]), float(t[2])) for t in gathered]
-
-    def log(
-        self,
-        step: int,
-        global_avg_loss: float,
-        global_max_loss: float,
-        grad_norm: float,
-        extra_metrics: dict[str, Any] | None = None,
-    ):
-        per_rank = self._gather_per_rank()
-        peaks = [peak for peak, _, _ in per_rank]
-        ends = [end for _, _, end in per_rank]
-        bubbles = timeline.bubble_ratios([busy for _, busy, _ in per_rank], ends)
-        makespan_ms = max(ends)
+        peaks, busy, ends = torch.stack(gathered).T.tolist()
+        peaks = [int(b) for b in peaks]
+        bubbles = bubble_ratios(busy, ends)
         metrics = dict(extra_metrics or {})
         for field, values in (("peak_activation_bytes", peaks), ("bubble_ratio", bubbles)):
             metrics.update({f"{PER_RANK_FIELDS[field]}/rank{r}": x for r, x in enumerate(values)})
         if bubbles:
-            metrics[STEP_FIELDS["pipeline_s"]] = makespan_ms / 1e3
+            metrics[STEP_FIELDS["pipeline_s"]] = max(ends) / 1e3
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=metrics)
         mib = ", ".join(f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(peaks))
         line = f"step: {step:2}  peak activations (MiB): {mib}  bytes: {', '.join(map(str, peaks))}"
         if bubbles:
             line += "  bubble ratio: " + ", ".join(f"rank{r} {x:.4f}" for r, x in enumerate(bubbles))
-            line += f"  pipeline: {makespan_ms:.1f} ms"
+            line += f"  pipeline: {max(ends):.1f} ms"
         logger.info(line)
         if timeline.export_due(step, self.job_config.profiling):
-            self._export_timeline(step)
+            name = self.job_config.parallelism.pipeline_parallel_schedule
+            k = self.job_config.sequence_pipeline.num_subsequences if name in SEQUENCE_SCHEDULES else 1
+            loggers = getattr(self.logger, "_loggers", [])  # torchtitan's LoggerContainer
+            writers = [lg.writer for lg in loggers if isinstance(lg, TensorBoardLogger)]
+            folder = Path(self.job_config.job.dump_folder) / self.job_config.profiling.save_traces_folder
+            timeline.export_timeline(step, name, k, folder, writers)
 
     def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None):
         # torchtitan's validator gives the ranks without the pipeline's last stage -1 (over
@@ -200,14 +155,6 @@ class SeqMetricsProcessor(MetricsProcessor):
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.parallel_dims.get_mesh("pp").get_group())
             loss = value.item()
         super().log_validation(loss, step, extra_metrics)
-
-    def _export_timeline(self, step: int) -> None:
-        name = self.job_config.parallelism.pipeline_parallel_schedule
-        k = self.job_config.sequence_pipeline.num_subsequences if name in SEQUENCE_SCHEDULES else 1
-        loggers = getattr(self.logger, "_loggers", [])  # torchtitan's LoggerContainer
-        writers = [lg.writer for lg in loggers if isinstance(lg, TensorBoardLogger)]
-        folder = Path(self.job_config.job.dump_folder) / self.job_config.profiling.save_traces_folder
-        timeline.export_timeline(step, name, k, folder, writers)
 
 
 def build_seq_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):

@@ -9,11 +9,7 @@ Within one microbatch on one stage (k subsequences, unit id = m * k + j):
    (m, j) after it ran for (m, j + 1) and after F(m, k - 1), since unit j + 1
    sends gradient into the K/V of units 0..j.
 
-(torch files each loss under the position at which it was computed; the
-sequence schedules file it under its unit id, so the last stage may run
-forwards in any order the rules allow.)
-
-torch's own ``_validate_schedule`` checks none of these.
+torch's own ``_validate_schedule`` checks neither.
 """
 
 from __future__ import annotations
@@ -23,61 +19,45 @@ from torch.distributed.pipelining.schedules import F, I, W, _Action, _Computatio
 
 __all__ = ["B", "F", "I", "W", "ScheduleOrderError", "validate_unit_order", "chain_neighbour", "feeds", "fed_by"]
 
-_BACKWARDS = (B, I, W)
-
 
 class ScheduleOrderError(ValueError):
     """A schedule breaks one of the ordering rules of this module."""
 
 
-def _compute_actions(actions: list[_Action | None]):
-    for t, a in enumerate(actions):
-        if a is None:
-            continue
-        for s in a.sub_actions if a.sub_actions is not None else (a,):
-            yield t, s
-
-
 def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences: int) -> None:
-    """Check rules 1 and 2 on per-rank compute-only action lists.
-
-    Raises :class:`ScheduleOrderError` naming the rule, the rank, the step and
-    the unit.
-    """
+    """Check rules 1 and 2 on per-rank compute-only action lists; raise :class:`ScheduleOrderError`
+    naming the rule, the rank, the step and the unit."""
     k = num_subsequences
     for rank, actions in order.items():
         done: set[tuple[int, _ComputationType, int]] = set()
-        for t, a in _compute_actions(actions):
+        steps = ((t, a.sub_actions or (a,)) for t, a in enumerate(actions) if a is not None)
+        for t, a in ((t, s) for t, subs in steps for s in subs):  # a compound action's parts
             kind, stage, uid = a.computation_type, a.stage_index, a.microbatch_index
-            if kind not in (F, *_BACKWARDS):
+            if kind not in (F, B, I, W):
                 continue
             m, j = divmod(uid, k)
             where = f"rank {rank} step {t}: {a} (microbatch {m}, subsequence {j}) on stage {stage}"
-            if kind == F:
-                if j > 0 and (stage, F, uid - 1) not in done:
-                    raise ScheduleOrderError(
-                        f"rule 1 (forward in subsequence order): {where} runs before "
-                        f"subsequence {j - 1}"
-                    )
-            else:
-                if (stage, F, m * k + k - 1) not in done:
-                    raise ScheduleOrderError(
-                        f"rule 2 (backward after the microbatch's forwards): {where} runs "
-                        f"before the forward of subsequence {k - 1}"
-                    )
-                if j < k - 1 and (stage, kind, uid + 1) not in done:
-                    raise ScheduleOrderError(
-                        f"rule 2 (backward last-subsequence-first): {where} runs before "
-                        f"its {kind.value} of subsequence {j + 1}"
-                    )
+            if kind == F and j > 0 and (stage, F, uid - 1) not in done:
+                raise ScheduleOrderError(
+                    f"rule 1 (forward in subsequence order): {where} runs before subsequence {j - 1}"
+                )
+            if kind != F and (stage, F, m * k + k - 1) not in done:
+                raise ScheduleOrderError(
+                    f"rule 2 (backward after the microbatch's forwards): {where} runs "
+                    f"before the forward of subsequence {k - 1}"
+                )
+            if kind != F and j < k - 1 and (stage, kind, uid + 1) not in done:
+                raise ScheduleOrderError(
+                    f"rule 2 (backward last-subsequence-first): {where} runs before "
+                    f"its {kind.value} of subsequence {j + 1}"
+                )
             done.add((stage, kind, uid))
 
 
-# --- what flows between stages ------------------------------------------------
-# Stages form chains of ``chain_length`` consecutive indices (one chain of all
-# stages, or BSIPipe's and Chimera's two): a forward feeds the next stage of its chain, an
-# input-gradient pass the previous one, and nothing crosses a chain's end. The
-# lowering and the simulator both follow these three functions.
+# Stages form chains of ``chain_length`` consecutive indices (one chain of all stages, or BSIPipe's and
+# Chimera's two): a forward feeds the next stage of its chain, an input-gradient pass the previous one,
+# and nothing crosses a chain's end. The lowering and the simulator both follow these three functions.
+_DOWNSTREAM = {F: 1, B: -1, I: -1}
 
 
 def chain_neighbour(stage: int, step: int, chain_length: int) -> int | None:
@@ -89,12 +69,11 @@ def chain_neighbour(stage: int, step: int, chain_length: int) -> int | None:
 def feeds(action: _Action, chain_length: int) -> int | None:
     """The stage that receives what compute ``action`` makes (activations of F, input
     gradients of B and I); None for W and at a chain's end."""
-    step = {F: 1, B: -1, I: -1}.get(action.computation_type)
+    step = _DOWNSTREAM.get(action.computation_type)
     return None if step is None else chain_neighbour(action.stage_index, step, chain_length)
 
 
 def fed_by(action: _Action, chain_length: int) -> int | None:
-    """The stage whose output compute ``action`` consumes (F: the previous stage's
-    activations; B and I: the next stage's gradients); None for W and at a chain's start."""
-    step = {F: -1, B: 1, I: 1}.get(action.computation_type)
-    return None if step is None else chain_neighbour(action.stage_index, step, chain_length)
+    """The stage whose output compute ``action`` consumes; None for W and at a chain's start."""
+    step = _DOWNSTREAM.get(action.computation_type)
+    return None if step is None else chain_neighbour(action.stage_index, -step, chain_length)

@@ -1,26 +1,27 @@
 """Cutting a sequence into k subsequences.
 
-``even``: equal lengths. ``compute``: lengths that give every unit the same
-forward + backward cost under the causal mask (Seq1F1B's solver). ``latency``:
-TeraPipe's slicing, the lengths that minimise the pipeline's latency. A unit
-of s tokens after a prefix of P tokens costs ``a * s + b * (s * P + s**2 / 2)``
-(:class:`UnitCost`): projections, MLP and output layer grow with s, attention
-with the number of (query, key) pairs it scores. Later units have longer
-prefixes, so they get fewer tokens. With packed documents (block-causal
-attention) of expected length D a query reaches back about D keys however far
-into the sequence it is, so the cut tends to even as D shrinks. Lengths are whole multiples of
-``multiple`` (at least the TP degree, so sequence-parallel shards stay whole).
+``even``: equal lengths. ``compute``: lengths that give every unit the same forward +
+backward cost (Seq1F1B's solver). ``latency``: TeraPipe's slicing, the lengths that
+minimise the pipeline's latency. Costs are :class:`UnitCost`'s: projections, MLP and
+output layer grow with a unit's tokens, attention with the (query, key) pairs it scores,
+so later units, with longer prefixes, get fewer tokens. With packed documents of
+expected length D a query reaches back about D keys however far into the sequence it
+is, so the cut tends to even as D shrinks. Lengths are whole multiples of ``multiple``
+(at least the TP degree, so sequence-parallel shards stay whole).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-__all__ = ["UnitCost", "PARTITIONS", "partition_sequence", "ffn_hidden_dim", "chunk_parameters"]
+__all__ = ["UnitCost", "PARTITIONS", "partition_sequence", "ffn_hidden_dim"]
 
-PARTITIONS = ("even", "compute", "latency")
+Partition = Literal["even", "compute", "latency"]
+PARTITIONS: tuple[str, ...] = get_args(Partition)
 
 
 def ffn_hidden_dim(args) -> int:
@@ -32,61 +33,40 @@ def ffn_hidden_dim(args) -> int:
     return args.multiple_of * math.ceil(hidden / args.multiple_of)
 
 
-def chunk_parameters(args, layers: float, first: bool, last: bool, tp: int = 1) -> float:
-    """Parameters of a model chunk of ``layers`` Llama 3 blocks on one TP rank: the matrices
-    and embeddings divided by ``tp``, norm weights whole; ``first`` adds the token
-    embeddings, ``last`` the final norm and the output projection."""
-    d, f = args.dim, ffn_hidden_dim(args)
-    kv = (args.n_kv_heads or args.n_heads) * (d // args.n_heads)
-    per_layer = (2 * d * d + 2 * d * kv + 3 * d * f) / tp + 2 * d
-    return layers * per_layer + (args.vocab_size * d / tp if first else 0) + ((args.vocab_size * d / tp + d) if last else 0)
-
-
 @dataclass(frozen=True)
 class UnitCost:
     """Cost of a unit of ``s`` tokens after a prefix of ``P`` tokens, per pass.
 
-    forward = linear * s + attention * pairs, with pairs = s * P + s^2 / 2 the
-    (query, key) pairs scored under the causal mask; the input-gradient pass
-    (I) costs linear * s + 2.5 * attention * pairs (flash backward recomputes
-    the scores), the weight-gradient pass (W) linear * s. A full backward is
-    I + W.
-
-    Attributes:
-        linear: forward cost per token of everything but attention scores.
-        attention: forward cost per (query, key) pair.
-        document_length: expected tokens per packed document (block-causal
-            attention); None: a sequence is one document (causal attention).
+    forward = linear * s + attention * pairs, with pairs = s * P + s^2 / 2 the (query, key)
+    pairs scored under the causal mask; the input-gradient pass (I) costs linear * s +
+    2.5 * attention * pairs (flash backward recomputes the scores), the weight-gradient
+    pass (W) linear * s. A full backward is I + W.
     """
 
-    linear: float
-    attention: float
+    linear: float  # forward cost per token of everything but attention scores
+    attention: float  # forward cost per (query, key) pair
+    # expected tokens per packed document (block-causal attention); None: one document (causal)
     document_length: float | None = None
 
     @classmethod
     def from_model_args(cls, args, document_length: float | None = None) -> "UnitCost":
-        """Forward FLOPs of a Llama-style model (torchtitan ``TransformerModelArgs``).
-
-        Per layer and token: 2 * dim * (q, k, v, o widths) + 2 * 3 * dim * ffn
-        matmul FLOPs (the output layer spread over the layers), and
-        4 * heads * head_dim per attended key.
-        """
+        """Forward FLOPs of a Llama-style model (torchtitan ``TransformerModelArgs``): per layer
+        and token, 2 * dim * (q, k, v, o widths) + 2 * 3 * dim * ffn matmul FLOPs (the output
+        layer spread over the layers), and 4 * heads * head_dim per attended key."""
         dim, n_heads = args.dim, args.n_heads
-        n_kv = args.n_kv_heads or n_heads
-        head_dim = dim // n_heads
-        hidden = ffn_hidden_dim(args)
-        proj = 2 * dim * head_dim * (2 * n_heads + 2 * n_kv)
-        ffn = 2 * 3 * dim * hidden
-        output = 2 * dim * args.vocab_size / args.n_layers
-        return cls(linear=proj + ffn + output, attention=4 * n_heads * head_dim, document_length=document_length)
+        n_kv, head_dim = args.n_kv_heads or n_heads, dim // n_heads
+        linear = (
+            2 * dim * head_dim * (2 * n_heads + 2 * n_kv)  # q, k, v, o
+            + 2 * 3 * dim * ffn_hidden_dim(args)
+            + 2 * dim * args.vocab_size / args.n_layers
+        )
+        return cls(linear=linear, attention=4 * n_heads * head_dim, document_length=document_length)
 
     def pairs(self, length: float, prefix: float) -> float:
-        """(query, key) pairs scored by ``length`` queries after ``prefix`` tokens.
-
-        Causal: the integral of p over [P, P + s). With documents whose boundaries
-        fall at random, D tokens apart on average, a query at p reaches back
-        D (1 - exp(-p / D)) keys; its integral is written to stay exact for large D.
-        """
+        """(query, key) pairs scored by ``length`` queries after ``prefix`` tokens. Causal: the
+        integral of p over [P, P + s). With documents whose boundaries fall at random, D tokens
+        apart on average, a query at p reaches back D (1 - exp(-p / D)) keys; its integral is
+        written to stay exact for large D."""
         if self.document_length is None:
             return length * prefix + length * length / 2
         d = self.document_length
@@ -126,16 +106,13 @@ def _balanced_lengths(seq_len: int, k: int, cost: UnitCost) -> list[float]:
 def _latency_lengths(seq_len: int, k: int, multiple: int, cost: UnitCost) -> list[int]:
     """TeraPipe's slicing (ICML'21, section 3.3) on the grid of ``multiple``-token blocks.
 
-    TeraPipe picks the lengths that minimise the latency of K pipeline stages,
-    sum_j t_j + (K - 1) * max_j t_j, with t_j the unit's forward + backward
-    time. Under :class:`UnitCost` the sum is the same for every cut into k
-    units (each token and each causal (query, key) pair is counted once), so
-    the optimum, for every K, is the cut whose costliest unit costs least. It
-    is found exactly by bisection on that cap: the greedy cut that makes every
-    unit as long as the cap allows (leaving a block for each later unit) fits
-    under the cap whenever any cut does, because a unit's cost grows as it is
-    extended at either end. About 50 greedy passes of k binary searches: well
-    under a millisecond per pass for any sequence length.
+    TeraPipe minimises the latency of K pipeline stages, sum_j t_j + (K - 1) * max_j t_j,
+    t_j the unit's forward + backward time. Under :class:`UnitCost` the sum is the same
+    for every cut into k units (each token and causal (query, key) pair counts once), so
+    the optimum, for every K, is the cut whose costliest unit costs least: found exactly
+    by bisection on that cap, since the greedy cut that makes every unit as long as the
+    cap allows fits under the cap whenever any cut does (a unit's cost grows as it is
+    extended at either end). About 50 greedy passes of k binary searches.
     """
     blocks = seq_len // multiple
 
@@ -171,36 +148,22 @@ def _latency_lengths(seq_len: int, k: int, multiple: int, cost: UnitCost) -> lis
 
 
 def partition_sequence(
-    seq_len: int,
-    num_subsequences: int,
-    method: str = "compute",
-    *,
-    multiple: int = 1,
-    cost: UnitCost | None = None,
+    seq_len: int, num_subsequences: int, method: Partition = "compute", *,
+    multiple: int = 1, cost: UnitCost | None = None,
 ) -> list[int]:
-    """Lengths [L_0, ..., L_{k-1}] summing to ``seq_len``.
-
-    Args:
-        seq_len: tokens per sequence.
-        num_subsequences: k >= 1.
-        method: ``"even"``, ``"compute"`` or ``"latency"`` (both need ``cost``).
-        multiple: every length is a multiple of this.
-        cost: the unit cost model for ``"compute"`` and ``"latency"``.
-    """
+    """Lengths [L_0, ..., L_{k-1}], each a multiple of ``multiple``, summing to ``seq_len``;
+    ``method`` as the module docstring says (``"compute"`` and ``"latency"`` need ``cost``)."""
     k = num_subsequences
     if method not in PARTITIONS:
-        raise ValueError(
-            f"sequence_pipeline.partition = {method!r} is unknown: use one of {list(PARTITIONS)}"
-        )
+        raise ValueError(f"sequence_pipeline.partition = {method!r} is unknown: use one of {list(PARTITIONS)}")
     if k < 1:
         raise ValueError(f"sequence_pipeline.num_subsequences = {k}: it must be at least 1")
     if multiple < 1:
         raise ValueError(f"length multiple {multiple} must be at least 1")
     if seq_len % multiple:
         raise ValueError(
-            f"training.seq_len = {seq_len} is not a multiple of {multiple} (the subsequence "
-            "length multiple, at least the TP degree): change seq_len or "
-            "sequence_pipeline.length_multiple"
+            f"training.seq_len = {seq_len} is not a multiple of {multiple} (the subsequence length "
+            "multiple, at least the TP degree): change seq_len or sequence_pipeline.length_multiple"
         )
     blocks = seq_len // multiple
     if blocks < k:
@@ -216,10 +179,7 @@ def partition_sequence(
     real = [seq_len / k] * k if method == "even" else _balanced_lengths(seq_len, k, cost)
     # Round the cut points, not the lengths, so rounding errors do not add up;
     # keep every unit at least one multiple long.
-    cuts, acc = [0], 0.0
-    for j, length in enumerate(real[:-1]):
-        acc += length
-        lo, hi = cuts[-1] + 1, blocks - (k - 1 - j)
-        cuts.append(min(max(round(acc / multiple), lo), hi))
-    cuts.append(blocks)
-    return [(cuts[j + 1] - cuts[j]) * multiple for j in range(k)]
+    cuts = [0]
+    for j, end in enumerate(itertools.accumulate(real[:-1])):
+        cuts.append(min(max(round(end / multiple), cuts[-1] + 1), blocks - (k - 1 - j)))
+    return [(b - a) * multiple for a, b in zip(cuts, cuts[1:] + [blocks])]

@@ -1,13 +1,9 @@
 """Building a sequence pipeline inside torchtitan (the ``pipelining_fn`` of our train spec).
 
-For a sequence schedule it splits the model with torchtitan's own
-``pipeline_module_split`` (:func:`split_model`: loop placement, rank r holds
-stages r, r + p, ..., v per rank, or as the schedule's ``place_stages``
-says), applies torchtitan's
-SPMD parallelisms per chunk, cuts the sequence
-(:func:`~torchtitan_seq.partition.partition_sequence`) and wraps each chunk in
-a :class:`~torchtitan_seq.stage.SequencePipelineStage`.
-Any other schedule name goes to torchtitan's ``pipeline_llm`` unchanged.
+For a sequence schedule it splits the model with torchtitan's own ``pipeline_module_split``
+(:func:`split_model`), applies torchtitan's SPMD parallelisms per chunk, cuts the sequence
+(:func:`~torchtitan_seq.partition.partition_sequence`) and wraps each chunk in a
+:class:`~torchtitan_seq.stage.SequencePipelineStage`; any other schedule goes to ``pipeline_llm``.
 """
 
 from __future__ import annotations
@@ -18,186 +14,116 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining.schedules import get_schedule_class
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.pipeline_parallel import (
-    generate_llm_fqn_per_model_part,
-    pipeline_llm,
-    pipeline_module_split,
-)
+from torchtitan.distributed import pipeline_parallel as titan_pp
 from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.tools.logging import logger
 
 from .attention import select_kernel
 from .partition import UnitCost, partition_sequence
-from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, SequenceSchedule
+from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 from .stage import SequencePipelineStage
 
-__all__ = [
-    "check_schedule_name",
-    "sequence_lengths",
-    "stages_per_rank",
-    "split_model",
-    "pipeline_sequence_llm",
-]
-
-
-def check_schedule_name(name: str) -> None:
-    """Fail early, naming the setting, on a schedule that is neither ours nor torch's."""
-    if name in SEQUENCE_SCHEDULES:
-        return
-    try:
-        get_schedule_class(name)
-    except ValueError:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule = {name!r} is unknown: use a sequence "
-            f"schedule ({', '.join(SEQUENCE_SCHEDULES)}) or one of torch's ({', '.join(TORCH_SCHEDULES)})"
-        ) from None
+__all__ = ["sequence_lengths", "stages_per_rank", "split_model", "pipeline_sequence_llm"]
 
 
 def sequence_lengths(job_config: JobConfig, model_args: TransformerModelArgs, tp_degree: int) -> list[int]:
     """Subsequence lengths for the job: ``[sequence_pipeline]`` over ``training.seq_len``."""
     cfg = job_config.sequence_pipeline
     return partition_sequence(
-        job_config.training.seq_len,
-        cfg.num_subsequences,
-        cfg.partition,
+        job_config.training.seq_len, cfg.num_subsequences, cfg.partition,
         multiple=math.lcm(cfg.length_multiple, tp_degree),
         cost=UnitCost.from_model_args(model_args, cfg.expected_document_length or None),
     )
 
 
 def stages_per_rank(job_config: JobConfig, model_args: TransformerModelArgs, pp_degree: int) -> int:
-    """v, the sequence schedule's model chunks per rank, chosen as torchtitan's ``pipeline_llm`` does.
-
-    With ``parallelism.pipeline_parallel_layers_per_stage`` set, the model is
-    cut into ceil((layers + first- and last-stage weights) / layers per stage)
-    stages; otherwise a single-stage schedule gets 1 stage per rank and a
-    multi-stage one 2. (torchtitan 0.2.2 computes this inside ``pipeline_llm``,
-    with no function to call.)
-    """
+    """v, the sequence schedule's model chunks per rank, chosen as torchtitan 0.2.2's ``pipeline_llm`` does
+    (inside, with no function to call): with ``parallelism.pipeline_parallel_layers_per_stage`` set, the
+    model is cut into ceil((layers + first- and last-stage weights) / layers per stage) stages; otherwise a
+    single-stage schedule gets 1 stage per rank and a multi-stage one 2."""
     par = job_config.parallelism
-    name = par.pipeline_parallel_schedule
+    name, per_stage = par.pipeline_parallel_schedule, par.pipeline_parallel_layers_per_stage
     cls = SEQUENCE_SCHEDULES[name]
     default = cls.stages_per_rank
-    per_stage = par.pipeline_parallel_layers_per_stage
     if per_stage is None:
         return default
-    num_stages = math.ceil(
-        (
-            model_args.n_layers
-            + par.pipeline_parallel_first_stage_less_layers
-            + par.pipeline_parallel_last_stage_less_layers
-        )
-        / per_stage
-    )
+    n_layers = model_args.n_layers
+    weights = n_layers + par.pipeline_parallel_first_stage_less_layers + par.pipeline_parallel_last_stage_less_layers
+    num_stages = math.ceil(weights / per_stage)
+    cut = f"parallelism.pipeline_parallel_layers_per_stage = {per_stage} cuts the {n_layers} layers into {num_stages}"
     if cls.parameter_copies > 1:
         chunks = pp_degree * default // cls.parameter_copies
         if num_stages != chunks:
             raise ValueError(
-                f"parallelism.pipeline_parallel_layers_per_stage = {per_stage} cuts the "
-                f"{model_args.n_layers} layers into {num_stages} chunks, but {name} runs exactly "
-                f"{chunks} ({default // cls.parameter_copies} per pipeline rank and direction): change it "
-                "(or leave it unset)"
+                f"{cut} chunks, but {name} runs exactly {chunks} ({default // cls.parameter_copies} per pipeline "
+                "rank and direction): change it (or leave it unset)"
             )
         return default
     v = num_stages // pp_degree
     if num_stages % pp_degree or (v > 1) != (default > 1):
         need = "at least 2 stages" if default > 1 else "exactly 1 stage"
         raise ValueError(
-            f"parallelism.pipeline_parallel_layers_per_stage = {per_stage} cuts the "
-            f"{model_args.n_layers} layers into {num_stages} stages, but {name} needs {need} "
-            f"on each of the {pp_degree} pipeline ranks: change it (or leave it unset)"
+            f"{cut} stages, but {name} needs {need} on each of the {pp_degree} pipeline ranks: "
+            "change it (or leave it unset)"
         )
     return v
 
 
 def split_model(
-    model: nn.Module,
-    pp_mesh: DeviceMesh,
-    name: str,
-    device: torch.device,
-    module_names: list[list[str]],
+    model: nn.Module, pp_mesh: DeviceMesh, name: str, device: torch.device, module_names: list[list[str]],
     **options: Any,
 ) -> list[tuple[int, int, nn.Module]]:
     """This rank's model chunks for schedule ``name``: [(stage index, chain length, chunk)].
 
-    ``module_names`` names the modules of each of the model's chunks, in
-    model order; the schedule's :meth:`~SequenceSchedule.place_stages` says
-    which stages each rank holds and which chunk each runs. torchtitan's
-    ``pipeline_module_split`` does the module surgery; it hands chunks out in
-    a loop (rank r: r, r + p, ...), so the chunks are listed in the order that
-    makes the loop hand each rank its own.
+    ``module_names`` names the modules of each of the model's chunks, in model order; the schedule's
+    :meth:`~SequenceSchedule.place_stages` says which stages each rank holds and which chunk each runs.
+    torchtitan's ``pipeline_module_split`` hands chunks out in a loop (rank r: r, r + p, ...), so they
+    are listed in the order that hands each rank its own.
     """
     p = pp_mesh.size()
-    cls = SEQUENCE_SCHEDULES[name]
-    held = cls.place_stages(p, len(module_names), **options)
+    held = SEQUENCE_SCHEDULES[name].place_stages(p, len(module_names), **options)
     looped = [module_names[held[r][i][1]] for i in range(len(held[0])) for r in range(p)]
-    _, chunks = pipeline_module_split(model, pp_mesh, "Interleaved1F1B", device, looped)
-    chain_length = len(module_names)
-    return [(stage, chain_length, chunk) for (stage, _), chunk in zip(held[pp_mesh.get_local_rank()], chunks)]
+    _, chunks = titan_pp.pipeline_module_split(model, pp_mesh, "Interleaved1F1B", device, looped)
+    return [(stage, len(module_names), chunk) for (stage, _), chunk in zip(held[pp_mesh.get_local_rank()], chunks)]
 
 
 def pipeline_sequence_llm(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    job_config: JobConfig,
-    device: torch.device,
-    model_args: TransformerModelArgs,
-    parallelize_fn: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module],
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device,
+    model_args: TransformerModelArgs, parallelize_fn: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module],
     loss_fn: Callable[..., torch.Tensor],
 ) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
-    """torchtitan's ``pipelining_fn`` contract: (schedule, model parts, has first, has last stage).
-
-    The job is assumed checked (:func:`torchtitan_seq.trainer.check_job`).
-    """
-    par = job_config.parallelism
+    """torchtitan's ``pipelining_fn`` contract: (schedule, model parts, has first, has last stage), for
+    a job :func:`torchtitan_seq.trainer.check_job` passed."""
+    par, cfg = job_config.parallelism, job_config.sequence_pipeline
     name = par.pipeline_parallel_schedule
     if name not in SEQUENCE_SCHEDULES:
-        return pipeline_llm(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn)
+        return titan_pp.pipeline_llm(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn)
+    cls = SEQUENCE_SCHEDULES[name]
     n_microbatches = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
     lengths = sequence_lengths(job_config, model_args, parallel_dims.tp)
-    cfg = job_config.sequence_pipeline
     logger.info(
         f"Sequence pipeline {name}: {n_microbatches} microbatches x {len(lengths)} "
         f"subsequences, '{cfg.partition}' partition, lengths {lengths}"
     )
-
-    pp_mesh = parallel_dims.get_mesh("pp")
-    cls = SEQUENCE_SCHEDULES[name]
-    v = stages_per_rank(job_config, model_args, parallel_dims.pp)
-    names = par.module_fqns_per_model_part or generate_llm_fqn_per_model_part(
-        parallel_dims.pp * v // cls.parameter_copies,
-        model_args.n_layers,
-        par.pipeline_parallel_first_stage_less_layers,
-        par.pipeline_parallel_last_stage_less_layers,
+    num_stages = parallel_dims.pp * stages_per_rank(job_config, model_args, parallel_dims.pp)
+    names = par.module_fqns_per_model_part or titan_pp.generate_llm_fqn_per_model_part(
+        num_stages // cls.parameter_copies, model_args.n_layers,
+        par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
     )
     options = cls.options_from_config(cfg)
-    chunks = split_model(model, pp_mesh, name, device, names, **options)
+    pp_mesh = parallel_dims.get_mesh("pp")
     kernel = select_kernel(torch.device(device), cfg.attention_backend)
+    recomputes = job_config.activation_checkpoint.mode != "none"
     stages, model_parts = [], []
-    for index, chain_length, chunk in chunks:
+    for index, chain_length, chunk in split_model(model, pp_mesh, name, device, names, **options):
         model_parts.append(parallelize_fn(chunk, parallel_dims, job_config))
-        stages.append(
-            SequencePipelineStage(
-                model_parts[-1],
-                index,
-                parallel_dims.pp * v,
-                device,
-                lengths=lengths,
-                kernel=kernel,
-                chain_length=chain_length,
-                recomputes=job_config.activation_checkpoint.mode != "none",
-                group=pp_mesh.get_group("pp"),
-            )
-        )
+        stages.append(SequencePipelineStage(
+            model_parts[-1], index, num_stages, device, lengths=lengths, kernel=kernel,
+            chain_length=chain_length, recomputes=recomputes, group=pp_mesh.get_group("pp"),
+        ))
     schedule = cls(stages, n_microbatches, loss_fn, split_backward=cfg.split_backward, **options)
     if (layout := schedule.describe()) is not None:
         logger.info(layout)
-    return (
-        schedule,
-        model_parts,
-        any(s.is_first for s in stages),
-        any(s.is_last for s in stages),
-    )
+    return schedule, model_parts, any(s.is_first for s in stages), any(s.is_last for s in stages)

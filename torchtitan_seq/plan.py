@@ -13,14 +13,19 @@ the recomputation of the AC mode, plus TP's collectives, which torchtitan does
 not overlap (data-parallel collectives are taken as overlapped). It does not
 simulate every combination at full size:
 
-- a configuration is slower than the same one with less TP or less
-  recomputation, so per schedule choice and p only the fitting (TP, AC) pairs
-  with no lighter fitting pair are kept;
 - candidates are visited best bound first (their tokens/s without bubbles or
   transfers) and the search stops once the next bound cannot enter the table;
+  memory is only predicted for what is visited;
+- a configuration is slower than the same one with less TP or less
+  recomputation (its bound is lower, so it comes later): once one fits, the
+  heavier ones of its schedule choice and p are skipped, and when the
+  heaviest-saving one (most TP, full AC) does not fit, none of them is tried;
 - a step is simulated at N' = min(N, 2p) and 2N' microbatches and extended
   linearly to N: past the warm-up each further microbatch adds the same time
-  (within 1%, tested).
+  (within 1%, tested), on the compute-only lists (``torch_lowering=False``:
+  the same timeline, without torch's lowering passes); lists, their
+  preparation for timing and the memory model's walks are built once per
+  shape and reused across TP, AC and cost choices.
 
 Unit times are the transformer cost model (:class:`~torchtitan_seq.partition.UnitCost`)
 at ``--tflops`` achieved per GPU. With ``--cost``, calibration files
@@ -67,6 +72,11 @@ class ScheduleChoice:
     num_subsequences: int = 1
     partition: Literal["even", "compute", "latency"] = "even"
     stages_per_rank: int = 1
+
+    @property
+    def parameter_copies(self) -> int:
+        """Copies of each model chunk (2 for the two-chain schedules)."""
+        return getattr(SEQUENCE_SCHEDULES.get(self.schedule), "parameter_copies", 1)
 
 
 def _choices() -> list[ScheduleChoice]:
@@ -192,7 +202,9 @@ def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int]]:
                 f"--tp {job.tp}: TP must divide the {job.flavor} heads {heads} and fit a node of "
                 f"{cluster.gpus_per_node} GPUs"
             )
-    tps = [job.tp] if job.tp else [t for t in TP_DEGREES if t <= cluster.gpus_per_node and not any(h % t for h in heads)]
+    tps = [job.tp] if job.tp else [
+        t for t in TP_DEGREES if t <= cluster.gpus_per_node and not any(h % t for h in heads)
+    ]
     meshes = [
         (pp, tp, cluster.gpus // (pp * tp))
         for tp in tps
@@ -208,23 +220,41 @@ def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int]]:
 
 
 
+def _unit_flops(cost: UnitCost, lengths: list[int], recompute: float) -> list[tuple[float, float]]:
+    """Per unit, cost-model FLOPs of its forward and of its backward (``recompute`` forwards
+    included) on one layer."""
+    prefixes = [sum(lengths[:j]) for j in range(len(lengths))]
+    return [
+        (cost.forward(n, p), recompute * cost.forward(n, p) + cost.backward_input(n, p) + cost.backward_weight(n, p))
+        for n, p in zip(lengths, prefixes)
+    ]
+
+
 def _step_flops(cost: UnitCost, n_layers: int, lengths: list[int], pp: int, recompute: float = 0.0) -> float:
     """Cost-model FLOPs of one microbatch's forward, backward and ``recompute`` forwards
     again on 1/pp of the layers."""
-    prefixes = [sum(lengths[:j]) for j in range(len(lengths))]
-    return n_layers / pp * sum(
-        (1 + recompute) * cost.forward(length, p) + cost.backward_input(length, p) + cost.backward_weight(length, p)
-        for length, p in zip(lengths, prefixes)
-    )
+    return n_layers / pp * sum(f + b for f, b in _unit_flops(cost, lengths, recompute))
+
+
+def _fill_flops(choice: ScheduleChoice, cost: UnitCost, n_layers: int, lengths: list[int], pp: int,
+                recompute: float) -> float:
+    """FLOPs a one-chain pipeline cannot overlap: rank p-1 starts after the first unit's
+    forward crossed p-1 stages, and after its last backward another unit's backward crosses
+    p-1 stages (stages of n_layers / (p v) layers). Two-chain schedules start on both ends: 0."""
+    if choice.parameter_copies > 1:
+        return 0.0
+    units = _unit_flops(cost, lengths, recompute)
+    per_stage = n_layers / (pp * choice.stages_per_rank)
+    return (pp - 1) * per_stage * (min(f for f, _ in units) + min(b for _, b in units))
 
 
 @dataclass(frozen=True)
 class _Costs:
-    """Where unit times come from: a calibration file measured at the same pp and cut,
-    else the transformer model at ``flops_per_gpu``, which the files (when given) fit:
-    the geometric mean of their achieved cost-model FLOP/s."""
+    """Where unit times come from: a calibration file measured at the same pp, chunks per
+    rank, chunk count and cut, else the transformer model at ``flops_per_gpu``, which the
+    files (when given) fit: the geometric mean of their achieved cost-model FLOP/s."""
 
-    files: tuple[tuple[tuple[int, tuple[int, ...]], str], ...]
+    files: tuple[tuple[tuple[int, int, int, tuple[int, ...]], str], ...]
     flops_per_gpu: float
 
     @classmethod
@@ -242,14 +272,16 @@ class _Costs:
                     f"not {job.flavor!r} at {job.seq_len}"
                 )
             pp, lengths = len(data["stages"]), tuple(data["lengths"])
-            files[pp, lengths] = str(path)
+            chunks = data.get("chunks", [[r] for r in range(pp)])
+            files[pp, len(chunks[0]), 1 + max(map(max, chunks)), lengths] = str(path)
             measured = sum(data["F"]) + sum(data["B"])
             rates.append(_step_flops(UnitCost.from_model_args(args), args.n_layers, list(lengths), pp) / measured)
         return cls(tuple(files.items()), math.exp(sum(map(math.log, rates)) / len(rates)))
 
-    def cost_for(self, pp: int, lengths: list[int]) -> str:
-        """SimConfig.cost for a pipeline of ``pp`` ranks cutting sequences into ``lengths``."""
-        return dict(self.files).get((pp, tuple(lengths)), "transformer")
+    def cost_for(self, choice: ScheduleChoice, pp: int, lengths: list[int]) -> str:
+        """SimConfig.cost for ``choice`` on ``pp`` ranks cutting sequences into ``lengths``."""
+        chunks = pp * choice.stages_per_rank // choice.parameter_copies
+        return dict(self.files).get((pp, choice.stages_per_rank, chunks, tuple(lengths)), "transformer")
 
 
 def _tp_seconds(args, seq_len: int, pp: int, tp: int, recompute: float, cluster: Cluster) -> float:
@@ -279,9 +311,9 @@ def _simulated_step(choice: ScheduleChoice, pp: int, tp: int, dp: int, ac: Activ
     config = SimConfig(
         choice.schedule, pp, microbatches, choice.num_subsequences, stages_per_rank=choice.stages_per_rank,
         flavor=job.flavor, seq_len=job.seq_len, partition=choice.partition, network=network,
-        recompute=_RECOMPUTE[ac],
+        recompute=_RECOMPUTE[ac], torch_lowering=False,
     )
-    config = replace(config, cost=costs.cost_for(pp, subsequence_lengths(config)))
+    config = replace(config, cost=costs.cost_for(choice, pp, subsequence_lengths(config)))
     unit = seconds_per_time_unit(config)
 
     def run(n: int) -> tuple[float, float]:
@@ -304,8 +336,7 @@ def _simulated_step(choice: ScheduleChoice, pp: int, tp: int, dp: int, ac: Activ
 @lru_cache(maxsize=None)
 def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> bool:
     """Whether the schedule can run this choice (the errors a job check would give)."""
-    copies = SEQUENCE_SCHEDULES[choice.schedule].parameter_copies if choice.schedule in SEQUENCE_SCHEDULES else 1
-    if pp * choice.stages_per_rank // copies > n_layers:
+    if pp * choice.stages_per_rank // choice.parameter_copies > n_layers:
         return False  # a chunk without a layer
     try:
         if choice.schedule in SEQUENCE_SCHEDULES:
@@ -371,46 +402,50 @@ def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
     for pp, tp, dp in _meshes(job, cluster, args):
         by_pp.setdefault(pp, []).append((tp, dp))
     candidates: list[_Candidate] = []
-    memories: dict[_Candidate, float] = {}
-    closest: list[tuple[float, _Candidate]] = []
-
-    def fits(c: _Candidate) -> bool:
-        nonlocal closest
-        memories[c] = gib(memory(job, cluster, c.choice, c.pp, c.tp, c.ac).total)
-        if memories[c] <= cluster.gpu_memory_gib:
-            return True
-        closest = sorted([*closest, (memories[c], c)], key=lambda mc: mc[0])[:3]
-        return False
-
     for choice in CHOICES:
+        if choice.num_subsequences > job.seq_len:
+            continue
         lengths = [job.seq_len] if choice.schedule not in SEQUENCE_SCHEDULES else partition_sequence(
-            job.seq_len, choice.num_subsequences, "even")
+            job.seq_len, choice.num_subsequences, choice.partition, cost=cost)
         for pp, splits in by_pp.items():
-            if choice.num_subsequences > job.seq_len or not _runs(choice, pp, n, args.n_layers):
+            if not _runs(choice, pp, n, args.n_layers):
                 continue
-
-            def candidate(tp: int, dp: int, ac: ActivationCheckpoint) -> _Candidate:
-                r = _RECOMPUTE[ac]
-                seconds = n * (_step_flops(cost, args.n_layers, lengths, pp, r) / (tp * costs.flops_per_gpu)
-                               + _tp_seconds(args, job.seq_len, pp, tp, r, cluster))
-                return _Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds)
-
-            if not fits(candidate(*splits[-1], "full")):
-                continue  # its lightest configuration does not fit
-            # A configuration is slower than one with no more TP and no more recomputation:
-            # keep those that fit with no lighter one fitting.
-            kept: list[int] = []
             for ac in AC_MODES:
+                r = _RECOMPUTE[ac]
                 for tp, dp in splits:
-                    if not any(t <= tp for t in kept) and fits(c := candidate(tp, dp, ac)):
-                        kept.append(tp)
-                        candidates.append(c)
+                    flops = n * _step_flops(cost, args.n_layers, lengths, pp, r) + _fill_flops(
+                        choice, cost, args.n_layers, lengths, pp, r)
+                    seconds = flops / (tp * costs.flops_per_gpu) + n * _tp_seconds(
+                        args, job.seq_len, pp, tp, r, cluster)
+                    candidates.append(_Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds))
+    # Best bound first. A configuration is slower than one with no more TP and no more
+    # recomputation (its bound is lower, so that one comes first): once one fits, the
+    # heavier ones of its schedule and pp are skipped. Memory is only asked of what is visited.
     candidates.sort(key=lambda c: -c.bound)
     fitting: list[Plan] = []
+    kept: dict[tuple[ScheduleChoice, int], list[tuple[int, int]]] = {}
+    closest: list[tuple[float, _Candidate]] = []
+    lightest: dict[tuple[ScheduleChoice, int], bool] = {}
     for c in candidates:
         if len(fitting) >= top and c.bound < fitting[top - 1].tokens_per_s:
             break
-        fitting.append(_measure(c, job, cluster, costs, args, memories[c], True))
+        key, level = (c.choice, c.pp), AC_MODES.index(c.ac)
+        if any(t <= c.tp and a <= level for t, a in kept.get(key, [])):
+            continue
+        if key not in lightest:  # the most TP with full AC: if that does not fit, nothing of key does
+            tp, dp = by_pp[c.pp][-1]
+            need = gib(memory(job, cluster, c.choice, c.pp, tp, "full").total)
+            lightest[key] = need <= cluster.gpu_memory_gib
+            if not lightest[key]:
+                closest = sorted([*closest, (need, replace(c, tp=tp, dp=dp, ac="full"))], key=lambda x: x[0])[:3]
+        if not lightest[key]:
+            continue
+        need = gib(memory(job, cluster, c.choice, c.pp, c.tp, c.ac).total)
+        if need > cluster.gpu_memory_gib:
+            closest = sorted([*closest, (need, c)], key=lambda x: x[0])[:3]
+            continue
+        kept.setdefault(key, []).append((c.tp, level))
+        fitting.append(_measure(c, job, cluster, costs, args, need, True))
         fitting.sort(key=lambda p: -p.tokens_per_s)
     if not fitting:
         need, c = closest[0]

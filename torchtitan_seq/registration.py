@@ -1,14 +1,6 @@
-"""The one place torchtitan_seq registers with torchtitan.
-
-:func:`register` adds, through torchtitan's own extension points:
-
-* the train spec ``llama3_seq``: Llama 3 with chunk-aware attention
-  (:mod:`torchtitan_seq.models.llama3_seq`), our pipelining function
-  (sequence schedules by name, torch's otherwise), a token-normalised loss,
-  and metrics that include activation memory;
-* the shipped datasets ``seqpp_text`` and ``seqpp_text_validation`` in
-  torchtitan's dataset table (its documented place for new datasets);
-* the shipped short-document datasets ``seqpp_packed`` and ``seqpp_packed_validation``, likewise.
+"""The one place torchtitan_seq registers with torchtitan, through its own extension points: the train
+spec ``llama3_seq`` (:mod:`torchtitan_seq.models.llama3_seq`), and the shipped datasets
+(:mod:`torchtitan_seq.data`) in torchtitan's dataset table, its documented place for new datasets.
 """
 
 from __future__ import annotations

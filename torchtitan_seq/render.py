@@ -1,14 +1,13 @@
 """Pipeline timelines, simulated or measured: the one type and its writers.
 
-A :class:`Timeline` is one pipeline step: per rank, (start, end, action) of
-every compute action in run order, with the schedule's shape. A measured step
-(:mod:`torchtitan_seq.timeline`) is a plain :class:`Timeline` in ms; the
-simulator's :class:`~torchtitan_seq.simulate.SimResult` extends it. Writers:
-:func:`render_svg` (the pictures of ``schedules/``), :func:`chrome_trace`
-(Chrome/Perfetto), :func:`compute_csv` (torch's compute-only CSV) and
-:func:`timeline_figure` (matplotlib, for TensorBoard); :func:`bubble_ratios`
-is the one bubble-ratio formula. Only torch and the standard library are
-imported (matplotlib lazily): the runtime renders without the simulator.
+A :class:`Timeline` is one pipeline step: per rank, every compute action's
+start and end in run order, with the schedule's shape; in ms when measured
+(:mod:`torchtitan_seq.timeline`), extended by the simulator's
+:class:`~torchtitan_seq.simulate.SimResult`. Its writers draw the pictures of
+``schedules/`` (SVG), Chrome/Perfetto traces, torch's compute-only CSV and
+TensorBoard's figure; :func:`bubble_ratios` is the one bubble-ratio formula.
+Only torch and the standard library are imported (matplotlib lazily): the
+runtime renders without the simulator.
 """
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ def busy_and_end(intervals: list[Interval]) -> tuple[float, float]:
 
 
 def bubble_ratios(busy: list[float], ends: list[float]) -> list[float]:
-    """Per rank ``1 - busy / makespan``, the makespan being the latest end; [] when nothing ran.
-
-    Ranks start a step together, so a rank's idle time is the makespan less its busy time."""
+    """Per rank ``1 - busy / makespan``, the makespan being the latest end (ranks start a step
+    together, so a rank idles for the rest); [] when nothing ran."""
     makespan = max(ends, default=0.0)
     return [1 - b / makespan for b in busy] if makespan > 0 else []
 
@@ -74,8 +72,7 @@ class Timeline:
     def label(self) -> str:
         """Schedule and shape, e.g. ``Seq1F1B  p=4 N=8 k=4``."""
         shape = f"p={self.pp} N={self.microbatches} k={self.subsequences}"
-        if self.stages_per_rank > 1:
-            shape += f" V={self.stages_per_rank}"
+        shape += f" V={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         return f"{self.schedule}{' (split backward)' if self.split_backward else ''}  {shape}"
 
     def title(self) -> str:
@@ -91,20 +88,17 @@ def compute_csv(result: Timeline) -> str:
     """The compute-only lists as ``_PipelineScheduleRuntime._dump_csv(format="compute_only")``
     writes them (one row per rank, "" for an idle slot), loadable with ``_load_csv``."""
     buf = io.StringIO(newline="")
-    writer = csv.writer(buf)
-    for rank in result.compute_order:
-        writer.writerow(result.compute_order[rank])
+    csv.writer(buf).writerows(result.compute_order.values())
     return buf.getvalue()
 
 
 def chrome_trace(result: Timeline) -> dict:
     """Chrome/Perfetto trace: one process per rank, 1 time unit shown as 1 ms."""
     events: list[dict] = []
-    k = result.subsequences
     for rank in sorted(result.timeline):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
         for start, end, a in result.timeline[rank]:
-            m, j = divmod(a.microbatch_index, k)
+            m, j = divmod(a.microbatch_index, result.subsequences)
             events.append({
                 "name": str(a), "cat": a.computation_type.value, "ph": "X", "pid": rank, "tid": 0,
                 "ts": start * 1000, "dur": (end - start) * 1000,
@@ -132,78 +126,59 @@ def _colour(m: int, j: int, k: int) -> tuple[str, str]:
     return fill, "#000" if lightness > 0.6 else "#fff"
 
 
-def _tick_step(span: float, target: int = 10) -> float:
-    raw = span / target
-    scale = 10 ** math.floor(math.log10(raw))
-    return next(f * scale for f in (1, 2, 5, 10) if f * scale >= raw)
-
-
 def render_svg(result: Timeline, width: int = 1100) -> str:
     """The timeline as SVG: a row per rank, time on x; colour = microbatch,
     shade = subsequence (dark first), hatching/dots = backward passes, gaps = idle."""
-    left, right, top, row_h, gap = 64, 16, 46, 30, 6
-    plot_w = width - left - right
-    p, k = result.pp, result.subsequences
-    span = result.makespan or 1.0
+    left, top, row_h, gap = 64, 46, 30, 6
+    plot_w = width - left - 16
+    k, span = result.subsequences, result.makespan or 1.0
+    rows_bottom = top + result.pp * (row_h + gap)
+    legend_y = rows_bottom + 50
+    height = legend_y + 24 + 18 * ((result.microbatches + 9) // 10)
 
     def x(t: float) -> float:
         return left + t * plot_w / span
 
-    rows_bottom = top + p * (row_h + gap)
-    legend_y = rows_bottom + 50
-    height = legend_y + 24 + 18 * ((result.microbatches + 9) // 10)
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif">',
         "<defs>",
-        *(
-            f'<pattern id="hatch-{kind.value}" width="6" height="6" patternUnits="userSpaceOnUse">{tile}</pattern>'
-            for kind, tile in _HATCH.items()
-        ),
+        *(f'<pattern id="hatch-{kind.value}" width="6" height="6" patternUnits="userSpaceOnUse">{tile}</pattern>'
+          for kind, tile in _HATCH.items()),
         "</defs>",
         f'<rect width="{width}" height="{height}" fill="#fff"/>',
         f'<text x="{left}" y="18" font-size="13" font-weight="bold">{escape(result.title())}</text>',
     ]
     if warning := result.warning():
         out.append(f'<text x="{left}" y="34" font-size="11" fill="#c00">{escape(warning)}</text>')
-    for r in range(p):
+    for r in range(result.pp):
         y = top + r * (row_h + gap)
-        out.append(f'<rect x="{left}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f3f3f3"/>')
-        out.append(
-            f'<text x="{left - 8}" y="{y + row_h / 2 + 4:.1f}" font-size="12" text-anchor="end">rank {r}</text>'
-        )
+        mid = f"{y + row_h / 2 + 4:.1f}"
+        out += [f'<rect x="{left}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f3f3f3"/>',
+                f'<text x="{left - 8}" y="{mid}" font-size="12" text-anchor="end">rank {r}</text>']
         for start, end, a in result.timeline.get(r, []):
             m, j = divmod(a.microbatch_index, k)
             x0, x1 = x(start), x(end)
             kind = a.computation_type
-            tip = f"{_PASS_NAMES[kind]} stage {a.stage_index} microbatch {m} subsequence {j}"
-            tip += f" [{start:.4g}, {end:.4g}]"
+            tip = f"{_PASS_NAMES[kind]} stage {a.stage_index} microbatch {m} subsequence {j} [{start:.4g}, {end:.4g}]"
             box = f'x="{x0:.2f}" y="{y}" width="{x1 - x0:.2f}" height="{row_h}"'
             fill, ink = _colour(m, j, k)
-            out.append(
-                f'<rect {box} fill="{fill}" stroke="#fff" stroke-width="0.6"><title>{tip}</title></rect>'
-            )
+            out.append(f'<rect {box} fill="{fill}" stroke="#fff" stroke-width="0.6"><title>{tip}</title></rect>')
             if kind in _HATCH:
                 out.append(f'<rect {box} fill="url(#hatch-{kind.value})" pointer-events="none"/>')
             label = f"{m}.{j}" if k > 1 else f"{m}"
             if x1 - x0 >= 7 * len(label) + 4:
-                out.append(
-                    f'<text x="{(x0 + x1) / 2:.2f}" y="{y + row_h / 2 + 4:.1f}" font-size="10" '
-                    f'text-anchor="middle" fill="{ink}" pointer-events="none">{label}</text>'
-                )
-    step = _tick_step(span)
-    ticks = [i * step for i in range(int(span / step + 1e-9) + 1)]
-    for t in ticks:
-        out.append(
-            f'<line x1="{x(t):.2f}" y1="{rows_bottom - gap}" x2="{x(t):.2f}" y2="{rows_bottom}" stroke="#444"/>'
-        )
-        out.append(
-            f'<text x="{x(t):.2f}" y="{rows_bottom + 12}" font-size="10" text-anchor="middle">{t:.4g}</text>'
-        )
-    out.append(
-        f'<text x="{left + plot_w}" y="{rows_bottom + 26}" font-size="10" text-anchor="end">'
-        f"time ({escape(result.time_unit)})</text>"
-    )
+                out.append(f'<text x="{(x0 + x1) / 2:.2f}" y="{mid}" font-size="10" text-anchor="middle" '
+                           f'fill="{ink}" pointer-events="none">{label}</text>')
+    # About ten ticks, 1, 2 or 5 times a power of ten apart.
+    raw = span / 10
+    scale = 10 ** math.floor(math.log10(raw))
+    step = next(f * scale for f in (1, 2, 5, 10) if f * scale >= raw)
+    for t in (i * step for i in range(int(span / step + 1e-9) + 1)):
+        out += [f'<line x1="{x(t):.2f}" y1="{rows_bottom - gap}" x2="{x(t):.2f}" y2="{rows_bottom}" stroke="#444"/>',
+                f'<text x="{x(t):.2f}" y="{rows_bottom + 12}" font-size="10" text-anchor="middle">{t:.4g}</text>']
+    out.append(f'<text x="{left + plot_w}" y="{rows_bottom + 26}" font-size="10" text-anchor="end">'
+               f"time ({escape(result.time_unit)})</text>")
     # Legend: passes, then microbatch colours with their subsequence shades.
     lx = left
     for kind, name in _PASS_NAMES.items():
@@ -216,11 +191,9 @@ def render_svg(result: Timeline, width: int = 1100) -> str:
     labels = "label m.j: microbatch m, subsequence j" if k > 1 else "label: microbatch"
     out.append(f'<text x="{lx + 10}" y="{legend_y}" font-size="11">{labels} (hover: stage, times)</text>')
     for m in range(result.microbatches):
-        mx = left + (m % 10) * 100
-        my = legend_y + 14 + 18 * (m // 10)
-        for j in range(k):
-            box = f'x="{mx + j * 40 / k:.2f}" y="{my}" width="{40 / k:.2f}" height="12"'
-            out.append(f'<rect {box} fill="{_colour(m, j, k)[0]}"/>')
+        mx, my = left + (m % 10) * 100, legend_y + 14 + 18 * (m // 10)
+        out += [f'<rect x="{mx + j * 40 / k:.2f}" y="{my}" width="{40 / k:.2f}" height="12" '
+                f'fill="{_colour(m, j, k)[0]}"/>' for j in range(k)]
         out.append(f'<text x="{mx + 44}" y="{my + 10}" font-size="11">mb {m}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -238,17 +211,12 @@ def timeline_figure(result: Timeline):
     for rank, ivs in result.timeline.items():
         for start, end, a in ivs:
             m, j = divmod(a.microbatch_index, k)
-            ax.broken_barh(
-                [(start, end - start)], (rank - 0.4, 0.8), facecolors=_colour(m, j, k)[0],
-                edgecolor="white", linewidth=0.5, hatch=hatches[a.computation_type],
-            )
+            ax.broken_barh([(start, end - start)], (rank - 0.4, 0.8), facecolors=_colour(m, j, k)[0],
+                           edgecolor="white", linewidth=0.5, hatch=hatches[a.computation_type])
     ax.set_yticks(range(result.pp), [f"rank {r}" for r in range(result.pp)])
     ax.invert_yaxis()
     ax.set_xlabel(f"{result.time_unit} since step start")
-    ax.set_title(
-        f"{result.schedule} k={k}: makespan {result.makespan:.1f} {result.time_unit}, "
-        f"bubble ratio {result.bubble_ratio:.3f} (hatched: backward)",
-        fontsize=10,
-    )
+    ax.set_title(f"{result.schedule} k={k}: makespan {result.makespan:.1f} {result.time_unit}, "
+                 f"bubble ratio {result.bubble_ratio:.3f} (hatched: backward)", fontsize=10)
     fig.tight_layout()
     return fig

@@ -1,15 +1,11 @@
 """The pipeline stage of a sequence schedule.
 
-``SequencePipelineStage`` is torch's ``PipelineStage`` for a model chunk that
-runs (microbatch, subsequence) units. torch numbers the units as microbatches,
-``unit id = m * k + j``; the stage
-
-* announces each unit to its :class:`~torchtitan_seq.kv_context.KVContext`
-  while the unit runs forward and backward,
-* sizes every unit's receive buffers (torch sizes them all like unit 0, but
-  subsequences may differ in length),
-* forgets every unit's K/V when a step ends,
-* times each pass for :data:`torchtitan_seq.timeline.RECORDER`.
+``SequencePipelineStage`` is torch's ``PipelineStage`` for a model chunk that runs (microbatch,
+subsequence) units, which torch numbers as microbatches (``unit id = m * k + j``). The stage
+announces each unit to its :class:`~torchtitan_seq.kv_context.KVContext` while the unit runs
+forward and backward, sizes every unit's receive buffers (torch sizes them all like unit 0's),
+forgets every unit's K/V when a step ends and times each pass for
+:data:`torchtitan_seq.timeline.RECORDER`.
 """
 
 from __future__ import annotations
@@ -31,46 +27,26 @@ __all__ = ["SequencePipelineStage"]
 
 
 class SequencePipelineStage(PipelineStage):
-    """A pipeline stage whose microbatches are cut into subsequences.
+    """A pipeline stage whose microbatches are cut into subsequences (sequence dimension 1).
 
-    Args:
-        submodule: the model chunk; a model with :class:`~torchtitan_seq.attention.SequenceAttention`
-            layers, e.g. :class:`~torchtitan_seq.models.llama3_seq.SeqTransformer`
-            (after torchtitan's pipeline split).
-        stage_index, num_stages, device, group: as for ``PipelineStage``.
-        lengths: subsequence lengths [L_0, ..., L_{k-1}] of every microbatch.
-        seq_dim: sequence dimension of the stage's inputs and outputs.
-        kernel: block attention kernel; chosen for ``device`` when omitted.
-        chain_length: stages per chain where the stages form several chains
-            (BSIPipe's and Chimera's two: stage s is first of its chain when
-            s % chain_length == 0); one chain of ``num_stages`` by default.
-        recomputes: the chunk runs under activation checkpointing, so the KV
-            context alone keeps K/V alive between a unit's forward and backward
-            (``KVContext.copy_tails``).
-        **kwargs: passed on to ``PipelineStage``.
+    ``submodule`` is the model chunk, with :class:`~torchtitan_seq.attention.SequenceAttention`
+    layers; ``lengths`` are the subsequence lengths [L_0, ..., L_{k-1}] of every microbatch;
+    ``kernel`` is the block attention kernel, chosen for ``device`` when omitted. Where the
+    stages form several chains (BSIPipe's and Chimera's two), stage s is first of its chain when
+    s % ``chain_length`` == 0 (one chain by default). ``recomputes``: the chunk runs under
+    activation checkpointing, so the KV context alone keeps K/V alive between a unit's forward
+    and backward (``KVContext.copy_tails``). The other arguments are ``PipelineStage``'s.
     """
 
     def __init__(
-        self,
-        submodule: nn.Module,
-        stage_index: int,
-        num_stages: int,
-        device: torch.device,
-        *,
-        lengths: list[int],
-        seq_dim: int = 1,
-        kernel: AttentionKernel | None = None,
-        chain_length: int | None = None,
-        recomputes: bool = False,
-        **kwargs: Any,
+        self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device, *, lengths: list[int],
+        kernel: AttentionKernel | None = None, chain_length: int | None = None, recomputes: bool = False, **kwargs: Any,
     ) -> None:
         self.chain_length = chain_length or num_stages
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)
         if not lengths or min(lengths) < 1:
             raise ValueError(f"subsequence lengths must be positive, got {lengths}")
         self.lengths = list(lengths)
-        self.offsets = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
-        self.seq_dim = seq_dim
         self.kv_context = KVContext(copy_tails=recomputes)
         bind_kv_context(submodule, self.kv_context, kernel or select_kernel(torch.device(device)))
 
@@ -82,15 +58,10 @@ class SequencePipelineStage(PipelineStage):
     def is_last(self) -> bool:
         return self.stage_index % self.chain_length == self.chain_length - 1
 
-    @property
-    def num_subsequences(self) -> int:
-        return len(self.lengths)
-
-    # torch's runtime hands a stage's output straight to stage index + 1 (and an
-    # input gradient to index - 1) when that stage is on the same rank (its
-    # V-schedule special case). Across the end of a chain nothing flows: with
-    # Chimera's two straight chains, chain A's last stage and chain B's first
-    # share a rank and adjacent indices.
+    # torch's runtime hands a stage's output straight to stage index + 1 (and an input gradient to
+    # index - 1) when that stage is on the same rank (its V-schedule special case). Across the end of
+    # a chain nothing flows: with Chimera's two straight chains, chain A's last stage and chain B's
+    # first share a rank and adjacent indices.
     def set_local_fwd_input(self, prev_stage_outputs: Any, mb_index: int) -> None:
         if not self.is_first:
             super().set_local_fwd_input(prev_stage_outputs, mb_index)
@@ -104,18 +75,16 @@ class SequencePipelineStage(PipelineStage):
 
     def unit(self, unit_id: int) -> Unit:
         """The (microbatch, subsequence) unit behind torch's microbatch index."""
-        m, j = divmod(unit_id, self.num_subsequences)
-        return Unit(m, j, self.offsets[j], self.lengths[j], self.num_subsequences)
+        m, j = divmod(unit_id, len(self.lengths))
+        return Unit(m, j, sum(self.lengths[:j]), self.lengths[j], len(self.lengths))
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        timed = RECORDER.action(self.stage_index, F, fwd_chunk_id)
-        with timed, self.kv_context.running(self.unit(fwd_chunk_id)):
+        with RECORDER.action(self.stage_index, F, fwd_chunk_id), self.kv_context.running(self.unit(fwd_chunk_id)):
             output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         if self.is_last and save_forward_output:
-            # The outputs kept for the step's return value must not pin the unit's
-            # graph. torch detaches them in backward, but not views (the local
-            # logits under TP are), and a split backward's input pass retains the
-            # graph: what the weight pass does not free would outlive the step.
+            # The outputs kept for the step's return value must not pin the unit's graph. torch detaches
+            # them in backward, but not views (the local logits under TP are), and a split backward's
+            # input pass retains the graph: what the weight pass does not free would outlive the step.
             self.output_chunks[-1] = tree_map_only(torch.Tensor, torch.Tensor.detach, self.output_chunks[-1])
         return output
 
@@ -125,8 +94,7 @@ class SequencePipelineStage(PipelineStage):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        timed = RECORDER.action(self.stage_index, W, bwd_chunk_id)
-        with timed, self.kv_context.backward(self.unit(bwd_chunk_id)):
+        with RECORDER.action(self.stage_index, W, bwd_chunk_id), self.kv_context.backward(self.unit(bwd_chunk_id)):
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     def clear_runtime_states(self) -> None:
@@ -134,40 +102,26 @@ class SequencePipelineStage(PipelineStage):
         self.kv_context.clear()
         RECORDER.start_step()  # torch's schedules clear the stages as a step begins
 
-    def _unit_meta(self, meta, length: int):
-        """``meta``, torch's metadata of unit 0's tensor, resized to a unit of ``length`` tokens.
-
-        Shapes scale with the unit's length, so a tensor whose sequence is
-        sharded (tensor parallelism's sequence parallel) keeps its fraction.
-        """
-        changes: dict[str, Any] = {}
-        for prefix in ("", "global_"):
-            shape = getattr(meta, f"{prefix}shape", None)
-            if not shape:
-                continue
-            shape = list(shape)
-            shape[self.seq_dim] = shape[self.seq_dim] * length // self.lengths[0]
-            changes[f"{prefix}shape"] = torch.Size(shape)
-            changes[f"{prefix}stride"] = torch.empty(shape, device="meta").stride()
-        return dataclasses.replace(meta, **changes)
-
     def _size_recv_buffers(self, infos_by_unit: dict) -> None:
+        """Resize torch's receive metadata and buffers, made for unit 0, to each unit's length; shapes
+        scale, so a tensor whose sequence is sharded (TP's sequence parallel) keeps its fraction."""
         for unit_id, infos in infos_by_unit.items():
-            length = self.lengths[unit_id % self.num_subsequences]
+            length = self.lengths[unit_id % len(self.lengths)]
             for info in infos:
                 if info.is_root_arg or info.tensor_meta is None:
                     continue
-                info.tensor_meta = self._unit_meta(info.tensor_meta, length)
-                info.buffer = torch.empty(
-                    info.tensor_meta.shape,
-                    dtype=info.tensor_meta.dtype,
-                    device=self.device,
-                    requires_grad=info.buffer.requires_grad,
-                )
+                changes = {}
+                for prefix in ("", "global_"):
+                    if shape := list(getattr(info.tensor_meta, f"{prefix}shape", None) or ()):
+                        shape[1] = shape[1] * length // self.lengths[0]
+                        changes[f"{prefix}shape"] = torch.Size(shape)
+                        changes[f"{prefix}stride"] = torch.empty(shape, device="meta").stride()
+                info.tensor_meta = meta = dataclasses.replace(info.tensor_meta, **changes)
+                grad = info.buffer.requires_grad
+                info.buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device, requires_grad=grad)
 
     def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
-        # Metadata inference runs the chunk on unit 0 outside any unit: plain
-        # causal attention, nothing cached.
+        # Metadata inference runs the chunk on unit 0 outside any unit: plain causal attention, nothing cached.
         out = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward)
         self._size_recv_buffers(self.args_recv_info)
         return out

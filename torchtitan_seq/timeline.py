@@ -1,29 +1,17 @@
 """Per-action timing of a pipeline step: when each compute action ran on this rank.
 
-:data:`RECORDER` is this process's recorder. A pipeline stage opens
-:meth:`StepTimeline.action` around each forward, backward, input-gradient and
-weight-gradient pass, and calls :meth:`StepTimeline.start_step` when a
-schedule step begins (torch's ``clear_runtime_states``); the recorder keeps
-the actions of the latest step. It records only once enabled (the trainer's
-metrics processor enables it), and then costs two clock reads and an append
-per action: on a CPU ``time.perf_counter``, on CUDA a pair of timing events,
-read when the step is summarised, so that a time is when the work ran on the
-GPU, not when it was queued.
+Pipeline stages time every forward, backward, input- and weight-gradient pass
+with :data:`RECORDER`, which keeps the latest schedule step's actions (with
+gradient accumulation, the training step's last). Once the metrics processor
+enables it, an action costs two clock reads and an append: ``time.perf_counter``
+on a CPU; on CUDA, timing events read when the step is summarised, so that a
+time is when the work ran on the GPU, not when it was queued.
 
-Times are milliseconds since the rank's own step start. Ranks start a step
-together (the previous step ends in collectives), so the step's makespan (the
-pipeline's part of the training step) is the latest action end over all
-ranks, and a rank's bubble ratio is its idle time over that makespan
-(:func:`~torchtitan_seq.render.bubble_ratios`, the simulator's formula).
-Idle time includes waiting for a neighbour's activations or gradients and the
-last stage's loss (it runs outside the stage's passes). With gradient
-accumulation the recorder holds the last schedule step of the training step.
-
-:func:`export_timeline` is a collective: every rank calls it; the metrics
-processor gathers every rank's :func:`local_step` with its other per-rank
-figures. The exported step is a :class:`~torchtitan_seq.render.Timeline` in ms
-(:func:`measured_result`), written and drawn by :mod:`torchtitan_seq.render`.
-Neither the simulator nor torchtitan is needed.
+Times are ms since the rank's own step start: ranks start a step together (the
+previous one ends in collectives), so the makespan is the latest end over all
+ranks, and a rank's idle time (waiting for a neighbour's activations or
+gradients, for the last stage's loss) is the makespan less its busy time
+(:func:`~torchtitan_seq.render.bubble_ratios`).
 """
 
 from __future__ import annotations
@@ -41,18 +29,9 @@ import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from .ordering import I, W
-from .render import (
-    Interval,
-    Timeline,
-    bubble_ratios,
-    busy_and_end,
-    chrome_trace,
-    timeline_figure,
-)
+from .render import Interval, Timeline, chrome_trace, timeline_figure
 
-# bubble_ratios and timeline_figure are render's, here for the metrics processor and tests.
-__all__ = ["StepTimeline", "RECORDER", "bubble_ratios", "local_step", "measured_result", "timeline_figure",
-           "export_due", "export_timeline"]
+__all__ = ["StepTimeline", "RECORDER", "measured_result", "export_due", "export_timeline"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,19 +58,14 @@ class StepTimeline:
         self._cuda = torch.device(device).type == "cuda"
 
     def _mark(self) -> float | torch.cuda.Event:
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _ms(self, mark) -> float:
-        if self._cuda:
-            return self._origin.elapsed_time(mark)
-        return (mark - self._origin) * 1e3
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def start_step(self) -> None:
-        """A schedule step begins: forget the previous step's actions."""
+        """A schedule step begins (torch's ``clear_runtime_states``): forget the previous step's actions."""
         if self.enabled:
             self._marks.clear()
             self._origin = self._mark()
@@ -100,46 +74,32 @@ class StepTimeline:
     def action(self, stage_index: int, kind: _ComputationType, chunk_id: int) -> Iterator[None]:
         """Time one compute action (``kind``: F, B, I or W) of ``stage_index`` on unit
         (or microbatch) ``chunk_id``."""
-        if not self.enabled:
-            yield
-            return
-        start = self._mark()
+        start = self._mark() if self.enabled else None
         yield
-        self._marks.append((start, self._mark(), _Action(stage_index, kind, chunk_id)))
+        if start is not None:
+            self._marks.append((start, self._mark(), _Action(stage_index, kind, chunk_id)))
 
     def intervals(self) -> list[Interval]:
         """(start ms, end ms, action) of the latest step, in run order."""
         if self._cuda and self._marks:
             self._marks[-1][1].synchronize()
-        return [(self._ms(s), self._ms(e), a) for s, e, a in self._marks]
+        ms = self._origin.elapsed_time if self._cuda else lambda mark: (mark - self._origin) * 1e3
+        return [(ms(s), ms(e), a) for s, e, a in self._marks]
 
 
 RECORDER = StepTimeline()
 """This process's recorder (one pipeline rank per process)."""
 
 
-def local_step() -> tuple[float, float]:
-    """This rank's busy time and latest action end in the latest step, in ms."""
-    return busy_and_end(RECORDER.intervals())
-
-
 def measured_result(timelines: dict[int, list[Interval]], schedule: str, num_subsequences: int) -> Timeline:
-    """The measured step as a :class:`~torchtitan_seq.render.Timeline` in ms.
-
-    ``timelines``: per rank, (start, end, action) in ms since the step start;
-    the shape (microbatches, stages per rank, split backward) is read off the
-    actions that ran.
-    """
-    k = num_subsequences
+    """The measured step, ``timelines`` being per rank (start, end, action) in ms since the step
+    start; the shape (microbatches, stages per rank, split backward) is read off the actions."""
     actions = [a for ivs in timelines.values() for _, _, a in ivs]
     units = 1 + max((a.microbatch_index for a in actions), default=-1)
-    stages = {a.stage_index for a in actions}
     return Timeline(
-        schedule=schedule,
-        pp=len(timelines),
-        microbatches=-(-units // k),
-        subsequences=k,
-        stages_per_rank=max(1, len(stages) // max(1, len(timelines))),
+        schedule=schedule, pp=len(timelines), microbatches=-(-units // num_subsequences),
+        subsequences=num_subsequences,
+        stages_per_rank=max(1, len({a.stage_index for a in actions}) // max(1, len(timelines))),
         split_backward=any(a.computation_type in (I, W) for a in actions),
         timeline=dict(timelines),
         compute_order={r: [a for _, _, a in timelines[r]] for r in sorted(timelines)},
@@ -147,25 +107,22 @@ def measured_result(timelines: dict[int, list[Interval]], schedule: str, num_sub
 
 
 def export_due(step: int, profiling) -> bool:
-    """Whether ``step`` exports its timeline: a step torchtitan's profiler traces
-    (``profiling``: the job's ``[profiling]`` section), or every N steps with
-    ``TORCHTITAN_SEQ_TIMELINE_FREQ=N`` (a timeline without the cost of
-    torch's profiler)."""
+    """Whether ``step`` exports its timeline: a step torchtitan's profiler traces (``profiling``:
+    the job's ``[profiling]`` section), or every N steps with ``TORCHTITAN_SEQ_TIMELINE_FREQ=N``
+    (a timeline without the cost of torch's profiler)."""
     freq = int(os.environ.get(FREQ_ENV, "0"))
     traced = profiling.enable_profiling and step % profiling.profile_freq == 0
     return traced or (freq > 0 and step % freq == 0)
 
 
 def export_timeline(step: int, schedule: str, num_subsequences: int, trace_dir: Path, writers: list) -> None:
-    """Gather every rank's timeline of the latest step (collective); rank 0 writes the Chrome trace
-    ``trace_dir/iteration_{step}/pipeline_timeline.json``, and each TensorBoard
-    ``SummaryWriter`` in ``writers`` gets the figure as ``pipeline/timeline``."""
-    local = RECORDER.intervals()
+    """Gather every rank's timeline of the latest step (a collective: every rank calls it); rank 0
+    writes the Chrome trace ``trace_dir/iteration_{step}/pipeline_timeline.json``, and each
+    TensorBoard ``SummaryWriter`` in ``writers`` gets the figure as ``pipeline/timeline``."""
+    gathered = [local := RECORDER.intervals()]
     if dist.is_initialized():
-        gathered: list = [None] * dist.get_world_size()
+        gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
-    else:
-        gathered = [local]
     result = measured_result(dict(enumerate(gathered)), schedule, num_subsequences)
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = trace_dir / f"iteration_{step}" / TRACE_FILE

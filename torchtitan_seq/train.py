@@ -1,13 +1,9 @@
 """Entry point: ``torchrun ... -m torchtitan_seq.train --job.config_file FILE [overrides]``.
 
-Same command line as ``torchtitan.train``; it registers torchtitan_seq with
-torchtitan, merges the ``[sequence_pipeline]`` config section when the job
-names no custom config module, and resolves ``hf_assets_path = "builtin"`` to
-the tokenizer shipped in the package.
-
-``python -m torchtitan_seq.train --check [args]`` only checks the job for
-``WORLD_SIZE`` processes and exits: 0, or 2 with one line naming the setting
-at fault (run_train.sh does this before it starts torchrun).
+Same command line as ``torchtitan.train``, with torchtitan_seq registered and the arguments
+:func:`resolve_args` gives. ``python -m torchtitan_seq.train --check [args]`` only checks the job
+for ``WORLD_SIZE`` processes and exits: 0, or 2 with one line naming the setting at fault
+(run_train.sh does this before it starts torchrun).
 """
 
 from __future__ import annotations
@@ -23,39 +19,32 @@ except ModuleNotFoundError:  # Python 3.10
 
 from .assets import TOKENIZER_DIR
 
-CONFIG_MODULE = "torchtitan_seq.config"
-BUILTIN_ASSETS = "builtin"
 
-
-def _option(argv: list[str], *names: str) -> str | None:
-    """Value of a ``--name value`` or ``--name=value`` option, if given."""
+def _option(argv: list[str], toml: dict, section: str, key: str) -> str | None:
+    """``--section.key`` (underscores or dashes; ``=value`` or the next word) if given, else the TOML's."""
+    names = (f"--{section}.{key}", f"--{section}.{key.replace('_', '-')}")
+    given = None
     for i, arg in enumerate(argv):
-        key, eq, value = arg.partition("=")
-        if key in names:
-            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-    return None
+        name, eq, value = arg.partition("=")
+        if name in names:
+            given = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            break
+    return given or toml.get(section, {}).get(key)
 
 
 def resolve_args(argv: list[str]) -> list[str]:
-    """The command line torchtitan should see.
-
-    Adds ``--job.custom_config_module torchtitan_seq.config`` unless the
-    command line or the TOML names a module, and replaces the assets path
-    ``builtin`` by the shipped tokenizer's folder.
-    """
+    """The command line torchtitan should see: with ``--job.custom_config_module torchtitan_seq.config``
+    unless the command line or the TOML names a module, and the assets path ``builtin`` resolved to the
+    shipped tokenizer's folder."""
     toml: dict = {}
-    config_file = _option(argv, "--job.config_file", "--job.config-file")
+    config_file = _option(argv, toml, "job", "config_file")
     if config_file and os.path.isfile(config_file):
         with open(config_file, "rb") as f:
             toml = tomllib.load(f)
     extra = []
-    if not (
-        _option(argv, "--job.custom_config_module", "--job.custom-config-module")
-        or toml.get("job", {}).get("custom_config_module")
-    ):
-        extra += ["--job.custom_config_module", CONFIG_MODULE]
-    assets = _option(argv, "--model.hf_assets_path", "--model.hf-assets-path")
-    if (assets or toml.get("model", {}).get("hf_assets_path")) == BUILTIN_ASSETS:
+    if not _option(argv, toml, "job", "custom_config_module"):
+        extra += ["--job.custom_config_module", "torchtitan_seq.config"]
+    if _option(argv, toml, "model", "hf_assets_path") == "builtin":
         extra += ["--model.hf_assets_path", str(TOKENIZER_DIR)]
     return [*argv, *extra]
 
@@ -80,25 +69,19 @@ from .registration import register  # noqa: E402
 from .trainer import SeqTrainer, check_job  # noqa: E402
 
 
-def _check() -> int:
-    try:
-        check_job(ConfigManager().parse_args(), int(os.environ.get("WORLD_SIZE", "1")))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 if __name__ == "__main__":
     register()
     if CHECK_ONLY:
-        sys.exit(_check())
+        try:
+            check_job(ConfigManager().parse_args(), int(os.environ.get("WORLD_SIZE", "1")))
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
     main(SeqTrainer)
-    # The job is over: torchtitan has closed its writers and destroyed the
-    # process group. The interpreter's own teardown then runs C++ static
-    # destructors, where a joinable native thread (seen with the pyarrow that
-    # torchtitan's datasets load) sometimes aborts a finished run with
-    # "terminate called without an active exception" and exit code -6.
+    # torchtitan has closed its writers and the process group; skip the interpreter's teardown,
+    # whose C++ static destructors sometimes abort a finished run with exit code -6 ("terminate
+    # called without an active exception", a joinable native thread of the pyarrow datasets load).
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -13,7 +13,7 @@ from torch.distributed.pipelining.schedules import _Action
 
 from torchtitan_seq import metrics, timeline
 from torchtitan_seq.ordering import B, F
-from torchtitan_seq.render import chrome_trace
+from torchtitan_seq.render import bubble_ratios, chrome_trace, timeline_figure
 
 
 def test_run_reads_the_latest_record_steps_times_bytes_bubbles_and_lengths(tmp_path, monkeypatch):
@@ -93,14 +93,14 @@ def test_measured_timeline_goes_through_the_simulator_writers():
         1: [(1.0, 2.0, _Action(1, F, 0)), (2.0, 3.0, _Action(1, F, 1)), (3.0, 4.0, _Action(1, B, 1)),
             (4.0, 5.0, _Action(1, B, 0))],
     }
-    assert timeline.bubble_ratios([6.0, 4.0], [8.0, 5.0]) == [0.25, 0.5]
+    assert bubble_ratios([6.0, 4.0], [8.0, 5.0]) == [0.25, 0.5]
     result = timeline.measured_result(timelines, "Seq1F1B", 2)
     assert (result.pp, result.microbatches, result.subsequences, result.makespan) == (2, 1, 2, 8.0)
     assert result.bubble_ratio == pytest.approx(0.375)
     events = [e for e in chrome_trace(result)["traceEvents"] if e["ph"] == "X"]
     assert len(events) == 8 and events[2]["args"] == {"stage": 0, "microbatch": 0, "subsequence": 1}
     pytest.importorskip("matplotlib")
-    assert timeline.timeline_figure(result).axes
+    assert timeline_figure(result).axes
 
 
 def test_calibration_writes_a_cost_file_the_simulator_reads(tmp_path):
@@ -119,3 +119,18 @@ def test_calibration_writes_a_cost_file_the_simulator_reads(tmp_path):
     )
     # Rank 0 alone runs F and B of every unit of both microbatches.
     assert bench.predicted_step_time(record, path) >= 2 * (sum(cost["F"]) + sum(cost["B"]))
+
+
+@pytest.mark.slow
+def test_calibration_times_the_chunks_each_rank_holds():
+    """A rank of several model chunks (InterleavedSeq1F1B: rank 0 holds chunks 0 and 2 of 4)
+    alternates between them; its times, in the simulator's unit of 1/pp of the layers, are
+    its chunks' mean times pp / chunks, the sum here. Chimera's ranks hold both chunks of 2."""
+    chunks = bench.chunks_of_ranks("InterleavedSeq1F1B", 2, 4, 2)
+    assert chunks == ((0, 2), (1, 3)) and bench.chunks_of_ranks("Chimera", 2, 4, 2) == ((0, 1), (0, 1))
+    assert bench.chunks_of_ranks("Seq1F1B", 2, 4, 2) == ((0,), (1,))
+    cost = bench.calibrate(256, [128, 128], 2, units=True, chunks=[list(c) for c in chunks], repeats=1)
+    assert cost["chunks"] == [[0, 2], [1, 3]]
+    for rank, times in zip(cost["stages"], cost["chunk_times"]):
+        assert len(times) == 2 and all(min(t["F"]) > 0 for t in times)
+        assert rank["F"] == pytest.approx([a + b for a, b in zip(times[0]["F"], times[1]["F"])])

@@ -13,10 +13,10 @@ from torchtitan_seq.attention import bind_kv_context, select_kernel
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.memory import ActivationMemory
 from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
-from torchtitan_seq.partition import chunk_parameters
 from torchtitan_seq.simulate import SimConfig, simulate
 from torchtitan_seq.simulate import memory as mm
 from torchtitan_seq.simulate.build import build, compute_leaves
+from torchtitan_seq.simulate.network import chunk_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.10  # issue #15: every schedule's predicted peak within 10% of the measured one
@@ -89,11 +89,11 @@ def test_wrong_models_miss(monkeypatch):
         patch.setattr(mm, "_saved_per_token", no_log_softmax)
         assert _worst("none") > TOLERANCE
 
-    def one_microbatch(plan, rank, weights, k, n):
-        return max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0
+    def one_microbatch(plan, weights, k, n):
+        return [(max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0) for rank in sorted(plan.order)]
 
     with monkeypatch.context() as patch:
-        patch.setattr(mm, "_walk", one_microbatch)
+        patch.setattr(mm, "_walks", one_microbatch)
         assert _worst("none") > TOLERANCE
 
 
@@ -113,7 +113,7 @@ def test_walk_reproduces_the_simulators_peak(schedule, p, n, k):
     result = simulate(SimConfig(schedule, p, n, k, seq_len=840))
     plan = mm._plan(schedule, p, n, k, None, False)
     weights = _uniform_weights(plan, result.lengths, p / plan.chain_length)
-    peaks = [mm._walk(plan, r, weights, k, n)[0] for r in range(p)]
+    peaks = [act for act, _ in mm._walks(plan, weights, k, n)]
     assert peaks == pytest.approx(result.peak_activations, abs=1e-9)
 
 
@@ -136,7 +136,7 @@ def test_peak_from_fewer_microbatches(schedule, n, k):
     lengths = [1] * k
     weights = _uniform_weights(plan, lengths, 1.0)
     for r in range(p):
-        assert mm._walk(plan, r, weights, k, n)[0] == pytest.approx(mm._walk(whole, r, weights, k, n)[0]), r
+        assert mm._walks(plan, weights, k, n)[r][0] == pytest.approx(mm._walks(whole, weights, k, n)[r][0]), r
 
 
 def test_kv_context_under_checkpointing(monkeypatch):
@@ -156,7 +156,7 @@ def test_kv_context_under_checkpointing(monkeypatch):
         held = mm._stage_bytes(args, config, 4, (args.n_layers, False, False), [1024] * 4, True).held
         zeros = [0.0] * 4
         weights = {s: mm._StageBytes(zeros, held, zeros) for s in plan.stages}
-        return mm._walk(plan, 0, weights, 4, 4)[1]
+        return mm._walks(plan, weights, 4, 4)[0][1]
 
     assert held_peak() == measured
     with monkeypatch.context() as patch:

@@ -71,6 +71,24 @@ def test_the_step_extended_from_fewer_microbatches_equals_the_simulated_one():
         assert lighter.seconds < 0.9 * step.seconds
 
 
+@pytest.mark.parametrize(
+    "schedule,p,n,k",
+    [("1F1B", 4, 8, 1), ("GPipe", 4, 8, 1), ("Interleaved1F1B", 4, 8, 1), ("Seq1F1B", 4, 8, 4),
+     ("InterleavedSeq1F1B", 4, 8, 2), ("TeraPipe", 4, 8, 3), ("BSIPipe", 4, 8, 2), ("Chimera", 4, 8, 2)],
+)
+def test_timing_without_torchs_lowering_is_the_same(schedule, p, n, k):
+    """The planner skips torch's lowering passes: the compute-only lists with a SEND after each
+    compute that feeds another rank give the very timeline of the lowered lists, with links that
+    cost time and without."""
+    link = sim.network.Link(1e9, 1e-5)
+    slow = sim.network.Network(link, replace(link, bandwidth=1e8), 2, flops_per_gpu=1e12)
+    for network in (sim.network.Network(), slow):
+        config = sim.SimConfig(schedule, p, n, k, cost="transformer", seq_len=4096, network=network)
+        lowered, fast = sim.simulate(config), sim.simulate(replace(config, torch_lowering=False))
+        assert lowered.lowered and not fast.lowered
+        assert fast.timeline == lowered.timeline and fast.makespan == lowered.makespan
+
+
 def test_the_toml_snippet_says_what_the_overrides_say():
     p = planner.Plan("Seq1F1B", 4, 2, 8, 8, "compute", 1, "full", 1.0, 1.0, 0.1, True)
     toml = p.toml("8B", 32768, 16)

@@ -1,13 +1,8 @@
 """The runtime every sequence schedule shares: ``SequenceSchedule``.
 
-A schedule class names its pure action-list function (``actions_fn``) and
-declares what the pipeline builder and the trainer need through class
-attributes and hooks: ``stages_per_rank``, ``parameter_copies``,
-``stage_placement``, :meth:`~SequenceSchedule.place_stages` (which stages of
-which chain each rank holds), :meth:`~SequenceSchedule.options_from_config`,
-:meth:`~SequenceSchedule.check_shape`, :meth:`~SequenceSchedule.describe` and
-:meth:`~SequenceSchedule.after_optimizer_step`. Lowering (send/recv, FSDP
-unshard/reshard, gradient reduction) and execution are torch's.
+A schedule class names its pure action-list function (``actions_fn``) and tells the pipeline builder
+and the trainer what they need through class attributes and hooks (the class's members below).
+Lowering (send/recv, FSDP unshard/reshard, gradient reduction) and execution are torch's.
 """
 
 from __future__ import annotations
@@ -15,65 +10,53 @@ from __future__ import annotations
 from typing import Any, Callable, ClassVar
 
 import torch
-from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 
 from ..documents import Documents
 from ..ordering import validate_unit_order
 from ..stage import SequencePipelineStage
-from ._common import ActionLists
 
-__all__ = ["SequenceSchedule", "StagePlacement"]
+__all__ = ["ActionLists", "SequenceSchedule", "StagePlacement"]
+
+ActionLists = dict[int, list[_Action | None]]
+"""What a schedule's ``actions_fn`` returns: per rank, its compute-only actions in order."""
 
 StagePlacement = list[list[tuple[int, int]]]
 """Per pipeline rank, the (stage index, model chunk index) pairs it holds."""
+
 
 class SequenceSchedule(_PipelineScheduleRuntime):
     """Base of the sequence schedules: runs N microbatches as N k units.
 
     Args:
-        stages: this rank's :class:`SequencePipelineStage`, or a list of them:
-            one for a single-stage schedule, v for a multi-stage one.
+        stages: this rank's :class:`SequencePipelineStage`, or a list of them (v for a multi-stage schedule).
         n_microbatches: N, microbatches per step (the batch is split on dim 0).
-        loss_fn: per-unit loss, see the module docstring.
-        split_backward: run each backward as an input pass (I) and a weight
-            pass (W) instead of one full backward (B).
-        scale_grads: divide gradients by the number of units; leave False with
-            a token-normalised loss.
+        loss_fn: per-unit loss, see the package docstring.
+        split_backward: run each backward as an input pass (I) and a weight pass (W), not one full backward (B).
+        scale_grads: divide gradients by the number of units; leave False with a token-normalised loss.
     """
 
     actions_fn: ClassVar[Callable[..., ActionLists]]
     stages_per_rank: ClassVar[int] = 1
-    """Model chunks per rank: 1 for a single-stage schedule; a multi-stage
-    one's default v (its ``actions_fn`` takes ``stages_per_rank``, set from
-    ``len(stages)`` at run time)."""
+    """Model chunks per rank; over 1, the default v of a multi-stage schedule, whose ``actions_fn`` takes it."""
     parameter_copies: ClassVar[int] = 1
     """Copies of each model chunk across the pipeline."""
     stage_placement: ClassVar[str] = "loop"
     """Stage -> rank placement (``generate_stage_to_rank_mapping`` style)."""
 
-    def __init__(
-        self,
-        stages: SequencePipelineStage | list[SequencePipelineStage],
-        n_microbatches: int,
-        loss_fn: Callable[..., torch.Tensor] | None = None,
-        *,
-        split_backward: bool = False,
-        scale_grads: bool = False,
-    ) -> None:
+    def __init__(self, stages: SequencePipelineStage | list[SequencePipelineStage], n_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, *, split_backward: bool = False,
+                 scale_grads: bool = False) -> None:
         stages = stages if isinstance(stages, list) else [stages]
-        for s in stages:
-            if not isinstance(s, SequencePipelineStage):
-                raise TypeError(
-                    f"{type(self).__name__} needs SequencePipelineStage stages, got {type(s).__name__}"
-                )
+        if wrong := [type(s).__name__ for s in stages if not isinstance(s, SequencePipelineStage)]:
+            raise TypeError(f"{type(self).__name__} needs SequencePipelineStage stages, got {wrong[0]}")
         if self.stages_per_rank == 1 and len(stages) != 1:
             raise ValueError(f"{type(self).__name__} runs one stage per rank, got {len(stages)}")
-        lengths = stages[0].lengths
+        self.lengths = lengths = stages[0].lengths
         if any(s.lengths != lengths for s in stages):
             raise ValueError("all stages of a sequence schedule must cut sequences alike")
         # torch.compile: at most a graph per distinct unit length (and the shape inference's)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(set(lengths)) + 1)
-        self.lengths = lengths
         self.num_subsequences = k = len(lengths)
         self.num_microbatches = n_microbatches
         super().__init__(stages, n_microbatches * k, loss_fn=loss_fn, scale_grads=scale_grads)
@@ -86,49 +69,29 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         self._prepare_schedule_with_comms(order)
 
     @classmethod
-    def compute_order(
-        cls,
-        num_ranks: int,
-        num_microbatches: int,
-        num_subsequences: int,
-        *,
-        split_backward: bool = False,
-        stages_per_rank: int | None = None,
-    ) -> ActionLists:
-        """The schedule's compute-only lists, {rank: [action]}, for v = ``stages_per_rank``
-        (default: the class's) model chunks per rank."""
+    def compute_order(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *,
+                      split_backward: bool = False, stages_per_rank: int | None = None) -> ActionLists:
+        """The schedule's compute-only lists, {rank: [action]}, for v = ``stages_per_rank`` (default: the class's)."""
         extra = {"stages_per_rank": stages_per_rank or cls.stages_per_rank} if cls.stages_per_rank > 1 else {}
         return cls.actions_fn(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward, **extra)
 
     @classmethod
-    def check_shape(
-        cls,
-        num_ranks: int,
-        num_microbatches: int,
-        num_subsequences: int,
-        *,
-        split_backward: bool = False,
-        **options: Any,
-    ) -> None:
-        """Raise ValueError, naming the setting, for a shape the schedule cannot run.
-
-        ``options``: the schedule's own, as :meth:`options_from_config` reads them.
-        """
+    def check_shape(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *,
+                    split_backward: bool = False, **options: Any) -> None:
+        """Raise ValueError, naming the setting, for a shape the schedule cannot run
+        (``options``: the schedule's own, as :meth:`options_from_config` reads them)."""
         cls.compute_order(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward)
 
     @classmethod
     def options_from_config(cls, config: Any) -> dict[str, Any]:
-        """Keyword arguments of this schedule (its constructor, :meth:`place_stages`,
-        :meth:`check_shape`) read from the ``[sequence_pipeline]`` config section."""
+        """Keywords for the constructor, :meth:`place_stages` and :meth:`check_shape` from ``[sequence_pipeline]``."""
         return {}
 
     @classmethod
     def place_stages(cls, num_ranks: int, num_chunks: int, **options: Any) -> StagePlacement:
-        """Which stages each rank holds and which model chunk each runs.
-
-        Loop placement: rank r holds stages r, r + p, ..., and stage s runs
-        chunk s. Stages form ``parameter_copies`` chains of ``num_chunks``.
-        """
+        """Which stages each rank holds and which model chunk each runs (``parameter_copies``
+        chains of ``num_chunks`` stages). Loop placement: rank r holds stages r, r + p, ...,
+        and stage s runs chunk s."""
         return [[(s, s) for s in range(r, num_chunks, num_ranks)] for r in range(num_ranks)]
 
     def describe(self) -> str | None:
@@ -146,71 +109,54 @@ class SequenceSchedule(_PipelineScheduleRuntime):
             self._unit_losses[mb_index] = self._compute_loss(output, target_mbs[mb_index], loss_kwargs)
 
     def _maybe_get_loss(self, stage, mb_index):
-        if not (stage.is_last and self._loss_fn is not None):
-            return None
-        loss = self._unit_losses[mb_index]
-        # Kept attached, the loss would pin the unit's graph until the step ends.
-        self._unit_losses[mb_index] = loss.detach()
-        return loss
+        if stage.is_last and self._loss_fn is not None:
+            loss = self._unit_losses[mb_index]
+            self._unit_losses[mb_index] = loss.detach()  # kept attached, it would pin the unit's graph
+            return loss
+        return None
 
     def _update_losses(self, stages, losses):
         """Per-unit losses of this rank's last stages, in unit-id order; 0 for units they do not run."""
         if losses is not None and any(s.is_last for s in self._stages):
             zero = next(iter(self._unit_losses.values())).new_zeros(())
-            losses.clear()
-            losses.extend(self._unit_losses.get(u, zero) for u in range(self._n_microbatches))
+            losses[:] = [self._unit_losses.get(u, zero) for u in range(self._n_microbatches)]
         self._unit_losses.clear()
 
     def _split_units(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
         """(batch, seq, ...) -> N k tensors (batch / N, L_j, ...), unit-id order."""
         if t.shape[0] % self.num_microbatches:
             raise ValueError(
-                f"{name} has batch size {t.shape[0]}, not a multiple of the "
-                f"{self.num_microbatches} microbatches"
+                f"{name} has batch size {t.shape[0]}, not a multiple of the {self.num_microbatches} microbatches"
             )
         if t.shape[1] != sum(self.lengths):
             raise ValueError(
                 f"{name} has sequence length {t.shape[1]}, but the schedule cuts "
                 f"{sum(self.lengths)} tokens into subsequences {self.lengths}"
             )
-        return [
-            unit
-            for mb in t.tensor_split(self.num_microbatches, dim=0)
-            for unit in mb.split(self.lengths, dim=1)
-        ]
+        return [unit for mb in t.tensor_split(self.num_microbatches) for unit in mb.split(self.lengths, dim=1)]
 
-    def step(
-        self,
-        *args: torch.Tensor,
-        target: torch.Tensor | None = None,
-        losses: list | None = None,
-        return_outputs: bool = True,
-        attention_masks: torch.Tensor | None = None,
-        **kwargs: Any,
-    ):
-        """Run one step on a whole batch; see the module docstring.
+    def step(self, *args: torch.Tensor, target: torch.Tensor | None = None, losses: list | None = None,
+             return_outputs: bool = True, attention_masks: torch.Tensor | None = None, **kwargs: Any):
+        """Run one step on a whole batch; see the package docstring.
 
-        args: the first stage's inputs, each (batch, seq_len, ...); empty on
-        other ranks. target: (batch, seq_len) on the rank of the last stage.
-        attention_masks: packed documents, (batch, seq_len) document ids
-        (:func:`~torchtitan_seq.documents.document_ids`), on every rank, as
-        torchtitan passes its block-causal flavors' masks; None: causal.
-        Returns the last stage's output, (batch, seq_len, ...), if asked for.
+        args: the first stage's inputs, each (batch, seq_len, ...); empty on other ranks. target:
+        (batch, seq_len) on the rank of the last stage. attention_masks: packed documents, (batch,
+        seq_len) document ids (:func:`~torchtitan_seq.documents.document_ids`), on every rank, as
+        torchtitan passes its block-causal flavors' masks; None: causal. Returns the last stage's
+        output, (batch, seq_len, ...), if asked for.
         """
         if kwargs:
-            raise TypeError(
-                f"sequence schedules take the model inputs positionally, got {sorted(kwargs)}"
-            )
+            raise TypeError(f"sequence schedules take the model inputs positionally, got {sorted(kwargs)}")
         if self._has_backward and not torch.is_grad_enabled():
             raise RuntimeError("step() needs gradients enabled; use eval() for inference")
-        n = self._n_microbatches
+        n, k, mbs = self._n_microbatches, self.num_subsequences, self.num_microbatches
         per_arg = [self._split_units(a, f"input {i}") for i, a in enumerate(args)]
         arg_units = [tuple(units[u] for units in per_arg) for u in range(n)]
         target_units = self._split_units(target, "target") if target is not None else None
         documents = None
         if attention_masks is not None:
             self._split_units(attention_masks, "attention_masks")  # checks its shape
-            documents = [Documents.from_ids(ids) for ids in attention_masks.tensor_split(self.num_microbatches)]
+            documents = [Documents.from_ids(ids) for ids in attention_masks.tensor_split(mbs)]
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
@@ -221,16 +167,9 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         finally:
             for stage in self._stages:
                 stage.kv_context.clear()
-        k = self.num_subsequences
         if unit_losses:
-            losses.clear()
-            losses.extend(sum(unit_losses[m * k:(m + 1) * k]) for m in range(self.num_microbatches))
-        for stage in self._stages:
-            if stage.is_last and return_outputs:
-                outs = stage.output_chunks
-                return torch.cat(
-                    [torch.cat(outs[m * k:(m + 1) * k], dim=1) for m in range(self.num_microbatches)]
-                )
+            losses[:] = [sum(unit_losses[m * k:(m + 1) * k]) for m in range(mbs)]
+        outs = next((stage.output_chunks for stage in self._stages if stage.is_last), None)
+        if return_outputs and outs is not None:
+            return torch.cat([torch.cat(outs[m * k:(m + 1) * k], dim=1) for m in range(mbs)])
         return None
-
-

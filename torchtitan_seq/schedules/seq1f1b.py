@@ -1,11 +1,50 @@
-"""Seq1F1B and TeraPipe: one stage per rank, 1F1B or GPipe over (microbatch, subsequence) units."""
+"""Seq1F1B and TeraPipe: one stage per rank, 1F1B or GPipe over (microbatch, subsequence) units;
+and the unit orders and 1F1B pattern every sequence schedule's lists are built from."""
 
 from __future__ import annotations
 
-from ._common import ActionLists, single_stage
-from .base import SequenceSchedule
+from typing import Callable
 
-__all__ = ["seq1f1b_actions", "terapipe_actions", "ScheduleSeq1F1B", "ScheduleTeraPipe"]
+from torch.distributed.pipelining.schedules import _Action
+
+from ..ordering import B, F, I, W
+from .base import ActionLists, SequenceSchedule
+
+__all__ = ["unit_orders", "one_f_one_b", "seq1f1b_actions", "terapipe_actions", "ScheduleSeq1F1B", "ScheduleTeraPipe"]
+
+
+def unit_orders(microbatches: range, k: int) -> tuple[list[int], list[int]]:
+    """Units of ``microbatches`` in forward order (subsequence order) and in backward order (last subsequence first)."""
+    fwd = [m * k + j for m in microbatches for j in range(k)]
+    bwd = [m * k + j for m in microbatches for j in reversed(range(k))]
+    return fwd, bwd
+
+
+def one_f_one_b(
+    warmup: int, fwd: list[tuple[int, int]], bwd: list[tuple[int, int]], split_backward: bool
+) -> list[_Action | None]:
+    """One rank's list: ``warmup`` forwards, then alternate backward/forward, then the remaining backwards;
+    ``fwd``, ``bwd``: the rank's (stage index, unit id) slots in forward and backward order.
+
+    With ``split_backward`` each backward is an input-gradient pass (I) followed by its
+    weight-gradient pass (W), except in the cool-down, where the Ws wait until every I has run: the
+    I passes the previous rank is waiting for go first, and the Ws fill what would be idle time at
+    the end (the zero-bubble idea), without holding more activations than 1F1B.
+    """
+    backward = [I, W] if split_backward else [B]
+    actions: list[_Action | None] = [_Action(s, F, u) for s, u in fwd[:warmup]]
+    for (s_f, u_f), (s_b, u_b) in zip(fwd[warmup:], bwd):
+        actions += [_Action(s_b, kind, u_b) for kind in backward] + [_Action(s_f, F, u_f)]
+    return actions + [_Action(s, kind, u) for kind in backward for s, u in bwd[len(fwd) - warmup:]]
+
+
+def _one_stage_per_rank(
+    num_ranks: int, num_microbatches: int, k: int, warmup: Callable[[int], int], split_backward: bool
+) -> ActionLists:
+    """Stage r on rank r, all units in order; ``warmup(r)`` forwards before rank r's first backward."""
+    fwd, bwd = unit_orders(range(num_microbatches), k)
+    return {r: one_f_one_b(min(len(fwd), warmup(r)), [(r, u) for u in fwd], [(r, u) for u in bwd], split_backward)
+            for r in range(num_ranks)}
 
 
 def seq1f1b_actions(
@@ -13,13 +52,11 @@ def seq1f1b_actions(
 ) -> ActionLists:
     """Seq1F1B (arXiv 2406.03488): 1F1B over units, one stage per rank.
 
-    Rank r warms up with k + p - 1 - r forwards, so the first backward (the
-    last subsequence of microbatch 0) arrives just as it is needed; then one
-    backward and one forward alternate. Peak in-flight units on rank 0:
-    min(p - 1 + k, N k).
+    Rank r warms up with k + p - 1 - r forwards, so the first backward (the last subsequence of
+    microbatch 0) arrives just as it is needed. Peak in-flight units on rank 0: min(p - 1 + k, N k).
     """
     k = num_subsequences
-    return single_stage(num_ranks, num_microbatches, k, lambda r: k + num_ranks - 1 - r, split_backward)
+    return _one_stage_per_rank(num_ranks, num_microbatches, k, lambda r: k + num_ranks - 1 - r, split_backward)
 
 
 def terapipe_actions(
@@ -27,7 +64,7 @@ def terapipe_actions(
 ) -> ActionLists:
     """TeraPipe (ICML'21): GPipe over units, every forward then every backward, last unit first."""
     n = num_microbatches * num_subsequences
-    return single_stage(num_ranks, num_microbatches, num_subsequences, lambda r: n, split_backward)
+    return _one_stage_per_rank(num_ranks, num_microbatches, num_subsequences, lambda r: n, split_backward)
 
 
 class ScheduleSeq1F1B(SequenceSchedule):
@@ -40,5 +77,3 @@ class ScheduleTeraPipe(SequenceSchedule):
     """TeraPipe: GPipe over units; see :func:`terapipe_actions`."""
 
     actions_fn = staticmethod(terapipe_actions)
-
-

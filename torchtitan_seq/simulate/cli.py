@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="forwards recomputed per backward (activation checkpointing: full 1, selective 1/n)")
     ap.add_argument("--comm-latency", type=float, default=0.0,
                     help="SEND to usable data, in time units, on top of the links'")
+    ap.add_argument("--no-torch-lowering", dest="torch_lowering", action="store_false",
+                    help="time the compute-only lists with their sends (the same timeline, faster)")
     ap.add_argument("--bidirectional-placement", default="paired", choices=PLACEMENTS,
                     help="BSIPipe and Chimera: mirrored pairs on neighbouring ranks, or position q on rank q")
     links = ap.add_argument_group("network (free links unless given; see torchtitan_seq.simulate.network)")

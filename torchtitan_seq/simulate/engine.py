@@ -35,6 +35,7 @@ until its backward ends (B, or W where backward is split: W needs the inputs).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -124,43 +125,83 @@ _SUMMARY = (
 Transfer = Callable[[int, int, int], float]
 """(source rank, destination rank, unit id) -> time from a SEND to its data on the destination."""
 
+Need = tuple[tuple[_Action, ...], int, int]
+"""Any one of these finished actions, plus the transfer from rank to rank (-1, -1: none)."""
 
-def _needs(
-    a: _Action, stage_to_rank: dict[int, int], chain_length: int, transfer: Transfer
-) -> list[tuple[tuple[_Action, ...], float]]:
-    """What ``a`` waits for: (any one of these finished actions, plus delay)."""
+
+def _needs(a: _Action, stage_to_rank: dict[int, int], chain_length: int) -> tuple[Need, ...]:
+    """What ``a`` waits for."""
     s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
     if kind == W:
-        return [((_Action(s, I, m),), 0.0)]
+        return (((_Action(s, I, m),), -1, -1),)
     if kind == SEND_F:
-        return [((_Action(s, F, m),), 0.0)]
+        return (((_Action(s, F, m),), -1, -1),)
     if kind == SEND_B:
-        return [((_Action(s, B, m), _Action(s, I, m)), 0.0)]
+        return (((_Action(s, B, m), _Action(s, I, m)), -1, -1),)
     if kind not in (F, B, I):
-        return []  # RECV_* only post a receive; UNSHARD, RESHARD, REDUCE_GRAD
-    own = [] if kind == F else [((_Action(s, F, m),), 0.0)]
+        return ()  # RECV_* only post a receive; UNSHARD, RESHARD, REDUCE_GRAD
+    own = () if kind == F else (((_Action(s, F, m),), -1, -1),)
     source = fed_by(a, chain_length)
     if source is None:
         return own
     if stage_to_rank[source] == stage_to_rank[s]:
         made = (_Action(source, F, m),) if kind == F else (_Action(source, B, m), _Action(source, I, m))
-        return [*own, (made, 0.0)]
-    delay = transfer(stage_to_rank[source], stage_to_rank[s], m)
-    return [*own, ((_Action(source, SEND_F if kind == F else SEND_B, m),), delay)]
+        return (*own, (made, -1, -1))
+    send = _Action(source, SEND_F if kind == F else SEND_B, m)
+    return (*own, ((send,), stage_to_rank[source], stage_to_rank[s]))
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Lowered lists with every action's needs: what timing a shape takes whatever its costs."""
+
+    lowered: dict[int, list[_Action]] | None
+    stage_to_rank: dict[int, int]
+    list_kind: str
+    steps: dict[int, list[tuple[int, _Action, tuple[Need, ...]]]]
+    """Per rank: (index in the list, compute leaf or communication, its needs)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _prepare(
+    frozen: tuple[tuple[int, tuple[_Action | None, ...]], ...],
+    num_stages: int,
+    num_units: int,
+    chain_length: int,
+    torch_lowering: bool,
+) -> _Prepared:
+    """Lower ``frozen`` (sorted (rank, actions) pairs) once per shape: the planner times one
+    shape under many costs and networks."""
+    order = {r: list(acts) for r, acts in frozen}
+    if torch_lowering:
+        lowered, stage_to_rank = lower(order, num_stages, num_units, chain_length)
+    else:
+        stage_to_rank = {
+            leaf.stage_index: r
+            for r, acts in order.items()
+            for a in acts
+            if a is not None
+            for leaf in compute_leaves(a)
+        }
+        lowered = None
+    if lowered is not None:
+        listed = {r: list(enumerate(acts)) for r, acts in lowered.items()}
+    else:
+        listed = send_after_compute(order, stage_to_rank, chain_length)
+    # An OVERLAP_F_B runs its sub-actions in sequence, each waiting for its inputs.
+    steps = {
+        r: [(i, leaf, _needs(leaf, stage_to_rank, chain_length)) for i, a in acts for leaf in compute_leaves(a)]
+        for r, acts in listed.items()
+    }
+    return _Prepared(lowered, stage_to_rank, "lowered" if lowered is not None else "compute-only", steps)
 
 
 def _run(
-    steps: dict[int, list[tuple[int, _Action]]],
-    stage_to_rank: dict[int, int],
-    chain_length: int,
-    duration: Callable[[_Action], float],
-    transfer: Transfer,
-    list_kind: str,
+    prepared: _Prepared, duration: Callable[[_Action], float], transfer: Transfer
 ) -> tuple[dict[int, list[Interval]], Deadlock | None]:
     """Run every rank's list in order; the times are final once known, so
     advancing ranks round-robin as far as their inputs allow is exact."""
-    # An OVERLAP_F_B runs its sub-actions in sequence, each waiting for its inputs.
-    flat = {r: [(i, leaf) for i, a in acts for leaf in compute_leaves(a)] for r, acts in steps.items()}
+    flat, stage_to_rank = prepared.steps, prepared.stage_to_rank
     finished: dict[_Action, float] = {}
     clock = dict.fromkeys(flat, 0.0)
     pos = dict.fromkeys(flat, 0)
@@ -170,21 +211,23 @@ def _run(
         progress = False
         for r, acts in flat.items():
             while pos[r] < len(acts):
-                a = acts[pos[r]][1]
-                needs = _needs(a, stage_to_rank, chain_length, transfer)
-                missing = next((opts for opts, _ in needs if not any(o in finished for o in opts)), None)
-                if missing is not None:
-                    waiting[r] = missing
-                    break
-                start = max(
-                    [clock[r]] + [min(finished[o] for o in opts if o in finished) + d for opts, d in needs]
-                )
-                end = start + duration(a) if a.is_compute_op else start
-                if a.is_compute_op:
-                    timeline[r].append((start, end, a))
-                finished[a] = clock[r] = end
-                pos[r] += 1
-                progress = True
+                _, a, needs = acts[pos[r]]
+                start = clock[r]
+                for opts, src, dst in needs:
+                    done = [finished[o] for o in opts if o in finished]
+                    if not done:
+                        waiting[r] = opts
+                        break
+                    start = max(start, min(done) + (transfer(src, dst, a.microbatch_index) if src >= 0 else 0.0))
+                else:
+                    end = start + duration(a) if a.is_compute_op else start
+                    if a.is_compute_op:
+                        timeline[r].append((start, end, a))
+                    finished[a] = clock[r] = end
+                    pos[r] += 1
+                    progress = True
+                    continue
+                break
         if all(pos[r] == len(acts) for r, acts in flat.items()):
             return timeline, None
         if not progress:
@@ -198,7 +241,7 @@ def _run(
                 for r, acts in flat.items()
                 if pos[r] < len(acts)
             )
-            return timeline, Deadlock(list_kind, stuck)
+            return timeline, Deadlock(prepared.list_kind, stuck)
 
 
 def simulate(config: SimConfig) -> SimResult:
@@ -229,6 +272,7 @@ def simulate(config: SimConfig) -> SimResult:
         parameter_copies=built.parameter_copies,
         comm_latency=config.comm_latency,
         transfers=transfers,
+        torch_lowering=config.torch_lowering,
     )
 
 
@@ -246,6 +290,7 @@ def simulate_order(
     parameter_copies: int = 1,
     comm_latency: float = 0.0,
     transfers: Transfers | None = None,
+    torch_lowering: bool = True,
 ) -> SimResult:
     """Lower and time compute-only lists ``order`` ({rank: [action or None]}).
 
@@ -256,12 +301,14 @@ def simulate_order(
     ``parameter_copies`` 2 the p v stages are two chains over p v / 2 model
     chunks (BSIPipe, Chimera). A transfer takes ``comm_latency`` plus, when
     given, the time ``transfers`` says (which also times the copies'
-    all-reduces at the end of the step).
+    all-reduces at the end of the step). ``torch_lowering``: see :class:`SimConfig`.
     """
     p, v, k = len(order), stages_per_rank, len(lengths)
     num_stages = p * v
     chain_length = num_stages // parameter_copies
-    lowered, stage_to_rank = lower(order, num_stages, microbatches * k, chain_length)
+    frozen = tuple((r, tuple(acts)) for r, acts in sorted(order.items()))
+    prepared = _prepare(frozen, num_stages, microbatches * k, chain_length, torch_lowering)
+    lowered, stage_to_rank = prepared.lowered, prepared.stage_to_rank
     if placement is not None:
         expected = (
             [BidirectionalLayout.holding(p, v, name).stage_to_rank() for name in PLACEMENTS]
@@ -289,16 +336,10 @@ def simulate_order(
     def duration(a: _Action) -> float:
         return scaled[a.computation_type][a.microbatch_index % k]
 
-    if lowered is not None:
-        steps = {r: list(enumerate(acts)) for r, acts in lowered.items()}
-        list_kind = "lowered"
-    else:
-        steps = send_after_compute(order, stage_to_rank, chain_length)
-        list_kind = "compute-only"
     def transfer(src: int, dst: int, unit: int) -> float:
         return comm_latency + (transfers.send(src, dst, unit % k) if transfers else 0.0)
 
-    timeline, deadlock = _run(steps, stage_to_rank, chain_length, duration, transfer, list_kind)
+    timeline, deadlock = _run(prepared, duration, transfer)
     copies_synced = (
         _sync_copies(timeline, stage_to_rank, chain_length, parameter_copies, transfers)
         if parameter_copies > 1
@@ -321,7 +362,7 @@ def simulate_order(
         deadlock=deadlock,
         timeline=timeline,
         compute_order=order,
-        lowered=lowered or {},
+        lowered={r: list(acts) for r, acts in (lowered or {}).items()},
     )
 
 

@@ -104,10 +104,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
+import numpy as np
+
 from ..ordering import B, F, I, W
-from ..partition import UnitCost, chunk_parameters, ffn_hidden_dim, partition_sequence
+from ..partition import UnitCost, ffn_hidden_dim, partition_sequence
 from ..schedules import SEQUENCE_SCHEDULES
 from .build import SimConfig, build, compute_leaves
+from .network import chunk_parameters
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs
@@ -264,8 +267,7 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
         s: _stage_bytes(args, c, a, chunks[s % plan.chain_length], tokens, is_sequence) for s in plan.stages
     }
     ranks = []
-    for r in range(c.pp):
-        act, combined = _walk(plan, r, weights, c.subsequences, c.microbatches)
+    for r, (act, combined) in enumerate(_walks(plan, weights, c.subsequences, c.microbatches)):
         ranks.append(
             RankMemory(
                 **_state_bytes(args, c, plan, chunks, r),
@@ -291,13 +293,41 @@ class _Plan:
     chain_length: int
     parameter_copies: int
     built_microbatches: int
+    events: dict[tuple[int, int], _Events] = field(default_factory=dict, compare=False, repr=False)
+    """:func:`_events` per (rank, k), filled as :meth:`events_of` is asked for them."""
+    merged: dict[int, tuple[_Events, np.ndarray]] = field(default_factory=dict, compare=False, repr=False)
+    """Per k, every rank's events end to end, and where each rank's begin (see :meth:`merged_events`)."""
+    by_rank: dict[int, list[int]] = field(init=False, compare=False, repr=False)
+    """Per rank, its stages, sorted."""
+    scale: np.ndarray = field(init=False, compare=False, repr=False)
+    """Per rank, what its walk's peaks are multiplied by: N / built_microbatches where the rank runs
+    every forward first (GPipe, TeraPipe: the peak grows with N), else 1."""
+
+    def __post_init__(self) -> None:
+        by_rank = {r: sorted({a.stage_index for a in acts}) for r, acts in self.order.items()}
+        object.__setattr__(self, "by_rank", by_rank)
+        object.__setattr__(self, "scale", np.array([_all_forwards_first(self.order[r]) for r in sorted(self.order)]))
 
     @property
     def stages(self) -> set[int]:
-        return {a.stage_index for acts in self.order.values() for a in acts}
+        return {s for stages in self.by_rank.values() for s in stages}
 
     def stages_of(self, rank: int) -> list[int]:
-        return sorted({a.stage_index for a in self.order[rank]})
+        return self.by_rank[rank]
+
+    def events_of(self, rank: int, k: int) -> _Events:
+        """``rank``'s :func:`_events` with k subsequences, built once."""
+        if (rank, k) not in self.events:
+            self.events[rank, k] = _events(self.order[rank], k)
+        return self.events[rank, k]
+
+    def merged_events(self, k: int) -> tuple[_Events, np.ndarray]:
+        """Every rank's :func:`_events` end to end, ranks ascending, and each rank's first index."""
+        if k not in self.merged:
+            parts = [self.events_of(r, k) for r in sorted(self.order)]
+            starts = np.cumsum([0] + [len(e.stage) for e in parts[:-1]])
+            self.merged[k] = (_Events(*(np.concatenate(f) for f in zip(*parts))), starts)
+        return self.merged[k]
 
 
 @functools.lru_cache(maxsize=256)
@@ -339,39 +369,79 @@ def _stage_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tup
     )
 
 
-def _walk(plan: _Plan, rank: int, weights: dict[int, _StageBytes], k: int, n: int) -> tuple[float, float]:
-    """(peak of saved activations, peak of activations + KV context) over ``rank``'s actions.
+class _Events(NamedTuple):
+    """A rank's actions as indices into stage byte tables (see :func:`_walks`), one entry per action."""
 
-    Per (stage, microbatch) the context keeps blocks 0..c-1 with c = min(forwards run, k - 1,
-    lowest unit backward - 1), and side buffers for blocks below the lowest unit whose
-    input-gradient pass has run.
-    """
-    act = kv = peak_act = peak_all = 0.0
+    stage: np.ndarray
+    unit: np.ndarray
+    saved: np.ndarray
+    """+1: the unit's activations are saved (F); -1: freed (B, or W)."""
+    constant: np.ndarray
+    """+1 / -1: the stage's first unit in flight starts / its last ends."""
+    kept: np.ndarray
+    """(before, after): context blocks kept, an index into the held prefix sums."""
+    side: np.ndarray
+    """(before, after): side buffers, an index into the side prefix sums."""
+
+
+def _events(actions: tuple, k: int) -> _Events:
+    """The bookkeeping of :func:`_walks`, independent of bytes. Per (stage, microbatch) the
+    context keeps blocks 0..c-1 with c = min(forwards run, k - 1, lowest unit backward - 1),
+    and side buffers for blocks below the lowest unit whose input-gradient pass has run."""
     forwards: dict[tuple[int, int], int] = {}
     backward_low: dict[tuple[int, int], int] = {}  # lowest unit whose backward ended
     input_low: dict[tuple[int, int], int] = {}  # lowest unit whose input gradients ran
-    live = dict.fromkeys(weights, 0)  # units in flight per stage
-    for a in plan.order[rank]:
+    live: dict[int, int] = {}  # units in flight per stage
+
+    def state(key: tuple[int, int]) -> tuple[int, int]:
+        low = input_low.get(key, k)
+        return max(min(forwards.get(key, 0), k - 1, backward_low.get(key, k) - 1), 0), low if low < k else 0
+
+    rows = []
+    for a in actions:
         stage, kind = a.stage_index, a.computation_type
         m, j = divmod(a.microbatch_index, k)
-        saved, held, side, constant = weights[stage]
         key = (stage, m)
-        before = _context_bytes(forwards.get(key, 0), backward_low.get(key, k), input_low.get(key, k), held, side, k)
+        before = state(key)
+        saved = constant = 0
         if kind == F:
             forwards[key] = j + 1
-            act += saved[j] + (constant if live[stage] == 0 else 0)
-            live[stage] += 1
+            saved, constant = 1, int(live.get(stage, 0) == 0)
+            live[stage] = live.get(stage, 0) + 1
         else:
             if kind in (B, I):
                 input_low[key] = j
             if kind == B or kind == W:
                 backward_low[key] = j
                 live[stage] -= 1
-                act -= saved[j] + (constant if live[stage] == 0 else 0)
-        kv += _context_bytes(forwards[key], backward_low.get(key, k), input_low.get(key, k), held, side, k) - before
-        peak_act, peak_all = max(peak_act, act), max(peak_all, act + kv)
-    scale = n / plan.built_microbatches if _all_forwards_first(plan.order[rank]) else 1.0
-    return peak_act * scale, peak_all * scale
+                saved, constant = -1, -int(live[stage] == 0)
+        after = state(key)
+        rows.append((stage, j, saved, constant, before[0], after[0], before[1], after[1]))
+    table = np.array(rows, dtype=np.int64).reshape(-1, 8)
+    return _Events(table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4:6], table[:, 6:8])
+
+
+def _walks(plan: _Plan, weights: dict[int, _StageBytes], k: int, n: int) -> list[tuple[float, float]]:
+    """Per rank, (peak of saved activations, peak of activations + KV context) over its actions
+    (bookkeeping in :func:`_events`, built once per plan; all ranks in one pass)."""
+    e, starts = plan.merged_events(k)
+    stages = np.array(list(weights))
+    saved, held, side = (np.zeros((stages.max() + 1, k + 1)) for _ in range(3))
+    constant = np.zeros(stages.max() + 1)
+    saved[stages, :k] = [w.saved for w in weights.values()]
+    held[stages, 1:] = np.cumsum([w.held for w in weights.values()], axis=1)
+    side[stages, 1:] = np.cumsum([w.side for w in weights.values()], axis=1)
+    constant[stages] = [w.constant for w in weights.values()]
+    act = e.saved * saved[e.stage, e.unit] + e.constant * constant[e.stage]
+    kv = (held[e.stage, e.kept[:, 1]] - held[e.stage, e.kept[:, 0]]
+          + side[e.stage, e.side[:, 1]] - side[e.stage, e.side[:, 0]])
+    peaks = []
+    for deltas in (act, act + kv):
+        running = np.cumsum(deltas)
+        before = np.concatenate(([0.0], running))[starts]  # the running sum as each rank begins
+        peaks.append(np.maximum(np.maximum.reduceat(running, starts) - before, 0.0))
+    scale = np.where(plan.scale, n / plan.built_microbatches, 1.0)
+    return [(float(a), float(b)) for a, b in zip(peaks[0] * scale, peaks[1] * scale)]
 
 
 def _all_forwards_first(actions: tuple) -> bool:
@@ -379,12 +449,6 @@ def _all_forwards_first(actions: tuple) -> bool:
     kinds = [a.computation_type for a in actions]
     last_forward = max(i for i, kind in enumerate(kinds) if kind == F)
     return all(kind == F for kind in kinds[: last_forward + 1])
-
-
-def _context_bytes(forwards: int, backward_low: int, input_low: int, held: list[float], side: list[float],
-                   k: int) -> float:
-    kept = max(min(forwards, k - 1, backward_low - 1), 0)
-    return sum(held[:kept]) + sum(side[: input_low if input_low < k else 0])
 
 
 # --------------------------------------------------------------------------
@@ -531,11 +595,11 @@ def _workspace(args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan,
 def _buffers(args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int,
              lengths: list[int]) -> float:
     scale = c.microbatches / plan.built_microbatches
+    e = plan.events_of(rank, len(lengths))
     total = 0.0
     for s in plan.stages_of(rank):
         position = s % plan.chain_length
-        tokens = sum(lengths[x.microbatch_index % len(lengths)] for x in plan.order[rank]
-                     if x.stage_index == s and x.computation_type == F)
+        tokens = float(np.sum(np.asarray(lengths)[e.unit[(e.stage == s) & (e.saved == 1)]]))
         ends = (position > 0) + (position < plan.chain_length - 1)
         total += ends * tokens * scale * c.microbatch_size * a * args.dim / c.tp
     return total

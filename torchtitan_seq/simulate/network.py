@@ -49,9 +49,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..partition import UnitCost, chunk_parameters
+from ..partition import UnitCost, ffn_hidden_dim
 
-__all__ = ["Link", "Network", "Transfers", "parameter_count"]
+__all__ = ["Link", "Network", "Transfers", "chunk_parameters", "parameter_count"]
+
+
+def chunk_parameters(args, layers: float, first: bool, last: bool, tp: int = 1) -> float:
+    """Parameters of a model chunk of ``layers`` Llama 3 blocks on one TP rank: the matrices
+    and embeddings divided by ``tp``, norm weights whole; ``first`` adds the token
+    embeddings, ``last`` the final norm and the output projection."""
+    d, f = args.dim, ffn_hidden_dim(args)
+    kv = (args.n_kv_heads or args.n_heads) * (d // args.n_heads)
+    per_layer = (2 * d * d + 2 * d * kv + 3 * d * f) / tp + 2 * d
+    embeddings = args.vocab_size * d / tp
+    return layers * per_layer + (embeddings if first else 0) + ((embeddings + d) if last else 0)
 
 
 @dataclass(frozen=True)

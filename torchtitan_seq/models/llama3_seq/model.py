@@ -1,18 +1,13 @@
 """torchtitan's Llama 3 with chunk-aware attention: the model the sequence schedules run.
 
-``SeqTransformer`` is torchtitan's ``Transformer`` with each layer's inner
-attention replaced by :class:`~torchtitan_seq.attention.SequenceAttention`.
-Its parameters, FQNs, initialisation, TP plan and checkpoints are Llama 3's.
-Every Llama 3 flavor is offered under its torchtitan name; the block-causal ones
-(``debugmodel_flex_attn``, ``8B_varlen``, ...) mask attention at each document
-boundary exactly as torchtitan's document mask does, whatever attention kernel
-runs: their ``attention_masks`` are the batch's document ids
-(:func:`~torchtitan_seq.documents.document_ids`).
-A stage binds its KV context with
-:func:`~torchtitan_seq.attention.bind_kv_context`.
-While a pipeline stage runs a unit at offset s, the model reads RoPE at
-positions [s, s+L) (torchtitan's ``positions`` argument) and each layer
-attends through the stage's KV context; otherwise it is plain Llama 3.
+``SeqTransformer`` is torchtitan's ``Transformer`` with each layer's inner attention replaced by
+:class:`~torchtitan_seq.attention.SequenceAttention`; its parameters, FQNs, initialisation, TP plan
+and checkpoints are Llama 3's. Every Llama 3 flavor is offered under its torchtitan name; the
+block-causal ones (``debugmodel_flex_attn``, ``8B_varlen``, ...) mask attention at each document
+boundary exactly as torchtitan's document mask does, whatever kernel runs: their ``attention_masks``
+are the batch's document ids (:func:`~torchtitan_seq.documents.document_ids`). While a pipeline stage
+runs a unit at offset s, the model reads RoPE at positions [s, s+L) and each layer attends through
+the stage's KV context (:func:`~torchtitan_seq.attention.bind_kv_context`); otherwise it is plain Llama 3.
 """
 
 from __future__ import annotations
@@ -31,6 +26,9 @@ from ...kv_context import KVContext, Unit
 
 __all__ = ["SeqAttention", "SeqTransformer", "seq_llama3_flavors", "unit_positions"]
 
+# Llama 3's flavors under their own names: SDPA ones causal, flex and varlen ones block-causal.
+seq_llama3_flavors: dict[str, TransformerModelArgs] = dict(_llama3_flavors)
+
 
 class SeqAttention(Attention):
     """torchtitan's Llama 3 attention (same parameters) whose inner attention is a
@@ -41,18 +39,13 @@ class SeqAttention(Attention):
         self.inner_attention = SequenceAttention(layer_id)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        freqs_cis: torch.Tensor,
-        attention_masks: torch.Tensor | None,
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_masks: torch.Tensor | None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: (B, L, dim); attention_masks: None (causal) or (B, L) document ids. Returns (B, L, dim)."""
         bs, seqlen, _ = x.shape
         # -1: the local heads, which TP may have sharded
-        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
-        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
-        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk, xv = [w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv)]
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis, positions=positions)
         out = self.inner_attention(
             xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
@@ -77,26 +70,18 @@ class SeqTransformer(Transformer):
             layer.attention = SeqAttention(sdpa_args, int(layer_id))
 
     def get_attention_masks(
-        self,
-        input_batch: torch.Tensor,
-        tokenizer: BaseTokenizer,
-        extra_inputs: dict[str, torch.Tensor] | None = None,
+        self, input_batch: torch.Tensor, tokenizer: BaseTokenizer, extra_inputs: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """(B, S) document ids of a packed batch, for the block-causal flavors: what every
         stage and every sequence schedule splits and reads, in place of a mask."""
-        if self.model_args.attn_mask_type != "block_causal":
-            raise ValueError(
-                f"attention masks asked of a flavor with attn_mask_type={self.model_args.attn_mask_type!r}"
-            )
+        if (mask_type := self.model_args.attn_mask_type) != "block_causal":
+            raise ValueError(f"attention masks asked of a flavor with attn_mask_type={mask_type!r}")
         if tokenizer.eos_id is None:
             raise ValueError("block-causal attention needs a tokenizer with an EOS token")
         return document_ids(input_batch, tokenizer.eos_id)
 
     def forward(
-        self,
-        tokens: torch.Tensor,
-        attention_masks=None,
-        positions: torch.Tensor | None = None,
+        self, tokens: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """tokens: (B, L) ids on the first stage, else (B, L, dim) activations (L / tp with SP)."""
         unit = self.kv_context.unit if self.kv_context is not None else None
@@ -106,13 +91,6 @@ class SeqTransformer(Transformer):
 
 
 def unit_positions(unit: Unit, device: torch.device) -> torch.Tensor:
-    """RoPE positions of ``unit``: (1, L), the range [offset, offset + L) of the whole sequence.
-
-    Under sequence parallelism a stage's input holds only its shard of the
-    unit; RoPE is applied after the gather, to the whole unit.
-    """
+    """RoPE positions of ``unit``: (1, L), the range [offset, offset + L) of the whole sequence (under
+    sequence parallelism too: RoPE is applied after the gather, to the whole unit)."""
     return torch.arange(unit.offset, unit.offset + unit.length, device=device).unsqueeze(0)
-
-
-# Llama 3's flavors under their own names: SDPA ones causal, flex and varlen ones block-causal.
-seq_llama3_flavors: dict[str, TransformerModelArgs] = dict(_llama3_flavors)
