@@ -71,8 +71,7 @@ def _expand(t: Tensor, n_rep: int) -> Tensor:
 
 
 def _reduce(t: Tensor, n_rep: int) -> Tensor:
-    b, h, l, d = t.shape
-    return t if n_rep == 1 else t.view(b, h // n_rep, n_rep, l, d).sum(2)
+    return t if n_rep == 1 else t.unflatten(1, (-1, n_rep)).sum(2)
 
 
 class CudaSdpaKernel:
@@ -284,9 +283,7 @@ def _unit_attention(
     elif context.unit is None:  # a recomputation inside the unit's backward
         prefix, _ = context.recorded(layer_id)
     else:
-        # A compiled graph may reuse the buffers of its intermediates once this op
-        # returns; the block that later units read must own its K/V.
-        prefix, _ = context.append(layer_id, k.clone() if compiled else k, v.clone() if compiled else v, compiled)
+        prefix, _ = context.append(layer_id, k, v, copy=compiled)
     diagonal, rectangles = _reads(context.documents_of(unit), unit, q.shape[2], prefix)
     out, lse = _diagonal_forward(kernel, q, k, v, diagonal, scale)
     if rectangles:
@@ -383,15 +380,10 @@ class SequenceAttention(nn.Module):
     def __init__(self, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        # (handle, layer id) on the CPU: a tensor, not int attributes, so that torch.compile
-        # gives every layer of a model one graph instead of a graph per layer
-        self.ids: Tensor | None = None
+        self.ids: Tensor | None = None  # (handle, layer id) on the CPU: see the module docstring
         self._binding: _Binding | None = None
 
-    def bind(self, context: KVContext | None, kernel: AttentionKernel | None) -> None:
-        if context is None:
-            self.ids = self._binding = None
-            return
+    def bind(self, context: KVContext, kernel: AttentionKernel) -> None:
         handle = next(_HANDLES)
         _BINDINGS[handle] = self._binding = _Binding(context, kernel)
         self.ids = torch.tensor([handle, self.layer_id])
@@ -414,12 +406,11 @@ class SequenceAttention(nn.Module):
         return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, scale, torch.compiler.is_compiling())[0]
 
 
-def bind_kv_context(model: nn.Module, context: KVContext | None, kernel: AttentionKernel | None) -> int:
+def bind_kv_context(model: nn.Module, context: KVContext, kernel: AttentionKernel) -> None:
     """Attach ``context`` and ``kernel`` to every :class:`SequenceAttention` of a model chunk,
     and the context to the chunk itself where it reads it (``model.kv_context``: RoPE at the
-    unit's offset). Returns the number of attention layers bound. A chunk may hold no
-    attention layer (the output layer alone), but a model whose attention is not chunk-aware
-    cannot run units."""
+    unit's offset). A chunk may hold no attention layer (the output layer alone), but a model
+    whose attention is not chunk-aware cannot run units."""
     layers = [m for m in model.modules() if isinstance(m, SequenceAttention)]
     if not layers and not hasattr(model, "kv_context"):
         raise TypeError(
@@ -430,4 +421,3 @@ def bind_kv_context(model: nn.Module, context: KVContext | None, kernel: Attenti
         m.bind(context, kernel)
     if hasattr(model, "kv_context"):
         model.kv_context = context
-    return len(layers)

@@ -8,6 +8,8 @@ field is settable from TOML and from the command line, e.g. ``--sequence_pipelin
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .partition import Partition
+
 __all__ = ["SequencePipeline", "JobConfig"]
 
 
@@ -19,11 +21,9 @@ class SequencePipeline:
     num_subsequences: int = 4
     """k: subsequences each microbatch's sequence is cut into."""
 
-    partition: Literal["compute", "even", "latency"] = "compute"
-    """'compute' (every unit costs the same forward + backward under the causal mask), 'even'
-    (equal lengths) or 'latency' (TeraPipe's slicing: the cut on the length_multiple grid whose
-    costliest unit costs least, which minimises the pipeline latency sum(t) + (K-1)·max(t) under
-    the cost model)."""
+    partition: Partition = "compute"
+    """'compute' (every unit costs the same forward + backward), 'even' (equal lengths) or 'latency'
+    (TeraPipe's slicing, the least pipeline latency), as :mod:`torchtitan_seq.partition` cuts."""
 
     expected_document_length: int = 0
     """Block-causal flavors (packed documents): the mean tokens per document, which the

@@ -65,11 +65,11 @@ def _patch(owner: object, name: str, wrap) -> None:
         setattr(owner, name, patched)
 
 
-def apply() -> bool:
-    """Patch what torchtitan needs on a machine without CUDA; returns whether it did. Idempotent; run it
-    before the first torchtitan import, because torchtitan reads the device type at import time."""
+def apply() -> None:
+    """Patch what torchtitan needs on a machine without CUDA. Idempotent; run it before the first
+    torchtitan import, because torchtitan reads the device type at import time."""
     if torch.cuda.is_available():
-        return False
+        return
     _patch(torch._utils, "_get_available_device_type", lambda detect: lambda: detect() or "cpu")
     _patch(dist, "barrier", _barrier_without_cpu_ids)
     _patch(torch.profiler.profile, "__init__", _profile_without_missing_device)
@@ -82,7 +82,6 @@ def apply() -> bool:
     }.items():
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
-    return True
 
 
 def fsdp_for_gloo(model_parts: list[nn.Module]) -> None:

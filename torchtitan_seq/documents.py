@@ -1,14 +1,11 @@
 """Packed documents: which tokens of a packed sequence may attend to which.
 
-torchtitan packs documents into each training sequence, each ended by the
-tokenizer's EOS, and its block-causal flavors mask attention across documents
-(``get_document_mask_mod``): token i belongs to document number "EOS tokens
-before i", so an EOS belongs to the document it ends, and a sequence without EOS
-is one document. :func:`document_ids` numbers tokens so; :class:`Documents` holds,
-per batch row of one microbatch, where documents start, which is all that unit
-attention needs: documents are contiguous, so a unit's queries attend to its own
-pieces of documents causally and, from the prefix, only to the document that
-continues into the unit.
+torchtitan packs documents into each training sequence, each ended by the tokenizer's EOS,
+and its block-causal flavors mask attention across documents (``get_document_mask_mod``):
+token i belongs to document number "EOS tokens before i", so an EOS belongs to the document
+it ends, and a sequence without EOS is one document. :func:`document_ids` numbers tokens so;
+:class:`Documents` holds, per batch row of one microbatch, where documents start, which is
+all that unit attention (:mod:`torchtitan_seq.attention`) needs, documents being contiguous.
 """
 
 from __future__ import annotations

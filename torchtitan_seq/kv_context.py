@@ -1,35 +1,33 @@
 """The KV context: each layer's K/V threaded across the subsequences of a microbatch.
 
-A pipeline stage runs a microbatch as k units (subsequences) in order. Unit j
-of microbatch m attends to its own keys/values and to those of units 0..j-1
-of the same microbatch on the same stage. The context keeps, per microbatch and
-per layer, one :class:`KVBlock` per finished unit.
+A pipeline stage runs a microbatch as k units (subsequences) in order; unit j attends to its
+own K/V and to those of units 0..j-1 of its microbatch on the stage. The context keeps, per
+microbatch and layer, one :class:`KVBlock` per finished unit.
 
-Gradients flow backwards through the blocks without joining the units'
-autograd graphs (joining them would let the backward of unit j walk into, and
-free, the graph of unit j-1): a block stores its K/V *detached*; a later unit's
-attention backward adds dL/dK and dL/dV of every block it read into that block's
-side buffers (:class:`KVGrads`); the block's own unit's attention backward adds
-them to the gradient of its own K/V, once. This is exact when, per microbatch and
-stage, backwards run last unit first (``torchtitan_seq.ordering``), for full and
-split input/weight backward alike: the side buffers are filled and consumed inside
-the attention's own backward, in the input-gradient pass.
+Gradients flow backwards through the blocks without joining the units' autograd graphs
+(joining them would let the backward of unit j walk into, and free, the graph of unit j-1):
+a block stores its K/V *detached*; a later unit's attention backward adds dL/dK and dL/dV of
+every block it read into that block's side buffers (:class:`KVGrads`); the block's own
+unit's attention backward adds them to the gradient of its own K/V, once. This is exact
+when, per microbatch and stage, backwards run last unit first (``torchtitan_seq.ordering``),
+for full and split input/weight backward alike: the side buffers are filled and consumed
+inside the attention's own backward, in the input-gradient pass.
 
-Lifetime: the context forgets a microbatch once its last unit has run forward on
-the stage; from then on the records of the units that read a block keep it alive,
-until their backward. A unit's own record keeps only its side buffers: its
-backward recomputes or has saved its K/V. :meth:`KVContext.clear` ends a step.
+Lifetime: the context forgets a microbatch once its last unit has run forward on the stage;
+from then on the records of the units that read a block keep it alive, until their backward.
+A unit's own record keeps only its side buffers: its backward recomputes or has saved its
+K/V. :meth:`KVContext.clear` ends a step.
 
-Packed documents (:attr:`KVContext.documents`): a unit reads only the prefix blocks
-holding keys of the document continuing into it, and the context lets go of the K/V of
-documents that ended: whole blocks, and a block's ended head, keeping a copy of its
-tail, where the context's reference is what keeps the K/V alive (``copy_tails``: under
-activation checkpointing and compile; otherwise autograd keeps them for the backward).
+Packed documents (:attr:`KVContext.documents`): a unit reads only the prefix blocks holding
+keys of the document continuing into it, and the context lets go of the K/V of documents
+that ended: whole blocks, and a block's ended head, keeping a copy of its tail, where the
+context's reference is what keeps the K/V alive (``copy_tails``: under activation
+checkpointing and compile; otherwise autograd keeps them for the backward).
 
 Activation checkpointing re-runs a unit's forward inside its backward
-(:meth:`KVContext.backward`); the attention then reads the blocks the unit's first
-forward used (:meth:`KVContext.recorded`) instead of appending again, so
-recomputation reproduces the same tensors and never touches the context's state.
+(:meth:`KVContext.backward`); the attention then reads the blocks the unit's first forward
+used (:meth:`KVContext.recorded`) instead of appending again, so recomputation reproduces
+the same tensors and never touches the context's state.
 """
 
 from __future__ import annotations
@@ -158,7 +156,6 @@ class KVContext:
         finally:
             self.unit = None
             if unit.is_last:
-                # The unit graphs keep what backward needs; the context lets go.
                 self._blocks.pop(unit.microbatch, None)
 
     @contextlib.contextmanager
@@ -182,12 +179,12 @@ class KVContext:
             raise RuntimeError(f"layer {layer_id} recomputed outside the backward of a unit it ran forward") from None
 
     def append(
-        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, copied: bool = False
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, copy: bool = False
     ) -> tuple[list[KVBlock], KVGrads]:
-        """Record the current unit's K/V for ``layer_id``; ``copied``: k and v are the
-        context's own copies (no one else keeps them), so cut blocks are copied too. Returns
-        the earlier units' blocks the unit reads (with packed documents, those holding keys
-        of the document continuing into it) and the side buffers of the unit's new block."""
+        """Record the current unit's K/V for ``layer_id``, copied if ``copy`` (a compiled graph may
+        reuse its intermediates' buffers once the attention returns), cut blocks then copied too.
+        Returns the earlier units' blocks the unit reads (with packed documents, those holding
+        keys of the document continuing into it) and the side buffers of the unit's new block."""
         unit = self.unit
         if unit is None:
             raise RuntimeError("KVContext.append called outside a unit")
@@ -203,10 +200,10 @@ class KVContext:
         for i, b in enumerate(blocks):
             if b is not None and b.end <= first:
                 blocks[i] = None
-            elif b is not None and b.offset < first and (copied or self.copy_tails):
+            elif b is not None and b.offset < first and (copy or self.copy_tails):
                 blocks[i] = b.tail(first)
         prefix = [b for b in blocks if b is not None]
-        block = KVBlock(k, v, unit.offset)
+        block = KVBlock(k.clone() if copy else k, v.clone() if copy else v, unit.offset)
         if not unit.is_last:
             blocks.append(block)
         self._records.setdefault((unit.microbatch, unit.index), {})[layer_id] = (prefix, block.grads)

@@ -6,25 +6,9 @@ step's pipeline makespan (:mod:`torchtitan_seq.timeline`) join torchtitan's
 metrics (TensorBoard tags: :data:`PER_RANK_FIELDS`, ``pipeline/makespan(s)``)
 and its console (a line after torchtitan's step line); on the steps
 :func:`~torchtitan_seq.timeline.export_due` picks, the step's timeline is
-exported (:func:`~torchtitan_seq.timeline.export_timeline`).
-
-Programs (the benchmark, the tests) read the record rank 0 appends to,
-``<dump_folder>/metrics.jsonl`` (:data:`RECORD_FILE`), one JSON object a line,
-TensorBoard or not (every rank knows the loss, :class:`~torchtitan_seq.trainer.SeqTrainer`,
-and gathers the per-rank figures; ``tps`` and the memory figures are rank 0's own):
-
-* ``{"event": "start", "time", "schedule", "lengths"}`` once the trainer is
-  built; ``lengths``: the sequence schedule's subsequence lengths, else null.
-  A dump folder used again gets another: the latest run follows the last one.
-* ``{"event": "step", "step", "time", ...}`` per logged step: the
-  :data:`STEP_FIELDS` torchtitan's ``MetricsProcessor.log`` computed,
-  unrounded, and the lists by rank ``peak_activation_bytes`` and
-  ``bubble_ratio`` (this one [] when the stages are not timed, torch's
-  schedules; ``pipeline_s`` is null then).
-* ``{"event": "validation", "step", "time", "loss", "tps", "memory_gib"}``.
-
-``time`` is ``time.time()`` at writing: step wall times are differences of
-consecutive records (the first step's since the start record).
+exported (:func:`~torchtitan_seq.timeline.export_timeline`). Rank 0 appends
+every record to ``<dump_folder>/metrics.jsonl`` (:data:`RECORD_FILE`), whose
+schema README.md gives ("Benchmarks").
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from .partition import UnitCost, partition_sequence
+from .partition import Partition, UnitCost, partition_sequence
 from .render import busy_and_end
 from .schedules import SEQUENCE_SCHEDULES
 from .simulate.build import SimConfig, build
@@ -70,7 +70,7 @@ class ScheduleChoice:
 
     schedule: str
     num_subsequences: int = 1
-    partition: Literal["even", "compute", "latency"] = "even"
+    partition: Partition = "even"
     stages_per_rank: int = 1
 
     @property

@@ -1,11 +1,7 @@
-"""The pipeline stage of a sequence schedule.
-
-``SequencePipelineStage`` is torch's ``PipelineStage`` for a model chunk that runs (microbatch,
-subsequence) units, which torch numbers as microbatches (``unit id = m * k + j``). The stage
-announces each unit to its :class:`~torchtitan_seq.kv_context.KVContext` while the unit runs
-forward and backward, sizes every unit's receive buffers (torch sizes them all like unit 0's),
-forgets every unit's K/V when a step ends and times each pass for
-:data:`torchtitan_seq.timeline.RECORDER`.
+"""The pipeline stage of a sequence schedule: torch's ``PipelineStage`` for a model chunk that runs
+(microbatch, subsequence) units, which torch numbers as microbatches (``unit id = m * k + j``). Each
+unit runs announced to the stage's :class:`~torchtitan_seq.kv_context.KVContext`, with receive
+buffers of its own length, and timed for :data:`torchtitan_seq.timeline.RECORDER`.
 """
 
 from __future__ import annotations

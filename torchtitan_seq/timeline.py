@@ -8,10 +8,8 @@ on a CPU; on CUDA, timing events read when the step is summarised, so that a
 time is when the work ran on the GPU, not when it was queued.
 
 Times are ms since the rank's own step start: ranks start a step together (the
-previous one ends in collectives), so the makespan is the latest end over all
-ranks, and a rank's idle time (waiting for a neighbour's activations or
-gradients, for the last stage's loss) is the makespan less its busy time
-(:func:`~torchtitan_seq.render.bubble_ratios`).
+previous one ends in collectives), so a rank's idle time is the makespan, the latest
+end over all ranks, less its busy time (:func:`~torchtitan_seq.render.bubble_ratios`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ SEQ_LEN = 840  # every k tested cuts it into equal subsequences
 
 
 def test_layout_runs_the_chains_straight_in_opposite_directions():
-    lay = BidirectionalLayout(4, "linear", "straight")
+    lay = BidirectionalLayout(4, "linear", stages_per_rank=2)
     assert lay.chain_length == 4 and lay.stages_per_rank == 2
     for i in range(4):
         assert lay.rank_of_stage(i) == i  # down: chain A's stage i on rank i
@@ -22,7 +22,7 @@ def test_layout_runs_the_chains_straight_in_opposite_directions():
         # Rank q holds chunk q of A and chunk p-1-q of B; its mirror the same two, roles swapped.
         assert [lay.chunk(s) for s in lay.stages_of_rank(q)] == [q, 3 - q]
         assert lay.mirror(q) == 3 - q
-    paired = BidirectionalLayout(4, shape="straight")
+    paired = BidirectionalLayout(4, stages_per_rank=2)
     assert all(abs(r - paired.mirror(r)) == 1 for r in range(4))  # pairs are neighbours
     assert "rank 1: position 3, chunks A [3] B [0], mirrored with rank 0" in paired.describe()
     assert CHIMERA.place_stages(4, 4, placement="linear") == [[(0, 0), (7, 3)], [(1, 1), (6, 2)],
@@ -32,7 +32,7 @@ def test_layout_runs_the_chains_straight_in_opposite_directions():
 
 
 def test_no_transfer_crosses_a_chain_end():
-    lay = BidirectionalLayout(4, shape="straight")
+    lay = BidirectionalLayout(4, stages_per_rank=2)
     order = {lay.rank_of_position(q): acts for q, acts in chimera_actions(4, 8, 2).items()}
     lowered = lower_chains(order, lay.stage_to_rank(), lay.chain_length, 8)
     comms = {(a.computation_type.name, a.stage_index) for acts in lowered.values() for a in acts

@@ -1,11 +1,9 @@
 """Sequence-level pipeline schedules, one module per family: :mod:`.seq1f1b`, :mod:`.interleaved`,
 :mod:`.bsipipe` and :mod:`.chimera` (both on :mod:`.bidirectional`), on the runtime in :mod:`.base`.
 
-Each schedule is a short pure function ``(num_ranks, num_microbatches,
-num_subsequences) -> {rank: [compute actions]}`` over (microbatch, subsequence)
-units, ``unit id = m * k + j``, plus a thin ``_PipelineScheduleRuntime``
-subclass that validates the lists (:mod:`torchtitan_seq.ordering`) and hands
-them to torch's lowering and executor. With plain ``torch.distributed.pipelining``::
+Each schedule is a short pure function ``(num_ranks, num_microbatches, num_subsequences) -> {rank:
+[compute actions]}`` over (microbatch, subsequence) units, ``unit id = m * k + j``, plus a thin
+subclass of the runtime. With plain ``torch.distributed.pipelining``::
 
     lengths = partition_sequence(seq_len, 4, "even")
     stage = SequencePipelineStage(chunk, rank, world, device, lengths=lengths)

@@ -1,8 +1,9 @@
 """The runtime every sequence schedule shares: ``SequenceSchedule``.
 
 A schedule class names its pure action-list function (``actions_fn``) and tells the pipeline builder
-and the trainer what they need through class attributes and hooks (the class's members below).
-Lowering (send/recv, FSDP unshard/reshard, gradient reduction) and execution are torch's.
+and the trainer what they need through class attributes and hooks (the class's members below). The
+lists are checked against :mod:`torchtitan_seq.ordering`'s rules; lowering (send/recv, FSDP
+unshard/reshard, gradient reduction) and execution are torch's.
 """
 
 from __future__ import annotations

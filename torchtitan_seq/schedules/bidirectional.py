@@ -2,28 +2,26 @@
 
 Pipeline A runs the model's chunks down the ranks, pipeline B the same chunks from the other end,
 so position q and its mirror p - 1 - q hold the same chunks with the roles swapped: every chunk
-exists twice, on a mirrored pair. Two shapes (:data:`SHAPES`):
+exists twice, on a mirrored pair. Two shapes, by stages per rank:
 
-* ``v`` (BSIPipe): 2p chunks, A runs them down and back up in a V (chunk s on position s for
+* 4, a V (BSIPipe): 2p chunks, A runs them down and back up in a V (chunk s on position s for
   s < p, on 2p - 1 - s after the turn); position q holds chunks {q, 2p - 1 - q} of A and
   {p - 1 - q, p + q} of B.
-* ``straight`` (Chimera): p chunks, A's chunk s on position s; position q holds chunk q of A and
+* 2, straight (Chimera): p chunks, A's chunk s on position s; position q holds chunk q of A and
   chunk p - 1 - q of B.
 
 The chains share one stage index space: A's chunk s is stage s, B's is stage ``chain_length`` + s. A
 schedule's lists are keyed by position and send even microbatches down A, odd ones down B, with full
 backwards only (torch's input/weight split special-cases stage 0, which would miss chain B's first
-stage). torch's lowering knows one chain; :func:`lower_chains` adds sends and receives with chain
-boundaries. A placement maps positions to ranks: ``paired`` (default) puts each mirrored pair on
+stage). A placement maps positions to ranks: ``paired`` (default) puts each mirrored pair on
 neighbouring ranks (2q, 2q + 1), where their gradient all-reduce is cheapest; ``linear`` puts
-position q on rank q. :class:`MirroredCopies` keeps the two copies of each chunk identical;
-:class:`BidirectionalSchedule` is the runtime both schedules share.
+position q on rank q.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,14 +35,10 @@ from ..ordering import B, F, I, fed_by, feeds
 from ..stage import SequencePipelineStage
 from .base import SequenceSchedule, StagePlacement
 
-__all__ = ["PLACEMENTS", "SHAPES", "Shape", "BidirectionalLayout", "lower_chains", "MirroredCopies",
+__all__ = ["PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies",
            "BidirectionalSchedule"]
 
 PLACEMENTS = ("paired", "linear")
-
-Shape = Literal["v", "straight"]
-SHAPES: dict[Shape, int] = {"v": 4, "straight": 2}
-"""Stages per rank of each shape: 2 chunks of each chain in a V, 1 in a straight chain."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +49,8 @@ class BidirectionalLayout:
     """p, pipeline ranks."""
     placement: str = "paired"
     """Position -> rank: 'paired' (mirrored pairs on neighbouring ranks) or 'linear'."""
-    shape: Shape = "v"
-    """'v' (BSIPipe: chains of 2p chunks) or 'straight' (Chimera: chains of p chunks)."""
+    stages_per_rank: Literal[2, 4] = 4
+    """4: a V (BSIPipe: chains of 2p chunks); 2: straight (Chimera: chains of p chunks)."""
 
     def __post_init__(self) -> None:
         p = self.num_positions
@@ -69,20 +63,10 @@ class BidirectionalLayout:
             raise ValueError(
                 f"sequence_pipeline.bidirectional_placement = {self.placement!r} is unknown: use one of {PLACEMENTS}"
             )
-        if self.shape not in SHAPES:
-            raise ValueError(f"bidirectional layout shape {self.shape!r} is unknown: use one of {tuple(SHAPES)}")
-
-    @classmethod
-    def holding(cls, num_positions: int, stages_per_rank: int, placement: str = "paired") -> BidirectionalLayout:
-        """The layout whose ranks hold ``stages_per_rank`` stages (the shape that has that many)."""
-        shape = next((s for s, v in SHAPES.items() if v == stages_per_rank), None)
-        if shape is None:
-            raise ValueError(f"no bidirectional layout holds {stages_per_rank} stages per rank: {SHAPES}")
-        return cls(num_positions, placement, shape)
-
-    @property
-    def stages_per_rank(self) -> int:
-        return SHAPES[self.shape]
+        if self.stages_per_rank not in (2, 4):
+            raise ValueError(
+                f"a bidirectional layout holds 2 (straight) or 4 (V) stages per rank, not {self.stages_per_rank}"
+            )
 
     @property
     def chain_length(self) -> int:
@@ -241,21 +225,20 @@ class MirroredCopies:
 class BidirectionalSchedule(SequenceSchedule):
     """The runtime of a schedule of two pipelines in opposite directions (BSIPipe, Chimera).
 
-    A subclass names its ``layout_shape`` (and so its ``stages_per_rank``) and its ``actions_fn``. A
+    A subclass names its ``stages_per_rank`` (its layout's shape) and its ``actions_fn``. A
     step starts from identical copies and leaves each chunk's whole gradient on its chain-A copy
     (:class:`MirroredCopies`); call :meth:`after_optimizer_step` after each optimizer step (the
     trainer does). ``step()`` returns no outputs: each last stage sees half of the microbatches.
     ``placement``: position -> rank, see :data:`PLACEMENTS`.
     """
 
-    layout_shape: ClassVar[Shape]
     parameter_copies = 2
     stage_placement = "bidirectional"
 
     def __init__(self, stages: list[SequencePipelineStage], n_microbatches: int,
                  loss_fn: Callable[..., torch.Tensor] | None = None, *, split_backward: bool = False,
                  scale_grads: bool = False, placement: str = "paired") -> None:
-        self.layout = BidirectionalLayout(stages[0].group_size, placement, self.layout_shape)
+        self.layout = BidirectionalLayout(stages[0].group_size, placement, self.stages_per_rank)
         held, expected = sorted(s.stage_index for s in stages), self.layout.stages_of_rank(stages[0].group_rank)
         if held != expected:
             raise ValueError(
@@ -283,7 +266,7 @@ class BidirectionalSchedule(SequenceSchedule):
     def check_shape(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False,
                     placement: str = "paired", stages_per_rank: int | None = None) -> None:
         # Without building the lists (BSIPipe's take seconds at large shapes); the actions functions call it too.
-        BidirectionalLayout(num_ranks, placement, cls.layout_shape)  # an even p, a known placement
+        BidirectionalLayout(num_ranks, placement, cls.stages_per_rank)  # an even p, a known placement
         v = cls.stages_per_rank
         if stages_per_rank not in (None, v):
             raise ValueError(f"{cls._name()} holds {v} stages per rank ({v // 2} of each chain), not {stages_per_rank}")
@@ -302,7 +285,7 @@ class BidirectionalSchedule(SequenceSchedule):
 
     @classmethod
     def place_stages(cls, num_ranks: int, num_chunks: int, placement: str = "paired") -> StagePlacement:
-        layout = BidirectionalLayout(num_ranks, placement, cls.layout_shape)
+        layout = BidirectionalLayout(num_ranks, placement, cls.stages_per_rank)
         if num_chunks != layout.chain_length:
             raise ValueError(
                 f"{cls._name()} cuts the model into {layout.chain_length} chunks "

@@ -1,7 +1,6 @@
 """BSIPipe: two V-shaped pipelines in opposite directions over units (Ni & Chen, 2026).
 
-The action lists come from list scheduling of a basic unit of 2p microbatches
-(:func:`bsipipe_actions`); layout, lowering and mirrored copies:
+Action lists by list scheduling (:func:`bsipipe_actions`); layout, lowering and mirrored copies:
 :mod:`~torchtitan_seq.schedules.bidirectional`, shared with Chimera.
 """
 
@@ -14,7 +13,7 @@ from torch.distributed.pipelining.schedules import _Action
 
 from ..ordering import B, F, chain_neighbour, fed_by
 from .base import ActionLists
-from .bidirectional import SHAPES, BidirectionalLayout, BidirectionalSchedule
+from .bidirectional import BidirectionalLayout, BidirectionalSchedule
 from .seq1f1b import unit_orders
 
 __all__ = ["bsipipe_actions", "ScheduleBSIPipe"]
@@ -116,7 +115,7 @@ def _list_schedule(
 def bsipipe_actions(
     num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False, stages_per_rank: int = 4
 ) -> ActionLists:
-    """BSIPipe: two V-shaped pipelines in opposite directions (the ``v`` shape of :mod:`.bidirectional`).
+    """BSIPipe: two V-shaped pipelines in opposite directions (the V shape of :mod:`.bidirectional`).
 
     Basic-unit concatenation: a basic unit of 2p microbatches (p each way) is list-scheduled under
     each of :data:`_BSIPIPE_PRIORITIES`, with at most 3k + 2p units of a chain held on a position,
@@ -144,5 +143,4 @@ class ScheduleBSIPipe(BidirectionalSchedule):
     """BSIPipe; see :func:`bsipipe_actions` and, for the layout, :mod:`.bidirectional`."""
 
     actions_fn = staticmethod(bsipipe_actions)
-    layout_shape = "v"
-    stages_per_rank = SHAPES[layout_shape]
+    stages_per_rank = 4  # the V shape of .bidirectional

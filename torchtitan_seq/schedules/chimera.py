@@ -1,9 +1,6 @@
 """Chimera: two straight pipelines in opposite directions (Li & Hoefler, SC'21), over units.
 
-The model is cut into p chunks; chain A runs them down the ranks, chain B up,
-so each rank holds two stages and every chunk is held twice, on a mirrored
-pair of ranks. Layout, lowering and mirrored copies:
-:mod:`~torchtitan_seq.schedules.bidirectional`, shared with BSIPipe.
+Layout, lowering and mirrored copies: :mod:`~torchtitan_seq.schedules.bidirectional`, shared with BSIPipe.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ from torch.distributed.pipelining.schedules import _Action
 
 from ..ordering import B, F
 from .base import ActionLists
-from .bidirectional import SHAPES, BidirectionalSchedule
+from .bidirectional import BidirectionalSchedule
 from .seq1f1b import unit_orders
 
 __all__ = ["chimera_actions", "ScheduleChimera"]
@@ -21,7 +18,7 @@ __all__ = ["chimera_actions", "ScheduleChimera"]
 def chimera_actions(
     num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False, stages_per_rank: int = 2
 ) -> ActionLists:
-    """Chimera: two straight Seq1F1B pipelines in opposite directions (the ``straight`` shape of
+    """Chimera: two straight Seq1F1B pipelines in opposite directions (the straight shape of
     :mod:`.bidirectional`), merged as Chimera merges them: each pass takes the slot it has in its own
     chain's 1F1B when forward and backward take one slot each (stage i's n-th forward in slot i + n
     during its warm-up, later ones right after the backward they alternate with; its n-th backward in
@@ -53,5 +50,4 @@ class ScheduleChimera(BidirectionalSchedule):
     """Chimera; see :func:`chimera_actions` and, for the layout, :mod:`.bidirectional`."""
 
     actions_fn = staticmethod(chimera_actions)
-    layout_shape = "straight"
-    stages_per_rank = SHAPES[layout_shape]
+    stages_per_rank = 2  # the straight shape of .bidirectional

@@ -133,7 +133,7 @@ def build(config: SimConfig) -> Built:
         placement = cls.stage_placement
         order = {r: list(acts) for r, acts in _checked_order(cls, p, n, k, config.split_backward, v).items()}
         if placement == "bidirectional":  # lists keyed by position, as the runtime maps them
-            layout = BidirectionalLayout.holding(p, v, config.bidirectional_placement)
+            layout = BidirectionalLayout(p, config.bidirectional_placement, v)
             order = {r: order[layout.position_of_rank(r)] for r in range(p)}
     elif config.schedule in TORCH_SCHEDULES:
         if k != 1 or config.split_backward:

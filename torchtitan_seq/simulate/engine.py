@@ -311,7 +311,7 @@ def simulate_order(
     lowered, stage_to_rank = prepared.lowered, prepared.stage_to_rank
     if placement is not None:
         expected = (
-            [BidirectionalLayout.holding(p, v, name).stage_to_rank() for name in PLACEMENTS]
+            [BidirectionalLayout(p, name, v).stage_to_rank() for name in PLACEMENTS]
             if placement == "bidirectional"
             else [generate_stage_to_rank_mapping(p, num_stages, style=placement)]
         )

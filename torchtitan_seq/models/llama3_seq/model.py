@@ -1,13 +1,11 @@
 """torchtitan's Llama 3 with chunk-aware attention: the model the sequence schedules run.
 
-``SeqTransformer`` is torchtitan's ``Transformer`` with each layer's inner attention replaced by
-:class:`~torchtitan_seq.attention.SequenceAttention`; its parameters, FQNs, initialisation, TP plan
-and checkpoints are Llama 3's. Every Llama 3 flavor is offered under its torchtitan name; the
-block-causal ones (``debugmodel_flex_attn``, ``8B_varlen``, ...) mask attention at each document
-boundary exactly as torchtitan's document mask does, whatever kernel runs: their ``attention_masks``
-are the batch's document ids (:func:`~torchtitan_seq.documents.document_ids`). While a pipeline stage
-runs a unit at offset s, the model reads RoPE at positions [s, s+L) and each layer attends through
-the stage's KV context (:func:`~torchtitan_seq.attention.bind_kv_context`); otherwise it is plain Llama 3.
+Its parameters, FQNs, initialisation, TP plan and checkpoints are Llama 3's, and every Llama 3
+flavor is offered under its torchtitan name; the block-causal ones (``debugmodel_flex_attn``,
+``8B_varlen``, ...) get the batch's document ids (:mod:`torchtitan_seq.documents`) as their
+``attention_masks``, whatever kernel runs. While a pipeline stage runs a unit at offset s, the model
+reads RoPE at positions [s, s+L) and each layer attends through the stage's KV context
+(:func:`~torchtitan_seq.attention.bind_kv_context`); otherwise it is plain Llama 3.
 """
 
 from __future__ import annotations
