@@ -412,9 +412,9 @@ def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
                 continue
             for ac in AC_MODES:
                 r = _RECOMPUTE[ac]
+                flops = n * _step_flops(cost, args.n_layers, lengths, pp, r) + _fill_flops(
+                    choice, cost, args.n_layers, lengths, pp, r)
                 for tp, dp in splits:
-                    flops = n * _step_flops(cost, args.n_layers, lengths, pp, r) + _fill_flops(
-                        choice, cost, args.n_layers, lengths, pp, r)
                     seconds = flops / (tp * costs.flops_per_gpu) + n * _tp_seconds(
                         args, job.seq_len, pp, tp, r, cluster)
                     candidates.append(_Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds))
