@@ -299,14 +299,15 @@ class _Plan:
     """Per k, every rank's events end to end, and where each rank's begin (see :meth:`merged_events`)."""
     by_rank: dict[int, list[int]] = field(init=False, compare=False, repr=False)
     """Per rank, its stages, sorted."""
-    scale: np.ndarray = field(init=False, compare=False, repr=False)
-    """Per rank, what its walk's peaks are multiplied by: N / built_microbatches where the rank runs
-    every forward first (GPipe, TeraPipe: the peak grows with N), else 1."""
+    forwards_first: np.ndarray = field(init=False, compare=False, repr=False)
+    """Per rank, whether it runs every forward first (GPipe, TeraPipe): its peak grows with N, so
+    :func:`_walks` scales it by N / built_microbatches."""
 
     def __post_init__(self) -> None:
         by_rank = {r: sorted({a.stage_index for a in acts}) for r, acts in self.order.items()}
         object.__setattr__(self, "by_rank", by_rank)
-        object.__setattr__(self, "scale", np.array([_all_forwards_first(self.order[r]) for r in sorted(self.order)]))
+        first = np.array([_all_forwards_first(self.order[r]) for r in sorted(self.order)])
+        object.__setattr__(self, "forwards_first", first)
 
     @property
     def stages(self) -> set[int]:
@@ -440,7 +441,7 @@ def _walks(plan: _Plan, weights: dict[int, _StageBytes], k: int, n: int) -> list
         running = np.cumsum(deltas)
         before = np.concatenate(([0.0], running))[starts]  # the running sum as each rank begins
         peaks.append(np.maximum(np.maximum.reduceat(running, starts) - before, 0.0))
-    scale = np.where(plan.scale, n / plan.built_microbatches, 1.0)
+    scale = np.where(plan.forwards_first, n / plan.built_microbatches, 1.0)
     return [(float(a), float(b)) for a, b in zip(peaks[0] * scale, peaks[1] * scale)]
 
 
