@@ -40,18 +40,19 @@ structured record, ``metrics.jsonl`` in the run's dump folder
 * the first step apart (median over the runs): it compiles, so its excess over
   the median step is the compile time.
 
-``--calibrate`` then times the passes of every unit on every pipeline
+``--calibrate`` also times the passes of every unit on every pipeline
 rank, each rank in its own process (one thread, like a training rank) and
 all at once, as the ranks share the machine, at each run's subsequence
 lengths and with the model chunks the run's schedule puts on each rank
 (:func:`chunks_of_ranks`; a rank of several chunks alternates between them,
-:func:`calibration.calibrate`); writes the slowest rank's times as a
-cost file of :mod:`torchtitan_seq.simulate` (seconds) in ``--out``; and records the
-simulator's predicted step time (makespan of the pipeline alone, no
-optimizer, no communication time) and its error against the measured step
-and against the measured pipeline time. Calibration and runs are minutes
-apart: on a machine shared with other work the comparison is only as good as
-the load is steady (``benchmarks/README.md``).
+:func:`calibration.calibrate`). It does so in every round, right after the
+first run that needs those units, so that on a shared machine whose speed
+drifts the calibrations sample the same minutes as the runs; the median over
+the rounds (:func:`calibration.merge`) is written as a cost file of
+:mod:`torchtitan_seq.simulate` (seconds, the slowest rank's times) in
+``--out``, and each record gets the simulator's predicted step time
+(makespan of the pipeline alone, no optimizer, no communication time) and its
+error against the measured step and against the measured pipeline time.
 
 Outputs in ``--out``: ``bench.json`` (a list of records, see :class:`Record`),
 ``bench.md`` (a table) and ``bench.png`` (tokens/s and rank 0's peak against
@@ -76,7 +77,7 @@ from pathlib import Path
 # The checkout's package, the one ./run_train.sh trains, whichever one is installed.
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
-from calibration import calibrate  # noqa: E402
+from calibration import calibrate, merge  # noqa: E402
 from training_run import ROOT, Run, run_train  # noqa: E402
 
 from torchtitan_seq.partition import PARTITIONS  # noqa: E402
@@ -84,8 +85,8 @@ from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: E402
 from torchtitan_seq.simulate import SimConfig, simulate  # noqa: E402
 from torchtitan_seq.simulate.build import build, compute_leaves  # noqa: E402
 
-__all__ = ["Variant", "parse_variants", "Record", "measure", "calibrate", "chunks_of_ranks", "predicted_step_time",
-           "add_predictions", "main"]
+__all__ = ["Variant", "parse_variants", "Record", "measure", "calibrate", "merge", "chunks_of_ranks",
+           "predicted_step_time", "calibrate_run", "add_predictions", "main"]
 
 BASELINE = "1F1B"
 
@@ -208,13 +209,16 @@ def _check_run(run: Run, steps: int, what: str) -> None:
 
 
 def measure(variants: list[Variant], args: argparse.Namespace) -> list[Record]:
-    """Run every variant ``args.rounds`` times at each length, alternating; one record each."""
+    """Run every variant ``args.rounds`` times at each length, alternating; one record each.
+    With ``--calibrate``, each round also calibrates every run's units (:func:`calibrate_run`)
+    right after the first run that needs them, and the records get the simulator's predictions."""
     env = {"NGPU": str(args.pp), "CONFIG_FILE": str(Path(args.config).resolve())}
     total = len(args.seq_lens) * args.rounds * len(variants)
     records = []
     count = 0
     for seq_len in args.seq_lens:
         runs: dict[Variant, list[Run]] = {v: [] for v in variants}
+        calibrations: dict[tuple, list[dict]] = {}
         for r in range(args.rounds):
             for v in variants:
                 count += 1
@@ -233,7 +237,12 @@ def measure(variants: list[Variant], args: argparse.Namespace) -> list[Record]:
                     f"({time.monotonic() - began:.0f} s)",
                     flush=True,
                 )
-        records += [_record(v, seq_len, runs[v], args) for v in variants]
+                if args.calibrate:
+                    calibrate_run(v, seq_len, run.lengths or [seq_len], args, calibrations, r)
+        mine = [_record(v, seq_len, runs[v], args) for v in variants]
+        if args.calibrate:
+            add_predictions(mine, calibrations, args)
+        records += mine
     _add_ratios(records)
     return records
 
@@ -309,25 +318,43 @@ def chunks_of_ranks(schedule: str, pp: int, microbatches: int, k: int) -> tuple[
     )
 
 
-def add_predictions(records: list[Record], out: Path, repeats: int) -> None:
-    """Calibrate each (length, cut) once and record the simulator's prediction for every record."""
-    files: dict[tuple[int, tuple[int, ...], bool, tuple[tuple[int, ...], ...]], Path] = {}
+def _cost_key(schedule: str, num_subsequences: int, seq_len: int, lengths: list[int],
+              args: argparse.Namespace) -> tuple:
+    """What a calibration depends on: length, cut, units or whole sequences, each rank's chunks."""
+    chunks = chunks_of_ranks(schedule, args.pp, args.microbatches, num_subsequences)
+    return seq_len, tuple(lengths), schedule in SEQUENCE_SCHEDULES, chunks
+
+
+def calibrate_run(variant: Variant, seq_len: int, lengths: list[int], args: argparse.Namespace,
+                  calibrations: dict[tuple, list[dict]], round_index: int) -> None:
+    """Calibrate ``variant``'s units unless this round already did: once per round, right after
+    a run, so that calibrations and runs sample the machine's drifting speed alike."""
+    key = _cost_key(variant.schedule, variant.num_subsequences, seq_len, lengths, args)
+    done = calibrations.setdefault(key, [])
+    if len(done) > round_index:
+        return
+    began = time.monotonic()
+    done.append(calibrate(seq_len, lengths, args.pp, units=key[2], chunks=[list(c) for c in key[3]],
+                          repeats=args.repeats))
+    print(f"calibrated {_cost_name(key)} ({time.monotonic() - began:.0f} s)", flush=True)
+
+
+def _cost_name(key: tuple) -> str:
+    seq_len, lengths, units, chunks = key
+    layout = "" if chunks == tuple((q,) for q in range(len(chunks))) else "_chunks-" + "-".join(
+        ".".join(map(str, c)) for c in chunks)
+    return f"cost_s{seq_len}_{'units' if units else 'whole'}_{'-'.join(map(str, lengths))}{layout}.json"
+
+
+def add_predictions(records: list[Record], calibrations: dict[tuple, list[dict]], args: argparse.Namespace) -> None:
+    """Write each cut's calibrations, merged over the rounds, as a cost file in ``--out``, and
+    record the simulator's prediction for every record."""
     for r in records:
-        units = r.schedule in SEQUENCE_SCHEDULES
-        chunks = chunks_of_ranks(r.schedule, r.pp, r.microbatches, r.num_subsequences)
-        key = (r.seq_len, tuple(r.lengths), units, chunks)
-        if key not in files:
-            began = time.monotonic()
-            cost = calibrate(r.seq_len, r.lengths, r.pp, units=units, chunks=[list(c) for c in chunks],
-                             repeats=repeats)
-            cut = "-".join(map(str, r.lengths))
-            layout = "" if chunks == tuple((q,) for q in range(r.pp)) else "_chunks-" + "-".join(
-                ".".join(map(str, c)) for c in chunks)
-            files[key] = out / f"cost_s{r.seq_len}_{'units' if units else 'whole'}_{cut}{layout}.json"
-            files[key].write_text(json.dumps(cost, indent=1) + "\n")
-            print(f"calibrated {files[key].name} ({time.monotonic() - began:.0f} s)", flush=True)
-        r.cost_file = files[key].name
-        r.predicted_step_time_s = predicted_step_time(r, files[key])
+        key = _cost_key(r.schedule, r.num_subsequences, r.seq_len, r.lengths, args)
+        path = args.out / _cost_name(key)
+        path.write_text(json.dumps(merge(calibrations[key]), indent=1) + "\n")
+        r.cost_file = path.name
+        r.predicted_step_time_s = predicted_step_time(r, path)
         r.prediction_error = r.predicted_step_time_s / r.step_time_s - 1
         if r.pipeline_time_s is not None:
             r.pipeline_prediction_error = r.predicted_step_time_s / r.pipeline_time_s - 1
@@ -437,8 +464,6 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if args.calibrate:
-        add_predictions(records, args.out, args.repeats)
     header = (
         f"# Benchmark {began:%Y-%m-%d %H:%M}\n\n`{command}`\n\n"
         f"pp={args.pp}, {args.microbatches} microbatches, {args.steps} steps per run "

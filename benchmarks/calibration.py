@@ -18,7 +18,7 @@ from torchtitan_seq.attention import bind_kv_context, select_kernel
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "merge"]
 
 
 def _stage_model(flavor: str, seq_len: int, pp: int, stage: int) -> tuple[torch.nn.Module, object]:
@@ -212,22 +212,32 @@ def calibrate(
         barrier = manager.Barrier(pp)
         work = [(seq_len, lengths, num_chunks, held, units, flavor, repeats, device, barrier) for held in chunks]
         chunk_times = pool.starmap(_calibrate_rank, work)
+    meta = {"unit": "s", "seq_len": seq_len, "lengths": lengths, "flavor": flavor, "repeats": repeats,
+            "device": device}
+    return _cost_file(chunks, chunk_times, meta)
+
+
+def _cost_file(chunks: list[list[int]], chunk_times: list[list[dict[str, list[float]]]], meta: dict) -> dict:
+    """The cost file of :func:`calibrate` from every chunk's times (seconds per pass and unit)."""
+    pp, num_chunks = len(chunks), 1 + max(c for held in chunks for c in held)
     scale = num_chunks / pp
     ranks = [
-        {p: [scale * statistics.mean(t[p][j] for t in times) for j in range(len(lengths))] for p in "FBIW"}
+        {p: [scale * statistics.mean(t[p][j] for t in times) for j in range(len(meta["lengths"]))] for p in "FBIW"}
         for times in chunk_times
     ]
     slowest = max(range(pp), key=lambda r: sum(ranks[r]["F"]) + sum(ranks[r]["B"]))
-    return {
-        **ranks[slowest],
-        "stage": slowest,
-        "stages": ranks,
-        "chunks": chunks,
-        "chunk_times": chunk_times,
-        "unit": "s",
-        "seq_len": seq_len,
-        "lengths": lengths,
-        "flavor": flavor,
-        "repeats": repeats,
-        "device": device,
-    }
+    return {**ranks[slowest], "stage": slowest, "stages": ranks, "chunks": chunks, "chunk_times": chunk_times, **meta}
+
+
+def merge(costs: list[dict]) -> dict:
+    """One cost file from calibrations of the same units and layout taken at different times
+    (``bench.py`` calibrates in every round, beside the runs): the median of each pass of each
+    unit on each chunk, then :func:`calibrate`'s derivation; ``rounds`` says how many."""
+    first = costs[0]
+    chunk_times = [
+        [{p: [statistics.median(c["chunk_times"][r][i][p][j] for c in costs) for j in range(len(first["lengths"]))]
+          for p in "FBIW"} for i in range(len(held))]
+        for r, held in enumerate(first["chunks"])
+    ]
+    meta = {key: first[key] for key in ("unit", "seq_len", "lengths", "flavor", "repeats", "device")}
+    return {**_cost_file(first["chunks"], chunk_times, meta), "rounds": len(costs)}

@@ -109,6 +109,12 @@ def test_calibration_writes_a_cost_file_the_simulator_reads(tmp_path):
     assert all(len(st[p]) == 3 and min(st[p]) > 0 for st in (first, last) for p in "FBW")
     assert first["I"] == [0.0] * 3 and min(last["I"]) > 0  # torch's first stage has no I pass
     assert cost["F"] == cost["stages"][cost["stage"]]["F"]
+    # Calibrations of several rounds merge pass by pass: the median of each unit's times.
+    slower = {**cost, "chunk_times": [[{p: [2 * x for x in t[p]] for p in "FBIW"} for t in rank]
+                                      for rank in cost["chunk_times"]]}
+    merged = bench.merge([slower, cost, slower])
+    assert merged["rounds"] == 3 and merged["lengths"] == [128, 64, 64]
+    assert merged["stages"] == [{p: [2 * x for x in st[p]] for p in "FBIW"} for st in cost["stages"]]
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(cost))
     record = bench.Record(

@@ -65,14 +65,15 @@ def _list_schedule(
             c = s // chain
             full = full_at or live[q][c] >= limits[q][c]
             for kind in (B, F):
-                if not queue[s, kind] or (kind == F and full):
+                waiting = queue[s, kind]
+                if not waiting or (kind == F and full):
                     continue
-                u = queue[s, kind][-1]
-                needs = [] if upstream[s, kind] is None else [finished.get((upstream[s, kind], kind, u))]
-                if kind == B:  # and, by rule 2, after the microbatch's last forward on the stage
-                    needs.append(finished.get((s, F, u - u % k + k - 1)))
-                if None not in needs:
-                    out.append((max([free[q], *needs]), s, kind, u))
+                u, up = waiting[-1], upstream[s, kind]
+                made = free[q] if up is None else finished.get((up, kind, u))
+                # A backward also waits, by rule 2, for the microbatch's last forward on the stage.
+                forwarded = free[q] if kind == F else finished.get((s, F, u - u % k + k - 1))
+                if made is not None and forwarded is not None:
+                    out.append((max(free[q], made, forwarded), s, kind, u))
         return min((o[0] for o in out), default=math.inf), out
 
     def priority(q: int, s: int, kind: Any, u: int) -> float:
@@ -86,14 +87,17 @@ def _list_schedule(
     # Each position's candidates change only when it or a neighbour in a chain acts.
     touches = {s: {layout.rank_of_stage(n) for n in (chain_neighbour(s, d, chain) for d in (-1, 0, 1)) if n is not None}
                for s in range(2 * chain)}
-    cached = {q: candidates(q) for q in range(p)}
+    cached = [candidates(q) for q in range(p)]
+    soonest = [c[0] for c in cached]
     remaining = 2 * num_microbatches * k * chain
     while remaining:
-        # The position that can start soonest acts; nothing it waits for can finish earlier.
-        start, q = min((soonest, q) for q, (soonest, _) in cached.items())
+        # The position that can start soonest (the first of equals) acts; nothing it waits for can finish earlier.
+        start = min(soonest)
+        q = soonest.index(start)
         if start == math.inf:
             limits = [[lim + 1 for lim in lims] for lims in limits]
-            cached = {q: candidates(q) for q in range(p)}
+            cached = [candidates(q) for q in range(p)]
+            soonest = [c[0] for c in cached]
             continue
         cands = cached[q][1]
         _, s, kind, u = min((c for c in cands if c[0] <= start), key=lambda c: priority(q, *c[1:]))
@@ -109,6 +113,7 @@ def _list_schedule(
         remaining -= 1
         for r in touches[s]:
             cached[r] = candidates(r)
+            soonest[r] = cached[r][0]
     return actions, max(free), most
 
 
