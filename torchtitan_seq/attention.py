@@ -272,19 +272,25 @@ def _heads_inner(out: Tensor) -> Tensor:
 
 @torch.library.custom_op("torchtitan_seq::unit_attention", mutates_args=())
 def _unit_attention(
-    q: Tensor, k: Tensor, v: Tensor, ids: Tensor, scale: float, compiled: bool
+    q: Tensor, k: Tensor, v: Tensor, ids: Tensor | None, documents: Tensor | None, scale: float, compiled: bool
 ) -> tuple[Tensor, Tensor]:
     """Attention of the current unit over what :func:`_reads` names; outside a unit (and a
-    recomputation), causal attention over ``q``'s sequence. out (B, Hq, L, D), lse (B, Hq, L)."""
-    context, kernel, layer_id = _bound(ids)
-    unit = context.unit or context.backward_unit
-    if unit is None:
-        prefix = []
-    elif context.unit is None:  # a recomputation inside the unit's backward
-        prefix, _ = context.recorded(layer_id)
+    recomputation), causal attention over ``q``'s sequence. Unbound (``ids`` None): block-causal
+    attention of whole packed sequences, ``documents`` (B, L) their ids, read only then.
+    Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
+    if ids is None:
+        kernel, unit, prefix, packed = select_kernel(q.device), None, [], Documents.from_ids(documents)
     else:
-        prefix, _ = context.append(layer_id, k, v, copy=compiled)
-    diagonal, rectangles = _reads(context.documents_of(unit), unit, q.shape[2], prefix)
+        context, kernel, layer_id = _bound(ids)
+        unit = context.unit or context.backward_unit
+        if unit is None:
+            prefix = []
+        elif context.unit is None:  # a recomputation inside the unit's backward
+            prefix, _ = context.recorded(layer_id)
+        else:
+            prefix, _ = context.append(layer_id, k, v, copy=compiled)
+        packed = context.documents_of(unit)
+    diagonal, rectangles = _reads(packed, unit, q.shape[2], prefix)
     out, lse = _diagonal_forward(kernel, q, k, v, diagonal, scale)
     if rectangles:
         out = out.float()
@@ -297,15 +303,20 @@ def _unit_attention(
 
 @torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())
 def _unit_attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ids: Tensor, scale: float
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ids: Tensor | None,
+    documents: Tensor | None, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of :func:`_unit_attention`; sends dK/dV to the prefix blocks the unit read,
     and adds those the later units (run backward first) sent the unit's own block."""
-    context, kernel, layer_id = _bound(ids)
+    if ids is None:
+        kernel, unit, prefix, grads, packed = select_kernel(q.device), None, [], None, Documents.from_ids(documents)
+    else:
+        context, kernel, layer_id = _bound(ids)
+        unit = context.backward_unit
+        prefix, grads = context.recorded(layer_id) if unit is not None else ([], None)
+        packed = context.documents_of(unit)
     dout = dout.contiguous()
-    unit = context.backward_unit
-    prefix, grads = context.recorded(layer_id) if unit is not None else ([], None)
-    diagonal, rectangles = _reads(context.documents_of(unit), unit, q.shape[2], prefix)
+    diagonal, rectangles = _reads(packed, unit, q.shape[2], prefix)
     dq, dk, dv = _diagonal_backward(kernel, dout, q, k, v, out, lse, diagonal, scale)
     for queries, p, keys in rectangles:
         dq_i, dk_i, dv_i = kernel.backward(
@@ -320,62 +331,36 @@ def _unit_attention_backward(
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
-@torch.library.custom_op("torchtitan_seq::document_attention", mutates_args=())
-def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Block-causal attention of whole packed sequences (no pipeline unit): causal within
-    each document piece, one kernel call a piece, no mask. documents: (B, L) ids.
-    Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
-    pieces, _ = _reads(Documents.from_ids(documents), None, q.shape[2], [])
-    out, lse = _diagonal_forward(select_kernel(q.device), q, k, v, pieces, scale)
-    return _heads_inner(out), lse.contiguous()
-
-
-@torch.library.custom_op("torchtitan_seq::document_attention_backward", mutates_args=())
-def _document_attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, documents: Tensor, scale: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of :func:`_document_attention`."""
-    pieces, _ = _reads(Documents.from_ids(documents), None, q.shape[2], [])
-    dq, dk, dv = _diagonal_backward(select_kernel(q.device), dout.contiguous(), q, k, v, out, lse, pieces, scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
-
-
+@_unit_attention.register_fake
 def _fake_attention(q: Tensor, *_) -> tuple[Tensor, Tensor]:
     b, h, n, d = q.shape
     return q.new_empty(b, n, h, d).transpose(1, 2), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
+@_unit_attention_backward.register_fake
 def _fake_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *_) -> tuple[Tensor, ...]:
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-def _register(op, backward_op) -> None:
-    """Fake implementations and autograd of an attention op (q, k, v, names, scale, ...) and
-    its backward op (dout, q, k, v, out, lse, names, scale); names: layer ids or documents."""
-    op.register_fake(_fake_attention)
-    backward_op.register_fake(_fake_gradients)
-
-    def setup_context(ctx, inputs, output) -> None:
-        q, k, v, names, ctx.scale, *_ = inputs
-        ctx.num_inputs = len(inputs)
-        ctx.save_for_backward(q, k, v, *output, names)
-
-    def backward(ctx, dout: Tensor, _dlse: Tensor | None):
-        return *backward_op(dout, *ctx.saved_tensors, ctx.scale), *[None] * (ctx.num_inputs - 3)
-
-    op.register_autograd(backward, setup_context=setup_context)
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, ids, documents, ctx.scale, _ = inputs
+    ctx.save_for_backward(q, k, v, *output, ids, documents)
 
 
-_register(_unit_attention, _unit_attention_backward)
-_register(_document_attention, _document_attention_backward)
+def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    """dq, dk, dv; no gradient for ids, documents, scale and compiled."""
+    return *_unit_attention_backward(dout, *ctx.saved_tensors, ctx.scale), None, None, None, None
+
+
+_unit_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 class SequenceAttention(nn.Module):
     """Drop-in for torchtitan's ``ScaledDotProductAttentionWrapper``. Unbound, it computes
     exactly what torchtitan's Llama 3 computes: causal SDPA over the whole sequence
-    (block-causal given documents). Bound to a stage's KV context (:meth:`bind`: after
-    construction, as torchtitan deep-copies the model per pipeline stage and each stage has
-    its own context), it runs ``torchtitan_seq::unit_attention``."""
+    (block-causal given documents, by ``torchtitan_seq::unit_attention`` without a unit).
+    Bound to a stage's KV context (:meth:`bind`: after construction, as torchtitan deep-copies
+    the model per pipeline stage and each stage has its own context), it runs that op on units."""
 
     def __init__(self, layer_id: int) -> None:
         super().__init__()
@@ -401,9 +386,8 @@ class SequenceAttention(nn.Module):
         if not is_causal:
             raise ValueError("SequenceAttention runs units of causal attention only")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if self.ids is None:
-            return torch.ops.torchtitan_seq.document_attention(q, k, v, documents, scale)[0]
-        return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, scale, torch.compiler.is_compiling())[0]
+        compiled = torch.compiler.is_compiling()
+        return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, documents, scale, compiled)[0]
 
 
 def bind_kv_context(model: nn.Module, context: KVContext, kernel: AttentionKernel) -> None:

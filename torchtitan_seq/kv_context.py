@@ -61,18 +61,18 @@ class Unit:
 class KVGrads:
     """dL/dK and dL/dV that later units send one unit's block, until the unit's backward."""
 
-    __slots__ = ("k", "v", "_like")
+    __slots__ = ("k", "v", "_shape")
 
-    def __init__(self, like: torch.Tensor) -> None:
+    def __init__(self, shape: torch.Size) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
-        self._like = like  # a tensor shaped as the unit's K (and V), to start from zeros
+        self._shape = shape  # the unit's K (and V) shape, not K: the buffers must not keep K alive
 
     def add(self, grad_k: torch.Tensor, grad_v: torch.Tensor, where: tuple[slice, ...] = ()) -> None:
         """Add the gradient of the whole block, or of the part ``where`` (an index of K)."""
         if where:
             if self.k is None:
-                self.k, self.v = torch.zeros_like(self._like), torch.zeros_like(self._like)
+                self.k, self.v = grad_k.new_zeros(self._shape), grad_v.new_zeros(self._shape)
             self.k[where] += grad_k
             self.v[where] += grad_v
         else:
@@ -99,7 +99,7 @@ class KVBlock:
         self, k: torch.Tensor, v: torch.Tensor, offset: int = 0, grads: KVGrads | None = None, start: int = 0
     ):
         self.k, self.v, self.offset, self.start = k.detach(), v.detach(), offset, start
-        self.grads = grads or KVGrads(self.k)
+        self.grads = grads or KVGrads(self.k.shape)
 
     @property
     def end(self) -> int:

@@ -1,5 +1,7 @@
 """Chunk-aware attention in one process: units through a KV context equal the full sequence."""
 
+import weakref
+
 import pytest
 import torch
 from exactness import TOL, init_test_weights, model_args
@@ -138,3 +140,19 @@ def test_bf16_units_lose_no_more_than_the_whole_sequence_in_bf16():
 def test_bf16_bound_catches_the_attention_mutations(mutation):
     units, whole = _bf16_errors(mutation)
     assert units > 5 * BF16_BOUND * whole, (mutation, units, whole)
+
+
+def test_side_buffers_do_not_keep_their_units_kv():
+    """A unit's own record keeps its gradient side buffers, not its K/V: once the last unit
+    that read block 0 ran backward, block 0's K (a copy, as under compile) is freed, though
+    unit 0's backward is still to come."""
+    context = KVContext()
+    units = [Unit(0, j, 4 * j, 4, 2) for j in range(2)]
+    for u in units:
+        with context.running(u):
+            prefix, _ = context.append(0, torch.randn(1, 1, 4, 2), torch.randn(1, 1, 4, 2), copy=True)
+    kept = weakref.ref(prefix[0].k)
+    del prefix
+    with context.backward(units[1]):
+        pass
+    assert kept() is None
