@@ -49,7 +49,7 @@ lengths and with the model chunks the run's schedule puts on each rank
 first run that needs those units, so that on a shared machine whose speed
 drifts the calibrations sample the same minutes as the runs; the median over
 the rounds (:func:`calibration.merge`) is written as a cost file of
-:mod:`torchtitan_seq.simulate` (seconds, the slowest rank's times) in
+:mod:`torchtitan_seq.simulate` (seconds; every chunk's times on its rank) in
 ``--out``, and each record gets the simulator's predicted step time
 (makespan of the pipeline alone, no optimizer, no communication time) and its
 error against the measured step and against the measured pipeline time.

@@ -201,9 +201,11 @@ def calibrate(
 
     A rank's times are its chunks' mean scaled to 1/pp of the layers (the
     simulator's unit: it gives a stage of c chunks' share pp / c of them).
-    The simulator gives every rank the same costs: F, B, I and W are those of
-    the slowest rank (largest total F + B), ``stage``; ``stages`` keeps every
-    rank's, ``chunk_times`` every chunk's.
+    F, B, I and W are the slowest rank's (largest total F + B), ``stage``:
+    the times the simulator gives every stage unless ``chunk_times`` (every
+    chunk's own, per rank) cover the schedule's layout, when each stage takes
+    its own chunk's (:func:`torchtitan_seq.simulate.costs.chunk_times`);
+    ``stages`` keeps every rank's.
     """
     chunks = chunks or [[r] for r in range(pp)]
     num_chunks = 1 + max(c for held in chunks for c in held)

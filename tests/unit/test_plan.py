@@ -120,10 +120,10 @@ def test_bad_input_gets_one_line_naming_the_setting(argv, needle, capsys):
 
 
 def test_activation_peaks_agree_with_the_recorded_benchmark():
-    """benchmarks/planner/: a CPU benchmark (debug model, pp=2) of eight schedules and k,
+    """benchmarks/planner/: a CPU benchmark (debug model, pp=2) of six schedules and k,
     calibrated; the planner, given its cost files, predicts each rank's activation peak
     within 10%. (Its ranking is reported in planner_check.md, not asserted: it misses the
-    measured one, see there.)"""
+    measured one by two adjacent swaps, see there.)"""
     import planner_check
 
     rows = planner_check.compare(Path(__file__).resolve().parents[2] / "benchmarks" / "planner")

@@ -208,6 +208,22 @@ def test_cost_file_and_latency(tmp_path):
     assert _run("GPipe", 2, 1, comm_latency=0.5).makespan == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
 
 
+def test_calibrated_chunks_time_their_own_stages(tmp_path):
+    """A calibration's per-chunk times (a light first chunk, a heavy last one) time each stage
+    as its own chunk; without them every stage takes the shared (slowest rank's) times."""
+    light, heavy = {"F": [1.0], "B": [2.0], "I": [0.0], "W": [2.0]}, {"F": [3.0], "B": [6.0], "I": [4.0], "W": [2.0]}
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({**heavy, "chunks": [[0], [1]], "chunk_times": [[light], [heavy]]}))
+    # 1F1B, p=2, N=2. Rank 0: F0 F1 (0-2), B0 once rank 1's B0 ends (10-12), B1 after its B1 (19-21);
+    # rank 1: F0 (1-4), B0 (4-10), F1 (10-13), B1 (13-19).
+    assert sim.simulate(sim.SimConfig("1F1B", 2, 2, cost=str(path))).makespan == pytest.approx(21.0)
+    path.write_text(json.dumps(heavy))
+    assert sim.simulate(sim.SimConfig("1F1B", 2, 2, cost=str(path))).makespan == pytest.approx(3 * 9.0)
+    # Chunks measured for another layout (two per rank) leave the shared times in place.
+    path.write_text(json.dumps({**heavy, "chunks": [[0, 2], [1, 3]], "chunk_times": [[light, light], [heavy, heavy]]}))
+    assert sim.simulate(sim.SimConfig("1F1B", 2, 2, cost=str(path))).makespan == pytest.approx(3 * 9.0)
+
+
 def test_transformer_cost_and_compute_partition():
     even = sim.simulate(sim.SimConfig("Seq1F1B", 2, 2, 4, cost="transformer", seq_len=4096))
     times = sim.unit_times(sim.SimConfig("Seq1F1B", 2, 2, 4, cost="transformer", seq_len=4096), even.lengths)

@@ -16,9 +16,13 @@ rank). Unit j of length L_j after a prefix P_j costs:
 
   ``F`` is required, and ``B`` or both ``I`` and ``W``; ``B`` defaults to
   I + W; ``I`` and ``W`` are needed only by schedules that split backward.
-  Other keys (metadata) are ignored. Times are in any one unit (seconds, ms);
-  a network whose links cost time (:mod:`.network`) needs them in seconds,
-  marked ``"unit": "s"`` (as ``bench.py --calibrate`` writes them).
+  Times are in any one unit (seconds, ms); a network whose links cost time
+  (:mod:`.network`) needs them in seconds, marked ``"unit": "s"`` (as
+  ``bench.py --calibrate`` writes them). A calibration file also holds each
+  model chunk's own times on each rank (``chunks``, ``chunk_times``):
+  :func:`chunk_times` reads them, and the engine times every stage as its own
+  chunk (the first and last carry the embedding and the output layer) where
+  they cover the schedule's stages. Other keys (metadata) are ignored.
 
 :func:`seconds_per_time_unit` converts the unit of time into seconds for a
 network.
@@ -34,7 +38,10 @@ from typing import Callable
 from ..partition import UnitCost, partition_sequence
 from .build import SimConfig
 
-__all__ = ["UnitTimes", "unit_times", "transformer_times", "subsequence_lengths", "model_args", "seconds_per_time_unit"]
+__all__ = [
+    "UnitTimes", "ChunkTimes", "unit_times", "chunk_times", "transformer_times", "subsequence_lengths", "model_args",
+    "seconds_per_time_unit",
+]
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,11 @@ class UnitTimes:
     W: tuple[float, ...] | None = None
 
 
+ChunkTimes = dict[tuple[int, int, int], UnitTimes]
+"""(rank, model chunk, chunk count) -> the chunk's measured times on that rank, for a stage running
+it (unscaled), the model cut into that many chunks."""
+
+
 def unit_times(config: SimConfig, lengths: list[int]) -> UnitTimes:
     """Per-unit times of ``config.cost`` for subsequences ``lengths`` (see the module docstring),
     with ``config.recompute`` forwards added to each backward (B, and I: it runs first)."""
@@ -61,12 +73,31 @@ def unit_times(config: SimConfig, lengths: list[int]) -> UnitTimes:
     elif config.cost == "transformer":
         times = transformer_times(_model_cost(config), lengths)
     else:
-        times = _load_times(Path(config.cost), len(lengths))
-    if not config.recompute:
+        times = _parse(_read(Path(config.cost)), len(lengths), config.cost)
+    return _recomputing(times, config.recompute)
+
+
+def chunk_times(config: SimConfig, k: int) -> ChunkTimes:
+    """A calibration file's per-chunk times with ``config.recompute`` added as in :func:`unit_times`;
+    empty for the cost models and for files without them."""
+    if config.cost in ("uniform", "transformer"):
+        return {}
+    data = _read(Path(config.cost))
+    count = 1 + max((c for held in data.get("chunks", []) for c in held), default=-1)
+    return {
+        (rank, chunk, count): _recomputing(_parse(times, k, config.cost), config.recompute)
+        for rank, (held, measured) in enumerate(zip(data.get("chunks", []), data.get("chunk_times", [])))
+        for chunk, times in zip(held, measured)
+    }
+
+
+def _recomputing(times: UnitTimes, recompute: float) -> UnitTimes:
+    """``recompute`` forwards added to each backward (B, and I: it runs first)."""
+    if not recompute:
         return times
 
     def plus_forwards(passes: tuple[float, ...] | None) -> tuple[float, ...] | None:
-        return None if passes is None else tuple(t + config.recompute * f for t, f in zip(passes, times.F))
+        return None if passes is None else tuple(t + recompute * f for t, f in zip(passes, times.F))
 
     return UnitTimes(F=times.F, B=plus_forwards(times.B), I=plus_forwards(times.I), W=times.W)
 
@@ -84,10 +115,13 @@ def transformer_times(cost: UnitCost, lengths: list[int]) -> UnitTimes:
     return UnitTimes(F=per_unit(cost.forward), B=tuple(i + w for i, w in zip(inp, wgt)), I=inp, W=wgt)
 
 
-def _load_times(path: Path, k: int) -> UnitTimes:
+def _read(path: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"--cost {path}: not 'uniform', 'transformer' or an existing JSON file")
-    data = json.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def _parse(data: dict, k: int, path: str) -> UnitTimes:
     passes: dict[str, tuple[float, ...] | None] = {}
     for name in ("F", "B", "I", "W"):
         times = data.get(name)

@@ -27,7 +27,8 @@ bandwidth (:class:`~.network.Transfers`). Schedules with two copies of each
 model chunk end the step with the copies' all-reduces between the ranks that
 share chunks, once both have finished computing; the makespan includes them.
 
-Pass times come from :mod:`.costs`, scaled to a stage's share of the layers.
+Pass times come from :mod:`.costs`, scaled to a stage's share of the layers, or,
+from a calibration that timed every chunk, each stage's own chunk's.
 Activations are in M, one microbatch's activations on 1/p of the layers: unit
 j on a stage with 1/V of the rank's layers weighs (L_j / S) / V from its F
 until its backward ends (B, or W where backward is split: W needs the inputs).
@@ -46,7 +47,9 @@ from ..ordering import B, F, I, W, fed_by
 from ..render import Interval, Timeline
 from ..schedules import PLACEMENTS, ActionLists, BidirectionalLayout
 from .build import SimConfig, build, compute_leaves, lower, send_after_compute
-from .costs import UnitTimes, model_args, seconds_per_time_unit, subsequence_lengths, unit_times
+from .costs import (
+    ChunkTimes, UnitTimes, chunk_times, model_args, seconds_per_time_unit, subsequence_lengths, unit_times,
+)
 from .network import Transfers
 
 __all__ = ["StuckRank", "Deadlock", "SimResult", "simulate", "simulate_order"]
@@ -263,6 +266,7 @@ def simulate(config: SimConfig) -> SimResult:
         built.order,
         lengths=lengths,
         times=unit_times(config, lengths),
+        chunk_times=chunk_times(config, len(lengths)),
         stages_per_rank=built.stages_per_rank,
         placement=built.placement,
         schedule=config.schedule,
@@ -282,6 +286,7 @@ def simulate_order(
     lengths: list[int],
     times: UnitTimes,
     microbatches: int,
+    chunk_times: ChunkTimes | None = None,
     stages_per_rank: int = 1,
     placement: str | None = None,
     schedule: str = "custom",
@@ -295,7 +300,9 @@ def simulate_order(
     """Lower and time compute-only lists ``order`` ({rank: [action or None]}).
 
     ``lengths`` are the subsequence lengths (k = len(lengths)), ``times`` the
-    unit times on a stage with 1/p of the layers. ``placement`` ("loop",
+    unit times on a stage with 1/p of the layers; where ``chunk_times`` hold
+    every stage's model chunk on its rank, each stage takes its own chunk's
+    times instead (an uneven cut: the embedding, the output layer). ``placement`` ("loop",
     "v" or "bidirectional"), when given, must agree with where the lists put
     the stages ("bidirectional": either of its placements). With
     ``parameter_copies`` 2 the p v stages are two chains over p v / 2 model
@@ -333,8 +340,16 @@ def simulate_order(
     if missing:
         raise ValueError(f"{schedule} runs {missing} passes, but the cost {cost!r} has no times for them")
 
+    # Each stage's own chunk where it was measured on the stage's rank, else the shared times.
+    own = {s: (chunk_times or {}).get((r, s % chain_length, chain_length)) for s, r in stage_to_rank.items()}
+    per_stage = (
+        {s: {F: t.F, B: t.B, I: t.I, W: t.W} for s, t in own.items()}
+        if None not in own.values()
+        else dict.fromkeys(stage_to_rank, scaled)
+    )
+
     def duration(a: _Action) -> float:
-        return scaled[a.computation_type][a.microbatch_index % k]
+        return per_stage[a.stage_index][a.computation_type][a.microbatch_index % k]
 
     def transfer(src: int, dst: int, unit: int) -> float:
         return comm_latency + (transfers.send(src, dst, unit % k) if transfers else 0.0)
