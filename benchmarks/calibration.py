@@ -16,6 +16,7 @@ from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_
 
 from torchtitan_seq.attention import bind_kv_context, select_kernel
 from torchtitan_seq.kv_context import KVContext, Unit
+from torchtitan_seq.memory import ActivationMemory
 from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
 
 __all__ = ["calibrate", "merge"]
@@ -160,11 +161,14 @@ def _calibrate_rank(
     torch.manual_seed(chunks[0])
     timers = [_Chunk(seq_len, lengths, num_chunks, c, units, flavor, dev) for c in chunks]
     barrier.wait()
-    _round(timers)  # allocations, kernel choice
-    rounds = []
-    for _ in range(repeats):
-        barrier.wait()  # every rank times its passes while the others run theirs
-        rounds.append(_round(timers))
+    # The trainer measures activations in every step: its saved-tensor hook runs on every
+    # tensor autograd saves, a cost per operation that many small units pay more often.
+    with ActivationMemory().track():
+        _round(timers)  # allocations, kernel choice
+        rounds = []
+        for _ in range(repeats):
+            barrier.wait()  # every rank times its passes while the others run theirs
+            rounds.append(_round(timers))
     return [
         {p: [statistics.median(r[i][p][j] for r in rounds) for j in range(len(lengths))] for p in "FBIW"}
         for i in range(len(chunks))
@@ -197,7 +201,8 @@ def calibrate(
     split backward: input gradients (I), then weight gradients (W), with
     torch's own ``stage_backward*`` functions, as the pipeline stage runs them.
     The last chunk's loss (sum cross-entropy over the sequence) counts as
-    forward. Median of ``repeats`` rounds after one untimed round.
+    forward. Median of ``repeats`` rounds after one untimed round, all under
+    the activation meter the trainer runs (:mod:`torchtitan_seq.memory`).
 
     A rank's times are its chunks' mean scaled to 1/pp of the layers (the
     simulator's unit: it gives a stage of c chunks' share pp / c of them).
