@@ -349,10 +349,13 @@ def _cost_name(key: tuple) -> str:
 def add_predictions(records: list[Record], calibrations: dict[tuple, list[dict]], args: argparse.Namespace) -> None:
     """Write each cut's calibrations, merged over the rounds, as a cost file in ``--out``, and
     record the simulator's prediction for every record."""
+    paths: dict[tuple, Path] = {}
     for r in records:
         key = _cost_key(r.schedule, r.num_subsequences, r.seq_len, r.lengths, args)
-        path = args.out / _cost_name(key)
-        path.write_text(json.dumps(merge(calibrations[key]), indent=1) + "\n")
+        if key not in paths:  # records of one cut and layout share their file
+            paths[key] = args.out / _cost_name(key)
+            paths[key].write_text(json.dumps(merge(calibrations[key]), indent=1) + "\n")
+        path = paths[key]
         r.cost_file = path.name
         r.predicted_step_time_s = predicted_step_time(r, path)
         r.prediction_error = r.predicted_step_time_s / r.step_time_s - 1
