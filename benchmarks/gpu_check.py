@@ -14,7 +14,7 @@ Writes into ``--out``: ``gpu_check.json`` (every figure, versions, date; rewritt
 each part, so a run cut short keeps what it measured) and per run a cost file of
 ``torchtitan_seq.simulate --cost`` (per-unit F and B seconds, as ``bench.py --calibrate``
 writes them). ``--device cpu --tiny`` is the dry run: the same code at toy sizes in
-seconds (tests/test_gpu_check.py), so the script keeps working between GPU runs.
+seconds (tests/unit/test_gpu_check.py), so the script keeps working between GPU runs.
 Exit status: 0 when every attention case passes, 1 when one does not (the figures are
 written anyway), 2 when the run cannot start (no CUDA device, an option not supported yet).
 """

@@ -21,6 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor, TensorBoardLogger
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
 
 from . import timeline
@@ -83,7 +86,7 @@ class SeqMetricsProcessor(MetricsProcessor):
     activation_memory: ActivationMemory | None = None
     record: MetricsRecord | None = None
 
-    def __init__(self, job_config, parallel_dims, tag: str | None = None):
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag: str | None = None) -> None:
         super().__init__(job_config, parallel_dims, tag)
         if (dist.get_rank() if dist.is_initialized() else 0) == 0:
             self.record = MetricsRecord(Path(job_config.job.dump_folder) / RECORD_FILE)
@@ -99,7 +102,7 @@ class SeqMetricsProcessor(MetricsProcessor):
             self.record.append({"event": "start", "time": time.time(), "schedule": name, "lengths": lengths})
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None):
+            extra_metrics: dict[str, Any] | None = None) -> None:
         # Every rank's peak activation bytes, busy ms and latest action end ms, in one all-gather.
         peak = self.activation_memory.peak if self.activation_memory else 0
         local = torch.tensor([peak, *busy_and_end(timeline.RECORDER.intervals())], dtype=torch.float64,
@@ -131,7 +134,7 @@ class SeqMetricsProcessor(MetricsProcessor):
             folder = Path(self.job_config.job.dump_folder) / self.job_config.profiling.save_traces_folder
             timeline.export_timeline(step, name, k, folder, writers)
 
-    def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None):
+    def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
         # torchtitan's validator gives the ranks without the pipeline's last stage -1 (over
         # the token count) as their loss: every rank logs the last stage's, as in training.
         if self.parallel_dims.pp_enabled:
@@ -141,7 +144,9 @@ class SeqMetricsProcessor(MetricsProcessor):
         super().log_validation(loss, step, extra_metrics)
 
 
-def build_seq_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):
+def build_seq_metrics_processor(
+    job_config: JobConfig, parallel_dims: ParallelDims, model_args: BaseModelArgs | None = None, tag: str | None = None
+) -> SeqMetricsProcessor:
     """torchtitan's ``build_metrics_processor_fn`` contract; starts timing pipeline actions."""
     processor = SeqMetricsProcessor(job_config, parallel_dims, tag)
     timeline.RECORDER.enable(processor.device_memory_monitor.device)

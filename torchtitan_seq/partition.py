@@ -16,7 +16,10 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
+
+if TYPE_CHECKING:  # the plain-torch core does not import torchtitan
+    from torchtitan.models.llama3 import TransformerModelArgs
 
 __all__ = ["UnitCost", "PARTITIONS", "partition_sequence", "ffn_hidden_dim"]
 
@@ -24,7 +27,7 @@ Partition = Literal["even", "compute", "latency"]
 PARTITIONS: tuple[str, ...] = get_args(Partition)
 
 
-def ffn_hidden_dim(args) -> int:
+def ffn_hidden_dim(args: TransformerModelArgs) -> int:
     """Width of a Llama 3 SwiGLU MLP (w1, w3 outputs), as torchtitan's ``FeedForward`` computes it
     from ``TransformerModelArgs``: 8/3 dim, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``."""
     hidden = int(2 * 4 * args.dim / 3)
@@ -49,7 +52,7 @@ class UnitCost:
     document_length: float | None = None
 
     @classmethod
-    def from_model_args(cls, args, document_length: float | None = None) -> "UnitCost":
+    def from_model_args(cls, args: TransformerModelArgs, document_length: float | None = None) -> UnitCost:
         """Forward FLOPs of a Llama-style model (torchtitan ``TransformerModelArgs``): per layer
         and token, 2 * dim * (q, k, v, o widths) + 2 * 3 * dim * ffn matmul FLOPs (the output
         layer spread over the layers), and 4 * heads * head_dim per attended key."""

@@ -17,10 +17,14 @@ import csv
 import io
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape
 
 from torch.distributed.pipelining.schedules import FULL_BACKWARD as B
 from torch.distributed.pipelining.schedules import F, I, W, _Action
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["Interval", "Timeline", "busy_and_end", "bubble_ratios", "render_svg", "chrome_trace", "compute_csv",
            "timeline_figure"]
@@ -199,7 +203,7 @@ def render_svg(result: Timeline, width: int = 1100) -> str:
     return "\n".join(out) + "\n"
 
 
-def timeline_figure(result: Timeline):
+def timeline_figure(result: Timeline) -> Figure:
     """The timeline as a matplotlib figure: a row per rank, time on x, colour = microbatch,
     shade = subsequence (the SVG's colours), hatching = backward passes."""
     from matplotlib.figure import Figure  # the ``bench`` extra

@@ -62,7 +62,7 @@ class SequencePipelineStage(PipelineStage):
         if not self.is_first:
             super().set_local_fwd_input(prev_stage_outputs, mb_index)
 
-    def get_local_bwd_output(self, mb_index: int):
+    def get_local_bwd_output(self, mb_index: int) -> tuple:
         return () if self.is_first else super().get_local_bwd_output(mb_index)
 
     def set_local_bwd_input(self, next_stage_bwd_outputs: tuple, mb_index: int) -> None:
@@ -74,7 +74,8 @@ class SequencePipelineStage(PipelineStage):
         m, j = divmod(unit_id, len(self.lengths))
         return Unit(m, j, sum(self.lengths[:j]), self.lengths[j], len(self.lengths))
 
-    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True) -> Any:
         with RECORDER.action(self.stage_index, F, fwd_chunk_id), self.kv_context.running(self.unit(fwd_chunk_id)):
             output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         if self.is_last and save_forward_output:
@@ -84,12 +85,13 @@ class SequencePipelineStage(PipelineStage):
             self.output_chunks[-1] = tree_map_only(torch.Tensor, torch.Tensor.detach, self.output_chunks[-1])
         return output
 
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: torch.Tensor | None = None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
         timed = RECORDER.action(self.stage_index, B if full_backward else I, bwd_chunk_id)
         with timed, self.kv_context.backward(self.unit(bwd_chunk_id), last_pass=full_backward):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         with RECORDER.action(self.stage_index, W, bwd_chunk_id), self.kv_context.backward(self.unit(bwd_chunk_id)):
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 

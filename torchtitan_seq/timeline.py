@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from .ordering import I, W
 from .render import Interval, Timeline, chrome_trace, timeline_figure
+
+if TYPE_CHECKING:
+    from torchtitan.config import Profiling
 
 __all__ = ["StepTimeline", "RECORDER", "measured_result", "export_due", "export_timeline"]
 
@@ -104,7 +107,7 @@ def measured_result(timelines: dict[int, list[Interval]], schedule: str, num_sub
     )
 
 
-def export_due(step: int, profiling) -> bool:
+def export_due(step: int, profiling: Profiling) -> bool:
     """Whether ``step`` exports its timeline: a step torchtitan's profiler traces (``profiling``:
     the job's ``[profiling]`` section), or every N steps with ``TORCHTITAN_SEQ_TIMELINE_FREQ=N``
     (a timeline without the cost of torch's profiler)."""

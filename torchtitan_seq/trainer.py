@@ -150,7 +150,9 @@ class SeqTrainer(Trainer):
             self.metrics_processor.activation_memory = self.activation_memory
             self.metrics_processor.record_start(schedule)
 
-    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+    def forward_backward_step(
+        self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
         with self.activation_memory.track():
             if not self.parallel_dims.pp_enabled:
                 return super().forward_backward_step(

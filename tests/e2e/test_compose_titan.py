@@ -1,7 +1,7 @@
 """Sequence schedules composed with torchtitan's FSDP2, TP, activation checkpointing and DCP,
 run as a user runs them: ./run_train.sh on CPU ranks (gloo).
 
-tests/test_compose.py checks the same compositions against a single-process
+tests/exactness/test_compose.py checks the same compositions against a single-process
 reference on a tiny model; these check them end to end through torchtitan's
 trainer, mesh, checkpointer and data loader, on the Llama 3 debug model.
 """
@@ -26,7 +26,7 @@ LOSS = "loss_metrics/global_avg_loss"
 # The runs below skip run_train.sh's start-up check (check=False, ~7 s a run;
 # every rank checks the job anyway): these tests are about torchtitan's
 # parallelisms, not the check, which the context-parallel test below and
-# tests/test_train.py exercise.
+# tests/e2e/test_train.py exercise.
 
 
 def tensorboard_losses(dump_folder: Path) -> dict[int, float]:
@@ -90,7 +90,7 @@ def test_seq1f1b_logs_the_losses_of_1f1b_on_the_same_mesh(mesh, tmp_path):
 # ---------------------------------------------------------------------------
 # 2 and 3 share one run: Seq1F1B on pp=2, no activation checkpointing, 10
 # steps, TensorBoard on; the session's shared REFERENCE run, which
-# tests/test_train.py compares with 1F1B.
+# tests/e2e/test_train.py compares with 1F1B.
 
 CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.folder", "ckpt",
               "--metrics.enable_tensorboard")

@@ -160,3 +160,25 @@ print("ok")
 """
     result = _python(code)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_public_functions_carry_type_hints():
+    """Every public function and method of the package (and ``__init__``) annotates its parameters
+    and, but for ``__init__``, its return value."""
+    unhinted = []
+
+    def visit(node: ast.AST, path: Path, owner: str = "") -> None:
+        for n in ast.iter_child_nodes(node):
+            if isinstance(n, ast.ClassDef) and not n.name.startswith("_"):
+                visit(n, path, f"{n.name}.")
+            elif isinstance(n, ast.FunctionDef) and (not n.name.startswith("_") or n.name == "__init__"):
+                a = n.args
+                params = [p for p in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if p is not None]
+                missing = [p.arg for p in params if p.annotation is None and p.arg not in ("self", "cls")]
+                missing += ["return"] if n.returns is None and n.name != "__init__" else []
+                if missing:
+                    unhinted.append(f"{path.relative_to(PACKAGE)}:{n.lineno} {owner}{n.name} {missing}")
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        visit(ast.parse(path.read_text()), path)
+    assert not unhinted, "\n".join(unhinted)

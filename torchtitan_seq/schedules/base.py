@@ -137,7 +137,8 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         return [unit for mb in t.tensor_split(self.num_microbatches) for unit in mb.split(self.lengths, dim=1)]
 
     def step(self, *args: torch.Tensor, target: torch.Tensor | None = None, losses: list | None = None,
-             return_outputs: bool = True, attention_masks: torch.Tensor | None = None, **kwargs: Any):
+             return_outputs: bool = True, attention_masks: torch.Tensor | None = None,
+             **kwargs: Any) -> torch.Tensor | None:
         """Run one step on a whole batch; see the package docstring.
 
         args: the first stage's inputs, each (batch, seq_len, ...); empty on other ranks. target:

@@ -301,7 +301,8 @@ class BidirectionalSchedule(SequenceSchedule):
         self.copies.sync_parameters()
         self._copies_synced = True
 
-    def step(self, *args, target=None, losses=None, return_outputs: bool = True, **kwargs) -> None:
+    def step(self, *args: torch.Tensor, target: torch.Tensor | None = None, losses: list | None = None,
+             return_outputs: bool = True, **kwargs: Any) -> None:
         if not self._copies_synced:  # the first step: chain B's copies start as chain A's
             self.after_optimizer_step()
         super().step(*args, target=target, losses=losses, return_outputs=False, **kwargs)

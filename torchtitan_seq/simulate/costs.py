@@ -33,10 +33,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..partition import UnitCost, partition_sequence
 from .build import SimConfig
+
+if TYPE_CHECKING:
+    from torchtitan.models.llama3 import TransformerModelArgs
 
 __all__ = [
     "UnitTimes", "ChunkTimes", "unit_times", "chunk_times", "transformer_times", "subsequence_lengths", "model_args",
@@ -135,7 +138,7 @@ def _parse(data: dict, k: int, path: str) -> UnitTimes:
     return UnitTimes(**passes)
 
 
-def model_args(config: SimConfig):
+def model_args(config: SimConfig) -> TransformerModelArgs:
     """The ``TransformerModelArgs`` of ``config.flavor``."""
     # Imported here: the model pulls in torchtitan, which uniform costs never need.
     from ..models.llama3_seq import seq_llama3_flavors

@@ -48,13 +48,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..partition import UnitCost, ffn_hidden_dim
+
+if TYPE_CHECKING:
+    from torchtitan.models.llama3 import TransformerModelArgs
 
 __all__ = ["Link", "Network", "Transfers", "chunk_parameters", "parameter_count"]
 
 
-def chunk_parameters(args, layers: float, first: bool, last: bool, tp: int = 1) -> float:
+def chunk_parameters(args: TransformerModelArgs, layers: float, first: bool, last: bool, tp: int = 1) -> float:
     """Parameters of a model chunk of ``layers`` Llama 3 blocks on one TP rank: the matrices
     and embeddings divided by ``tp``, norm weights whole; ``first`` adds the token
     embeddings, ``last`` the final norm and the output projection."""
@@ -136,7 +140,7 @@ class Network:
         """The link between pipeline ranks ``a`` and ``b`` (same other coordinates)."""
         return self.intra_node if a != b and self.node(a) == self.node(b) else self.inter_node
 
-    def seconds_per_time_unit(self, args, cost: UnitCost, seq_len: int, pp: int) -> float:
+    def seconds_per_time_unit(self, args: TransformerModelArgs, cost: UnitCost, seq_len: int, pp: int) -> float:
         """Seconds of the simulator's unit (one microbatch's forward on 1/p of the layers)
         for a model of ``args`` (torchtitan ``TransformerModelArgs``)."""
         if self.flops_per_gpu <= 0:
@@ -148,7 +152,7 @@ class Network:
         return flops / self.flops_per_gpu
 
 
-def parameter_count(args) -> int:
+def parameter_count(args: TransformerModelArgs) -> int:
     """Parameters of the model of ``args`` (torchtitan ``TransformerModelArgs``: llama3's
     Transformer, which llama3_seq's flavors share)."""
     return round(chunk_parameters(args, args.n_layers, True, True))
@@ -174,7 +178,7 @@ class Transfers:
     def for_model(
         cls,
         network: Network,
-        args,
+        args: TransformerModelArgs,
         lengths: list[int],
         num_chunks: int,
         seconds_per_time_unit: float,

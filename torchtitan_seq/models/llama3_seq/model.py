@@ -79,7 +79,7 @@ class SeqTransformer(Transformer):
         return document_ids(input_batch, tokenizer.eos_id)
 
     def forward(
-        self, tokens: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None
+        self, tokens: torch.Tensor, attention_masks: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """tokens: (B, L) ids on the first stage, else (B, L, dim) activations (L / tp with SP)."""
         unit = self.kv_context.unit if self.kv_context is not None else None
