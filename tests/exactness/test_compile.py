@@ -22,6 +22,7 @@ PP2 = [
     Variant("interleaved-k3-compute", schedule="InterleavedSeq1F1B", k=3, partition="compute", **C),
     Variant("terapipe-k4-latency-documents", schedule="TeraPipe", k=4, partition="latency", documents=True, **C),
     Variant("bsipipe-k2-even", schedule="BSIPipe", k=2, **C),
+    Variant("chimera-k2-even", schedule="Chimera", k=2, **C),
 ]
 # The job check refuses compile with split backward (a compiled block is one autograd
 # node: the weight pass would replay it) and with tensor parallelism in a pipeline

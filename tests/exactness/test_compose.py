@@ -13,6 +13,10 @@ def ac_results(tmp_path_factory):
     variants = [
         Variant(f"{ac}-{split}", k=3, partition="compute", ac=ac, split_backward=split == "IW")
         for ac, split in [("full", "B"), ("full", "IW"), ("selective:1", "B"), ("selective:1", "IW"), ("selective:op", "B")]
+    ] + [
+        # every other schedule: GPipe order, several stages per rank, two chains sharing ranks
+        Variant(f"full-{schedule}", schedule=schedule, k=3, partition="compute", ac="full")
+        for schedule in ("TeraPipe", "InterleavedSeq1F1B", "BSIPipe", "Chimera")
     ]
     return {r["name"]: r for r in run_variants(variants, tmp_path_factory.mktemp("ac"))}
 

@@ -21,6 +21,7 @@ EXACT = [
     Variant("interleaved-k4", schedule="InterleavedSeq1F1B", k=4, documents=True),
     Variant("bsipipe-k2", schedule="BSIPipe", k=2, documents=True, optimizer_steps=1),
     Variant("bsipipe-k4", schedule="BSIPipe", k=4, seq_len=64, documents=True),
+    Variant("chimera-k3-compute", schedule="Chimera", k=3, partition="compute", documents=True),
 ]
 
 
