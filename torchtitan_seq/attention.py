@@ -27,7 +27,7 @@ import importlib
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,9 @@ from torch import Tensor, nn
 from .documents import Documents
 from .kv_context import KVBlock, KVContext, Unit
 
-__all__ = ["AttentionKernel", "select_kernel", "SequenceAttention", "bind_kv_context"]
+__all__ = ["AttentionBackend", "AttentionKernel", "select_kernel", "SequenceAttention", "bind_kv_context"]
+
+AttentionBackend = Literal["auto", "flash", "sdpa"]
 
 
 class AttentionKernel(Protocol):
@@ -150,11 +152,11 @@ class FlashAttnKernel:
         return t(dq), t(dk), t(dv)
 
 
-def select_kernel(device: torch.device, backend: str = "auto") -> AttentionKernel:
+def select_kernel(device: torch.device, backend: AttentionBackend = "auto") -> AttentionKernel:
     """The block kernel for ``device``. backend: ``"auto"`` (on CUDA: torch's cuDNN kernel on
     Hopper and newer, else flash-attn when importable, else torch's flash kernel; on the CPU
     torch's), ``"flash"`` (flash-attn, an error if absent) or ``"sdpa"`` (torch's kernels)."""
-    if backend not in ("auto", "flash", "sdpa"):
+    if backend not in get_args(AttentionBackend):
         raise ValueError(f"sequence_pipeline.attention_backend = {backend!r}: use 'auto', 'flash' or 'sdpa'")
     if device.type != "cuda":
         if backend == "flash":

@@ -6,9 +6,10 @@ field is settable from TOML and from the command line, e.g. ``--sequence_pipelin
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
 
+from .attention import AttentionBackend
 from .partition import Partition
+from .schedules.bidirectional import Placement
 
 __all__ = ["SequencePipeline", "JobConfig"]
 
@@ -36,11 +37,11 @@ class SequencePipeline:
     split_backward: bool = False
     """Run each unit's backward as separate input- and weight-gradient passes."""
 
-    attention_backend: Literal["auto", "flash", "sdpa"] = "auto"
+    attention_backend: AttentionBackend = "auto"
     """'auto' (on CUDA: torch's cuDNN kernel on Hopper, else flash-attn when installed, else
     torch's flash kernel), 'flash' (flash-attn) or 'sdpa' (torch's kernels)."""
 
-    bidirectional_placement: Literal["paired", "linear"] = "paired"
+    bidirectional_placement: Placement = "paired"
     """BSIPipe and Chimera only: 'paired' puts each mirrored pair of pipeline positions
     (q, p - 1 - q), whose gradients are all-reduced, on neighbouring ranks; 'linear' puts
     position q on pipeline rank q."""

@@ -44,7 +44,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import get_args
 
 from .partition import Partition, UnitCost, partition_sequence
 from .render import busy_and_end
@@ -52,13 +52,12 @@ from .schedules import SEQUENCE_SCHEDULES
 from .simulate.build import SimConfig, build
 from .simulate.costs import seconds_per_time_unit, subsequence_lengths
 from .simulate.engine import simulate
-from .simulate.memory import MemoryConfig, MemoryEstimate, gib, predict_memory
+from .simulate.memory import ACMode, Device, MemoryConfig, MemoryEstimate, gib, predict_memory
 from .simulate.network import Link, Network
 
 __all__ = ["ScheduleChoice", "Plan", "Job", "Cluster", "CHOICES", "AC_MODES", "plan", "evaluate", "memory", "main"]
 
-ActivationCheckpoint = Literal["none", "selective", "full"]
-AC_MODES: tuple[ActivationCheckpoint, ...] = ("none", "selective", "full")
+AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
 # Forward passes recomputed per backward: torchtitan's 'selective' default checkpoints every 2nd layer.
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
 TP_DEGREES = (1, 2, 4, 8)
@@ -106,9 +105,9 @@ class Plan:
     tp: int
     dp_shard: int
     num_subsequences: int
-    partition: str
+    partition: Partition
     stages_per_rank: int
-    activation_checkpoint: ActivationCheckpoint
+    activation_checkpoint: ACMode
     tokens_per_s: float
     """Whole job (every data-parallel replica)."""
     peak_memory_gib: float
@@ -161,7 +160,7 @@ class Cluster:
     """NVLink-class, per GPU and direction."""
     inter_node: Link = Link(25e9, 1e-5)
     """One 200 Gb/s NIC per GPU."""
-    device: Literal["cuda", "cpu"] = "cuda"
+    device: Device = "cuda"
     """What the memory model sizes (RMSNorm saves more on the CPU)."""
 
 
@@ -185,7 +184,7 @@ class _Candidate:
     pp: int
     tp: int
     dp: int
-    ac: ActivationCheckpoint
+    ac: ACMode
     bound: float
     """tokens/s without bubbles or transfers under the cost model: what the simulation
     can at best reach (with measured costs, about)."""
@@ -302,7 +301,7 @@ class _Step:
 
 
 @lru_cache(maxsize=None)
-def _simulated_step(choice: ScheduleChoice, pp: int, tp: int, dp: int, ac: ActivationCheckpoint, microbatches: int,
+def _simulated_step(choice: ScheduleChoice, pp: int, tp: int, dp: int, ac: ACMode, microbatches: int,
                     job: Job, cluster: Cluster, costs: _Costs) -> _Step:
     """A step's time, simulated at N' = min(N, 2p) and 2N' microbatches and extended to N
     (each microbatch past the warm-up adds the same time)."""
@@ -349,7 +348,7 @@ def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> 
 
 
 def memory(
-    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ActivationCheckpoint
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode
 ) -> MemoryEstimate:
     """The memory model's estimate for ``choice`` on a (pp, tp, rest data-parallel) split."""
     return predict_memory(MemoryConfig(
@@ -360,7 +359,7 @@ def memory(
 
 
 def evaluate(
-    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int = 1, ac: ActivationCheckpoint = "none"
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int = 1, ac: ACMode = "none"
 ) -> Plan:
     """One configuration's predicted throughput, bubble and peak memory (what the search ranks)."""
     from .models.llama3_seq import seq_llama3_flavors

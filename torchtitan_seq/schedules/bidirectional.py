@@ -21,7 +21,7 @@ position q on rank q.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -35,10 +35,11 @@ from ..ordering import B, F, I, fed_by, feeds
 from ..stage import SequencePipelineStage
 from .base import SequenceSchedule, StagePlacement
 
-__all__ = ["PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies",
+__all__ = ["Placement", "PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies",
            "BidirectionalSchedule"]
 
-PLACEMENTS = ("paired", "linear")
+Placement = Literal["paired", "linear"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class BidirectionalLayout:
 
     num_positions: int
     """p, pipeline ranks."""
-    placement: str = "paired"
+    placement: Placement = "paired"
     """Position -> rank: 'paired' (mirrored pairs on neighbouring ranks) or 'linear'."""
     stages_per_rank: Literal[2, 4] = 4
     """4: a V (BSIPipe: chains of 2p chunks); 2: straight (Chimera: chains of p chunks)."""
@@ -237,7 +238,7 @@ class BidirectionalSchedule(SequenceSchedule):
 
     def __init__(self, stages: list[SequencePipelineStage], n_microbatches: int,
                  loss_fn: Callable[..., torch.Tensor] | None = None, *, split_backward: bool = False,
-                 scale_grads: bool = False, placement: str = "paired") -> None:
+                 scale_grads: bool = False, placement: Placement = "paired") -> None:
         self.layout = BidirectionalLayout(stages[0].group_size, placement, self.stages_per_rank)
         held, expected = sorted(s.stage_index for s in stages), self.layout.stages_of_rank(stages[0].group_rank)
         if held != expected:
@@ -264,7 +265,7 @@ class BidirectionalSchedule(SequenceSchedule):
 
     @classmethod
     def check_shape(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False,
-                    placement: str = "paired", stages_per_rank: int | None = None) -> None:
+                    placement: Placement = "paired", stages_per_rank: int | None = None) -> None:
         # Without building the lists (BSIPipe's take seconds at large shapes); the actions functions call it too.
         BidirectionalLayout(num_ranks, placement, cls.stages_per_rank)  # an even p, a known placement
         v = cls.stages_per_rank
@@ -284,7 +285,7 @@ class BidirectionalSchedule(SequenceSchedule):
         return {"placement": config.bidirectional_placement}
 
     @classmethod
-    def place_stages(cls, num_ranks: int, num_chunks: int, placement: str = "paired") -> StagePlacement:
+    def place_stages(cls, num_ranks: int, num_chunks: int, placement: Placement = "paired") -> StagePlacement:
         layout = BidirectionalLayout(num_ranks, placement, cls.stages_per_rank)
         if num_chunks != layout.chain_length:
             raise ValueError(

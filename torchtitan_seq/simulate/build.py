@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Literal
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
@@ -37,7 +36,8 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ..ordering import B, F, feeds, validate_unit_order
-from ..schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ActionLists, BidirectionalLayout, lower_chains
+from ..partition import Partition
+from ..schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ActionLists, BidirectionalLayout, Placement, lower_chains
 from .network import Network
 
 __all__ = ["SimConfig", "MockStage", "Built", "build", "lower", "compute_leaves",
@@ -70,8 +70,8 @@ class SimConfig:
     """Model flavor for the 'transformer' cost and the 'compute' partition."""
     seq_len: int = 2048
     """S, tokens per sequence."""
-    partition: str = "even"
-    """How sequences are cut: 'even' or 'compute' (torchtitan_seq.partition)."""
+    partition: Partition = "even"
+    """How sequences are cut: 'even', 'compute' or 'latency' (torchtitan_seq.partition)."""
     document_length: float = 0.0
     """Packed documents (block-causal attention): expected tokens per document, for the
     'transformer' cost and the partitions; 0: causal."""
@@ -82,7 +82,7 @@ class SimConfig:
     """Time from a SEND to the data being usable on the receiving rank, on top of the network's."""
     network: Network = field(default_factory=Network)
     """Links and what crosses them (:mod:`.network`); the default's are free."""
-    bidirectional_placement: Literal["paired", "linear"] = "paired"
+    bidirectional_placement: Placement = "paired"
     """Schedules of two opposite chains (stage_placement 'bidirectional'): position -> rank,
     as ``sequence_pipeline.bidirectional_placement``."""
     torch_lowering: bool = True

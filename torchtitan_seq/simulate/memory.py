@@ -107,7 +107,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 
 from ..ordering import B, F, I, W
-from ..partition import UnitCost, ffn_hidden_dim, partition_sequence
+from ..partition import Partition, UnitCost, ffn_hidden_dim, partition_sequence
 from ..schedules import SEQUENCE_SCHEDULES
 from .build import SimConfig, build, compute_leaves
 from .network import chunk_parameters
@@ -115,12 +115,16 @@ from .network import chunk_parameters
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs
 
-__all__ = ["MemoryConfig", "RankMemory", "MemoryEstimate", "predict_memory", "gib", "DTYPE_BYTES"]
+__all__ = ["MemoryConfig", "RankMemory", "MemoryEstimate", "predict_memory", "gib", "DType", "DTYPE_BYTES", "ACMode",
+           "Device"]
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
-"""Bytes per element of the dtypes a config may name (torchtitan's names)."""
+DType = Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
+"""The dtypes a config may name (torchtitan's names)."""
+DTYPE_BYTES: dict[DType, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 ACMode = Literal["none", "selective", "full"]
+"""``activation_checkpoint.mode``s the model covers, least recomputation first."""
+Device = Literal["cuda", "cpu"]
 
 
 def gib(nbytes: float) -> float:
@@ -144,7 +148,7 @@ class MemoryConfig:
     """N, microbatches per step and pipeline (local batch size / microbatch size)."""
     subsequences: int = 1
     """k, units per microbatch (sequence schedules; 1 for torch's)."""
-    partition: str = "even"
+    partition: Partition = "even"
     """How sequences are cut: ``even``, ``compute`` or ``latency``."""
     stages_per_rank: int | None = None
     """v; None: the schedule's own (as :class:`~.build.SimConfig`)."""
@@ -160,21 +164,21 @@ class MemoryConfig:
     """``activation_checkpoint.mode``."""
     selective_ac_option: str = "2"
     """``activation_checkpoint.selective_ac_option``: ``"op"`` or every n-th layer (torchtitan's default 2)."""
-    device: Literal["cuda", "cpu"] = "cuda"
+    device: Device = "cuda"
     """Where it runs: RMSNorm saves more on the CPU (its composite form, in float32)."""
-    param_dtype: str = "float32"
+    param_dtype: DType = "float32"
     """Master weights (FSDP's sharded parameters; torchtitan's parameters)."""
-    compute_dtype: str | None = None
+    compute_dtype: DType | None = None
     """Activations and the compute copy of the weights; None: torchtitan's rule,
     ``mixed_precision_param`` under FSDP (or with neither PP nor TP: autocast), else ``param_dtype``
     (torchtitan turns mixed precision off with PP or TP and no FSDP)."""
-    mixed_precision_param: str = "bfloat16"
+    mixed_precision_param: DType = "bfloat16"
     """``training.mixed_precision_param``."""
-    mixed_precision_reduce: str = "float32"
+    mixed_precision_reduce: DType = "float32"
     """``training.mixed_precision_reduce``: FSDP's gradient dtype."""
     optimizer_states: int = 2
     """States per parameter (AdamW: 2)."""
-    optimizer_dtype: str = "float32"
+    optimizer_dtype: DType = "float32"
     """dtype of the optimizer states."""
     length_multiple: int = 64
     """``sequence_pipeline.length_multiple`` (lengths are multiples of it and of tp)."""
