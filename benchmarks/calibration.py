@@ -209,7 +209,7 @@ def calibrate(
     F, B, I and W are the slowest rank's (largest total F + B), ``stage``:
     the times the simulator gives every stage unless ``chunk_times`` (every
     chunk's own, per rank) cover the schedule's layout, when each stage takes
-    its own chunk's (:func:`torchtitan_seq.simulate.costs.chunk_times`);
+    its own chunk's (:func:`torchtitan_seq.simulate.costs.unit_and_chunk_times`);
     ``stages`` keeps every rank's.
     """
     chunks = chunks or [[r] for r in range(pp)]

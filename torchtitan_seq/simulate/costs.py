@@ -20,7 +20,7 @@ rank). Unit j of length L_j after a prefix P_j costs:
   (:mod:`.network`) needs them in seconds, marked ``"unit": "s"`` (as
   ``bench.py --calibrate`` writes them). A calibration file also holds each
   model chunk's own times on each rank (``chunks``, ``chunk_times``):
-  :func:`chunk_times` reads them, and the engine times every stage as its own
+  :func:`unit_and_chunk_times` reads them, and the engine times every stage as its own
   chunk (the first and last carry the embedding and the output layer) where
   they cover the schedule's stages. Other keys (metadata) are ignored.
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from torchtitan.models.llama3 import TransformerModelArgs
 
 __all__ = [
-    "UnitTimes", "ChunkTimes", "unit_times", "chunk_times", "transformer_times", "subsequence_lengths", "model_args",
+    "UnitTimes", "ChunkTimes", "unit_times", "unit_and_chunk_times", "transformer_times", "subsequence_lengths", "model_args",
     "seconds_per_time_unit",
 ]
 
@@ -69,29 +69,30 @@ it (unscaled), the model cut into that many chunks."""
 def unit_times(config: SimConfig, lengths: list[int]) -> UnitTimes:
     """Per-unit times of ``config.cost`` for subsequences ``lengths`` (see the module docstring),
     with ``config.recompute`` forwards added to each backward (B, and I: it runs first)."""
-    total = sum(lengths)
+    return unit_and_chunk_times(config, lengths)[0]
+
+
+def unit_and_chunk_times(config: SimConfig, lengths: list[int]) -> tuple[UnitTimes, ChunkTimes]:
+    """:func:`unit_times` and, from a calibration file that timed every model chunk, each chunk's
+    own times (empty for the cost models and for files without them), recomputation added alike;
+    the file is read once."""
+    k, chunks = len(lengths), {}
     if config.cost == "uniform":
-        fwd = tuple(length / total for length in lengths)
+        fwd = tuple(length / sum(lengths) for length in lengths)
         times = UnitTimes(F=fwd, B=tuple(2 * t for t in fwd), I=fwd, W=fwd)
     elif config.cost == "transformer":
         times = transformer_times(_model_cost(config), lengths)
     else:
-        times = _parse(_read(Path(config.cost)), len(lengths), config.cost)
-    return _recomputing(times, config.recompute)
-
-
-def chunk_times(config: SimConfig, k: int) -> ChunkTimes:
-    """A calibration file's per-chunk times with ``config.recompute`` added as in :func:`unit_times`;
-    empty for the cost models and for files without them."""
-    if config.cost in ("uniform", "transformer"):
-        return {}
-    data = _read(Path(config.cost))
-    count = 1 + max((c for held in data.get("chunks", []) for c in held), default=-1)
-    return {
-        (rank, chunk, count): _recomputing(_parse(times, k, config.cost), config.recompute)
-        for rank, (held, measured) in enumerate(zip(data.get("chunks", []), data.get("chunk_times", [])))
-        for chunk, times in zip(held, measured)
-    }
+        data = _read(Path(config.cost))
+        times = _parse(data, k, config.cost)
+        count = 1 + max((c for held in data.get("chunks", []) for c in held), default=-1)
+        chunks = {
+            (rank, chunk, count): _parse(measured, k, config.cost)
+            for rank, (held, per_chunk) in enumerate(zip(data.get("chunks", []), data.get("chunk_times", [])))
+            for chunk, measured in zip(held, per_chunk)
+        }
+    recompute = config.recompute
+    return _recomputing(times, recompute), {key: _recomputing(t, recompute) for key, t in chunks.items()}
 
 
 def _recomputing(times: UnitTimes, recompute: float) -> UnitTimes:

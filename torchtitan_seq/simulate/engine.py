@@ -48,7 +48,7 @@ from ..render import Interval, Timeline
 from ..schedules import PLACEMENTS, ActionLists, BidirectionalLayout
 from .build import SimConfig, build, compute_leaves, lower, send_after_compute
 from .costs import (
-    ChunkTimes, UnitTimes, chunk_times, model_args, seconds_per_time_unit, subsequence_lengths, unit_times,
+    ChunkTimes, UnitTimes, model_args, seconds_per_time_unit, subsequence_lengths, unit_and_chunk_times,
 )
 from .network import Transfers
 
@@ -256,6 +256,7 @@ def simulate(config: SimConfig) -> SimResult:
     """
     built = build(config)
     lengths = subsequence_lengths(config)
+    times, chunk_times = unit_and_chunk_times(config, lengths)
     transfers = None
     if not config.network.free:
         num_chunks = config.pp * built.stages_per_rank // built.parameter_copies
@@ -265,8 +266,8 @@ def simulate(config: SimConfig) -> SimResult:
     return simulate_order(
         built.order,
         lengths=lengths,
-        times=unit_times(config, lengths),
-        chunk_times=chunk_times(config, len(lengths)),
+        times=times,
+        chunk_times=chunk_times,
         stages_per_rank=built.stages_per_rank,
         placement=built.placement,
         schedule=config.schedule,
