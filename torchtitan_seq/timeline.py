@@ -49,7 +49,7 @@ class StepTimeline:
     def __init__(self) -> None:
         self.enabled = False
         self._cuda = False
-        self._origin: float | torch.cuda.Event = 0.0
+        self._origin: float | torch.cuda.Event | None = None  # the step start; None before the first
         # (start mark, end mark, action); marks are clock readings or CUDA events
         self._marks: list[tuple[object, object, _Action]] = []
 
@@ -81,8 +81,11 @@ class StepTimeline:
             self._marks.append((start, self._mark(), _Action(stage_index, kind, chunk_id)))
 
     def intervals(self) -> list[Interval]:
-        """(start ms, end ms, action) of the latest step, in run order."""
-        if self._cuda and self._marks:
+        """(start ms, end ms, action) of the latest step, in run order; none where no timed step
+        ran (torch's own stages never start one)."""
+        if self._origin is None or not self._marks:
+            return []
+        if self._cuda:
             self._marks[-1][1].synchronize()
         ms = self._origin.elapsed_time if self._cuda else lambda mark: (mark - self._origin) * 1e3
         return [(ms(s), ms(e), a) for s, e, a in self._marks]
