@@ -7,7 +7,8 @@ Action lists by list scheduling (:func:`bsipipe_actions`); layout, lowering and 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from torch.distributed.pipelining.schedules import _Action
 
@@ -16,105 +17,171 @@ from .base import ActionLists
 from .bidirectional import BidirectionalLayout, BidirectionalSchedule
 from .seq1f1b import unit_orders
 
-__all__ = ["bsipipe_actions", "ScheduleBSIPipe"]
+__all__ = ["Priority", "PRIORITIES", "ListSchedule", "list_schedule", "bsipipe_actions", "ScheduleBSIPipe"]
 
-_BSIPIPE_PRIORITIES = (
-    (0.054, -0.249, -0.969, 0.466, 0.653),
-    (0.282, -0.09, -0.819, 0.619, 1.08),
-    (0.44, 0.63, -0.946, 0.056, 1.936),
-    (0.116, 1.888, -0.523, 0.409, -0.229),
-    (0.345, 1.655, -0.92, -0.521, 1.964),
-)
-"""Weights of the list-scheduling priorities (:func:`_list_schedule`), from a random search over
-uniform-cost simulations (p 4 and 8, k 1-4, N 2p and 8p); no single one is best for every shape."""
+@dataclass(frozen=True)
+class Priority:
+    """How a position ranks the passes it can start: the one with the lowest weighted sum of these
+    features runs. The counts are divided by 10, as they were in the random search that found the
+    weights (:data:`PRIORITIES`), which puts them on the scale of the time feature (a chunk's
+    forward costs 1/2k, its backward 1/k)."""
 
+    forward: float
+    """Weight of "is a forward" (1, else 0): positive favours backwards, which free memory."""
+    progress: float
+    """Weight of the passes the position has run on the pass's chain / 10: positive favours the
+    chain it has advanced less."""
+    depth: float
+    """Weight of the stage's depth in its chain / 10, counted + for a forward and - for a backward:
+    negative favours deep forwards and backwards near the chain's start."""
+    microbatch: float
+    """Weight of the unit's microbatch / 10: positive favours older microbatches."""
+    chain_time: float
+    """Weight of the time the position has spent on the pass's chain: positive favours the chain
+    it has served less."""
 
-def _list_schedule(
-    num_ranks: int, num_microbatches: int, k: int, weights: tuple[float, ...], limits: list[list[int]]
-) -> tuple[ActionLists, float, list[list[int]]]:
-    """One BSIPipe list schedule under uniform costs (a chunk's forward 1/2k, its backward 1/k): its lists,
-    its makespan and, per position, the most units of chain A, of chain B and of both it held at once.
-
-    Whenever a position can start something, it runs the pass with the lowest priority among those
-    whose inputs exist: weights . (is a forward, passes it ran on that chain / 10, +-depth in the
-    chain / 10 (+ for forwards), microbatch / 10, time it spent on that chain). A forward waits
-    while the position holds ``limits[q][chain]`` units of that chain or ``limits[q][2]`` in all; if
-    no position can start anything under the limits, they grow by one.
-    """
-    p, chain = num_ranks, 2 * num_ranks
-    layout = BidirectionalLayout(p, placement="linear")
-    orders = [unit_orders(range(c, num_microbatches, 2), k) for c in (0, 1)]
-    # Per (stage, kind), the units still to run, next one last.
-    queue = {(s, kind): units[::-1] for s in range(2 * chain) for kind, units in zip((F, B), orders[s // chain])}
-    cost = {F: 0.5 / k, B: 1.0 / k}
-    finished: dict[tuple[int, Any, int], float] = {}
-    free = [0.0] * p
-    live = [[0, 0] for _ in range(p)]
-    most = [[0, 0, 0] for _ in range(p)]
-    ran = [[0, 0] for _ in range(p)]
-    busy = [[0.0, 0.0] for _ in range(p)]
-    stages = [layout.stages_of_rank(q) for q in range(p)]
-    upstream = {(s, kind): fed_by(_Action(s, kind, 0), chain) for s in range(2 * chain) for kind in (F, B)}
-    actions: ActionLists = {q: [] for q in range(p)}
-
-    def candidates(q: int) -> tuple[float, list[tuple[float, int, Any, int]]]:
-        """(soonest start, (start, stage, kind, unit) of the passes ``q`` can start) of position ``q``."""
-        out = []
-        full_at = live[q][0] + live[q][1] >= limits[q][2]
-        for s in stages[q]:
-            c = s // chain
-            full = full_at or live[q][c] >= limits[q][c]
-            for kind in (B, F):
-                waiting = queue[s, kind]
-                if not waiting or (kind == F and full):
-                    continue
-                u, up = waiting[-1], upstream[s, kind]
-                made = free[q] if up is None else finished.get((up, kind, u))
-                # A backward also waits, by rule 2, for the microbatch's last forward on the stage.
-                forwarded = free[q] if kind == F else finished.get((s, F, u - u % k + k - 1))
-                if made is not None and forwarded is not None:
-                    out.append((max(free[q], made, forwarded), s, kind, u))
-        return min((o[0] for o in out), default=math.inf), out
-
-    def priority(q: int, s: int, kind: Any, u: int) -> float:
-        c, depth = divmod(s, chain)
-        w = weights
+    def __call__(self, is_forward: bool, progress: int, depth: int, microbatch: int, chain_time: float) -> float:
+        # One expression, in this order: ties between passes are decided by exact float sums.
         return (
-            w[0] * (kind == F) + w[1] * ran[q][c] * 0.1
-            + w[2] * depth * (0.1 if kind == F else -0.1) + w[3] * (u // k) * 0.1 + w[4] * busy[q][c]
+            self.forward * is_forward + self.progress * progress * 0.1
+            + self.depth * depth * (0.1 if is_forward else -0.1) + self.microbatch * microbatch * 0.1
+            + self.chain_time * chain_time
         )
 
-    # Each position's candidates change only when it or a neighbour in a chain acts.
-    touches = {s: {layout.rank_of_stage(n) for n in (chain_neighbour(s, d, chain) for d in (-1, 0, 1)) if n is not None}
-               for s in range(2 * chain)}
-    cached = [candidates(q) for q in range(p)]
-    soonest = [c[0] for c in cached]
-    remaining = 2 * num_microbatches * k * chain
-    while remaining:
-        # The position that can start soonest (the first of equals) acts; nothing it waits for can finish earlier.
-        start = min(soonest)
-        q = soonest.index(start)
-        if start == math.inf:
-            limits = [[lim + 1 for lim in lims] for lims in limits]
-            cached = [candidates(q) for q in range(p)]
-            soonest = [c[0] for c in cached]
-            continue
-        cands = cached[q][1]
-        _, s, kind, u = min((c for c in cands if c[0] <= start), key=lambda c: priority(q, *c[1:]))
-        c = s // chain
-        queue[s, kind].pop()
-        live[q][c] += 1 if kind == F else -1
-        most[q][c] = max(most[q][c], live[q][c])
-        most[q][2] = max(most[q][2], sum(live[q]))
-        ran[q][c] += 1
-        busy[q][c] += cost[kind]
-        free[q] = finished[(s, kind, u)] = start + cost[kind]
-        actions[q].append(_Action(s, kind, u))
-        remaining -= 1
-        for r in touches[s]:
-            cached[r] = candidates(r)
-            soonest[r] = cached[r][0]
-    return actions, max(free), most
+
+PRIORITIES = (
+    Priority(0.054, -0.249, -0.969, 0.466, 0.653),
+    Priority(0.282, -0.09, -0.819, 0.619, 1.08),
+    Priority(0.44, 0.63, -0.946, 0.056, 1.936),
+    Priority(0.116, 1.888, -0.523, 0.409, -0.229),
+    Priority(0.345, 1.655, -0.92, -0.521, 1.964),
+)
+"""The priorities a step is list-scheduled under, the shortest schedule kept. They come from a random
+search over the weights, each schedule simulated under uniform costs (p 4 and 8, k 1-4, N 2p and 8p):
+these five together gave the shortest schedules, and no single one is best for every shape."""
+
+
+@dataclass
+class _Position:
+    """One position's state while a step is list-scheduled; per-chain lists are indexed [A, B]."""
+
+    stages: list[int]
+    limits: list[int]
+    """Units of chain A, of chain B and of both it may hold before a forward must wait."""
+    free: float = 0.0
+    """When its latest pass ends."""
+    held: list[int] = field(default_factory=lambda: [0, 0])
+    """Units it holds per chain: forward run, backward not yet."""
+    most: list[int] = field(default_factory=lambda: [0, 0, 0])
+    """The most units it held: of A, of B, of both at once."""
+    ran: list[int] = field(default_factory=lambda: [0, 0])
+    """Passes it ran per chain."""
+    busy: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    """Time it spent per chain."""
+
+    def full(self, chain: int) -> bool:
+        """Whether a forward of ``chain`` must wait for a backward to free a unit."""
+        return self.held[chain] >= self.limits[chain] or sum(self.held) >= self.limits[2]
+
+
+class _Pass(NamedTuple):
+    """A pass a position can start, and the soonest it can."""
+
+    start: float
+    stage: int
+    kind: Any
+    unit: int
+
+
+class ListSchedule(NamedTuple):
+    """A list-scheduled step under uniform costs."""
+
+    actions: ActionLists
+    makespan: float
+    most_held: list[list[int]]
+    """Per position, the most units of chain A, of chain B and of both it held at once."""
+
+
+class _ListScheduler:
+    """BSIPipe's list scheduling of one step (:func:`list_schedule`)."""
+
+    def __init__(self, num_ranks: int, num_microbatches: int, k: int, priority: Priority,
+                 limits: list[list[int]]) -> None:
+        p, self.chain, self.k, self.priority = num_ranks, 2 * num_ranks, k, priority
+        layout = BidirectionalLayout(p, placement="linear")
+        self.positions = [_Position(layout.stages_of_rank(q), list(limits[q])) for q in range(p)]
+        orders = [unit_orders(range(c, num_microbatches, 2), k) for c in (0, 1)]
+        stages = range(2 * self.chain)
+        # Per (stage, kind), the units still to run, next one last.
+        self.queue = {(s, kind): units[::-1] for s in stages for kind, units in zip((F, B), orders[s // self.chain])}
+        self.upstream = {(s, kind): fed_by(_Action(s, kind, 0), self.chain) for s in stages for kind in (F, B)}
+        # A position's startable passes change only when it or a neighbour in a chain acts.
+        self.touches = {s: {layout.rank_of_stage(n) for d in (-1, 0, 1)
+                            if (n := chain_neighbour(s, d, self.chain)) is not None} for s in stages}
+        self.cost = {F: 0.5 / k, B: 1.0 / k}
+        self.finished: dict[tuple[int, Any, int], float] = {}
+
+    def startable(self, q: int) -> list[_Pass]:
+        """The passes position ``q`` can start, each once its inputs exist."""
+        pos, out = self.positions[q], []
+        for s in pos.stages:
+            full = pos.full(s // self.chain)
+            for kind in (B, F):
+                waiting = self.queue[s, kind]
+                if not waiting or (kind == F and full):
+                    continue
+                u, up = waiting[-1], self.upstream[s, kind]
+                made = pos.free if up is None else self.finished.get((up, kind, u))
+                # A backward also waits, by rule 2, for the microbatch's last forward on the stage.
+                forwarded = pos.free if kind == F else self.finished.get((s, F, u - u % self.k + self.k - 1))
+                if made is not None and forwarded is not None:
+                    out.append(_Pass(max(pos.free, made, forwarded), s, kind, u))
+        return out
+
+    def _rank(self, q: int, p: _Pass) -> float:
+        pos, (c, depth) = self.positions[q], divmod(p.stage, self.chain)
+        return self.priority(p.kind == F, pos.ran[c], depth, p.unit // self.k, pos.busy[c])
+
+    def _run(self, q: int, p: _Pass) -> None:
+        pos, c = self.positions[q], p.stage // self.chain
+        self.queue[p.stage, p.kind].pop()
+        pos.held[c] += 1 if p.kind == F else -1
+        pos.most[c] = max(pos.most[c], pos.held[c])
+        pos.most[2] = max(pos.most[2], sum(pos.held))
+        pos.ran[c] += 1
+        pos.busy[c] += self.cost[p.kind]
+        pos.free = self.finished[(p.stage, p.kind, p.unit)] = p.start + self.cost[p.kind]
+
+    def schedule(self) -> ListSchedule:
+        """Whenever a position can start something, it runs the startable pass of lowest priority. The
+        position that can start soonest (the first of equals) acts: nothing it waits for can finish
+        earlier. If no position can start anything under its limits, every limit grows by one."""
+        actions: ActionLists = {q: [] for q in range(len(self.positions))}
+        startable = [self.startable(q) for q in actions]
+        soonest = [min((p.start for p in ps), default=math.inf) for ps in startable]
+        for _ in range(sum(map(len, self.queue.values()))):  # every pass once
+            while (start := min(soonest)) == math.inf:
+                for pos in self.positions:
+                    pos.limits = [lim + 1 for lim in pos.limits]
+                startable = [self.startable(q) for q in actions]
+                soonest = [min((p.start for p in ps), default=math.inf) for ps in startable]
+            q = soonest.index(start)
+            chosen = min((p for p in startable[q] if p.start <= start), key=lambda p: self._rank(q, p))
+            self._run(q, chosen)
+            actions[q].append(_Action(chosen.stage, chosen.kind, chosen.unit))
+            for r in self.touches[chosen.stage]:
+                startable[r] = self.startable(r)
+                soonest[r] = min((p.start for p in startable[r]), default=math.inf)
+        return ListSchedule(actions, max(pos.free for pos in self.positions), [pos.most for pos in self.positions])
+
+
+def list_schedule(
+    num_ranks: int, num_microbatches: int, k: int, priority: Priority, limits: list[list[int]]
+) -> ListSchedule:
+    """One BSIPipe list schedule of a step under uniform costs (a chunk's forward 1/2k, its backward
+    1/k) and ``priority``: each position may hold ``limits[q]`` units (of chain A, of B, of both)
+    before a forward waits; limits grow by one whenever nothing could start otherwise."""
+    return _ListScheduler(num_ranks, num_microbatches, k, priority, limits).schedule()
 
 
 def bsipipe_actions(
@@ -123,7 +190,7 @@ def bsipipe_actions(
     """BSIPipe: two V-shaped pipelines in opposite directions (the V shape of :mod:`.bidirectional`).
 
     Basic-unit concatenation: a basic unit of 2p microbatches (p each way) is list-scheduled under
-    each of :data:`_BSIPIPE_PRIORITIES`, with at most 3k + 2p units of a chain held on a position,
+    each of :data:`PRIORITIES`, with at most 3k + 2p units of a chain held on a position,
     and the shortest one kept. The units each position and chain held at most there are the memory
     budget of the whole step: the step is list-scheduled again under each priority within that
     budget, and the shortest that uses all of it is kept (else the shortest). So peak activations do
@@ -135,13 +202,12 @@ def bsipipe_actions(
     p, k = num_ranks, num_subsequences
     limit = [[3 * k + 2 * p] * 2 + [6 * k + 4 * p] for _ in range(p)]
     basic_n = min(num_microbatches, 2 * p)
-    basics = [_list_schedule(p, basic_n, k, w, limit) for w in _BSIPIPE_PRIORITIES]
-    basic, _, in_flight = min(basics, key=lambda r: r[1])
+    basic = min((list_schedule(p, basic_n, k, w, limit) for w in PRIORITIES), key=lambda r: r.makespan)
     if num_microbatches == basic_n:
-        return basic
-    peak = max(most[2] for most in in_flight)
-    steps = [_list_schedule(p, num_microbatches, k, w, in_flight) for w in _BSIPIPE_PRIORITIES]
-    return min(steps, key=lambda r: (max(most[2] for most in r[2]) != peak, r[1]))[0]
+        return basic.actions
+    peak = max(most[2] for most in basic.most_held)
+    steps = [list_schedule(p, num_microbatches, k, w, basic.most_held) for w in PRIORITIES]
+    return min(steps, key=lambda r: (max(most[2] for most in r.most_held) != peak, r.makespan)).actions
 
 
 class ScheduleBSIPipe(BidirectionalSchedule):
