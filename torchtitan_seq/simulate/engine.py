@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import SEND_B, SEND_F, _Action
@@ -318,36 +318,10 @@ def simulate_order(
     prepared = _prepare(frozen, num_stages, microbatches * k, chain_length, torch_lowering)
     lowered, stage_to_rank = prepared.lowered, prepared.stage_to_rank
     if placement is not None:
-        expected = (
-            [BidirectionalLayout(p, name, v).stage_to_rank() for name in PLACEMENTS]
-            if placement == "bidirectional"
-            else [generate_stage_to_rank_mapping(p, num_stages, style=placement)]
-        )
-        if stage_to_rank not in expected:
-            raise ValueError(
-                f"{schedule} places stages on ranks {stage_to_rank}, but its stage_placement "
-                f"{placement!r} means {' or '.join(map(str, expected))}"
-            )
+        _check_placement(stage_to_rank, placement, p, v, schedule)
     # A stage holds 1/chain_length of the model, a 1/p stage's p/chain_length.
     share = p / chain_length
-    scaled = {
-        kind: None if ts is None else tuple(t * share for t in ts)
-        for kind, ts in ((F, times.F), (B, times.B), (I, times.I), (W, times.W))
-    }
-    used = {
-        leaf.computation_type for acts in order.values() for a in acts if a for leaf in compute_leaves(a)
-    }
-    missing = sorted(kind.value for kind in used if scaled[kind] is None)
-    if missing:
-        raise ValueError(f"{schedule} runs {missing} passes, but the cost {cost!r} has no times for them")
-
-    # Each stage's own chunk where it was measured on the stage's rank, else the shared times.
-    own = {s: (chunk_times or {}).get((r, s % chain_length, chain_length)) for s, r in stage_to_rank.items()}
-    per_stage = (
-        {s: {F: t.F, B: t.B, I: t.I, W: t.W} for s, t in own.items()}
-        if None not in own.values()
-        else dict.fromkeys(stage_to_rank, scaled)
-    )
+    per_stage = _stage_times(order, stage_to_rank, chain_length, share, times, chunk_times, schedule, cost)
 
     def duration(a: _Action) -> float:
         return per_stage[a.stage_index][a.computation_type][a.microbatch_index % k]
@@ -380,6 +354,44 @@ def simulate_order(
         compute_order=order,
         lowered={r: list(acts) for r, acts in (lowered or {}).items()},
     )
+
+
+def _check_placement(stage_to_rank: dict[int, int], placement: str, p: int, v: int, schedule: str) -> None:
+    """Refuse lists that put the stages elsewhere than ``placement`` ("loop", "v" or "bidirectional":
+    either of its placements) puts p v stages on p ranks."""
+    expected = (
+        [BidirectionalLayout(p, name, v).stage_to_rank() for name in PLACEMENTS]
+        if placement == "bidirectional"
+        else [generate_stage_to_rank_mapping(p, p * v, style=placement)]
+    )
+    if stage_to_rank not in expected:
+        raise ValueError(
+            f"{schedule} places stages on ranks {stage_to_rank}, but its stage_placement "
+            f"{placement!r} means {' or '.join(map(str, expected))}"
+        )
+
+
+def _stage_times(
+    order: ActionLists, stage_to_rank: dict[int, int], chain_length: int, share: float, times: UnitTimes,
+    chunk_times: ChunkTimes | None, schedule: str, cost: str,
+) -> dict[int, dict[Any, tuple[float, ...] | None]]:
+    """Per stage and pass kind, the time of each subsequence's unit: each stage's own chunk where
+    ``chunk_times`` measured it on the stage's rank, else ``times`` (for a stage with 1/p of the
+    layers) scaled by ``share``. Refuses a cost without times for a kind of pass ``order`` runs."""
+    scaled = {
+        kind: None if ts is None else tuple(t * share for t in ts)
+        for kind, ts in ((F, times.F), (B, times.B), (I, times.I), (W, times.W))
+    }
+    used = {
+        leaf.computation_type for acts in order.values() for a in acts if a for leaf in compute_leaves(a)
+    }
+    missing = sorted(kind.value for kind in used if scaled[kind] is None)
+    if missing:
+        raise ValueError(f"{schedule} runs {missing} passes, but the cost {cost!r} has no times for them")
+    own = {s: (chunk_times or {}).get((r, s % chain_length, chain_length)) for s, r in stage_to_rank.items()}
+    if None not in own.values():
+        return {s: {F: t.F, B: t.B, I: t.I, W: t.W} for s, t in own.items()}
+    return dict.fromkeys(stage_to_rank, scaled)
 
 
 def _sync_copies(
