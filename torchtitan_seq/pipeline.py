@@ -95,7 +95,7 @@ def pipeline_sequence_llm(
     loss_fn: Callable[..., torch.Tensor],
 ) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
     """torchtitan's ``pipelining_fn`` contract: (schedule, model parts, has first, has last stage), for
-    a job :func:`torchtitan_seq.trainer.check_job` passed."""
+    a job :func:`torchtitan_seq.job_check.check_job` passed."""
     par, cfg = job_config.parallelism, job_config.sequence_pipeline
     name = par.pipeline_parallel_schedule
     if name not in SEQUENCE_SCHEDULES:

@@ -66,7 +66,8 @@ from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.train import main  # noqa: E402
 
 from .registration import register  # noqa: E402
-from .trainer import SeqTrainer, check_job  # noqa: E402
+from .job_check import check_job  # noqa: E402
+from .trainer import SeqTrainer  # noqa: E402
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The job check refuses, in one message naming the setting, every setting that would pass it
-and then crash on the ranks (torchtitan_seq.trainer.check_job, in this process)."""
+and then crash on the ranks (torchtitan_seq.job_check.check_job, in this process)."""
 
 import pytest
 
@@ -7,7 +7,7 @@ from torchtitan.config import ConfigManager
 
 from torchtitan_seq.registration import register
 from torchtitan_seq.train import resolve_args
-from torchtitan_seq.trainer import check_job
+from torchtitan_seq.job_check import check_job
 
 CONFIG = ("--job.config_file", "train_configs/debug_model.toml")
 

@@ -80,8 +80,10 @@ class SequenceSchedule(_PipelineScheduleRuntime):
     def check_shape(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *,
                     split_backward: bool = False, **options: Any) -> None:
         """Raise ValueError, naming the setting, for a shape the schedule cannot run
-        (``options``: the schedule's own, as :meth:`options_from_config` reads them)."""
-        cls.compute_order(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward)
+        (``options``: the schedule's own, as :meth:`options_from_config` reads them, and
+        ``stages_per_rank``, v)."""
+        cls.compute_order(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward,
+                          stages_per_rank=options.get("stages_per_rank"))
 
     @classmethod
     def options_from_config(cls, config: Any) -> dict[str, Any]:

@@ -1,0 +1,169 @@
+"""The job check: refuse, before anything is built, a job that would fail on its ranks.
+
+:func:`check_job` runs one named check per concern; each raises ``ValueError`` with one line that
+names the setting at fault and the fix. torch's own schedules get the checks that hold for any job
+(schedule name, parallel degrees, flavor, compile); a sequence schedule gets its own too.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torchtitan.config import JobConfig
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
+
+from .pipeline import pipeline_sequence_llm, sequence_lengths, stages_per_rank
+from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES
+
+__all__ = ["check_job"]
+
+
+def check_job(job_config: JobConfig, world_size: int) -> None:
+    """Reject a job that cannot run on ``world_size`` processes (see the module docstring)."""
+    name = job_config.parallelism.pipeline_parallel_schedule
+    # torch's get_schedule_class takes its names in any case.
+    if name not in SEQUENCE_SCHEDULES and name.lower() not in {n.lower() for n in TORCH_SCHEDULES}:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule = {name!r} is unknown: use a sequence schedule "
+            f"({', '.join(SEQUENCE_SCHEDULES)}) or one of torch's ({', '.join(TORCH_SCHEDULES)})"
+        )
+    _check_degrees(job_config, world_size)
+    spec = get_train_spec(job_config.model.name)
+    _check_flavor(job_config, spec)
+    _check_compile(job_config)
+    if name in SEQUENCE_SCHEDULES:
+        _check_sequence_model(job_config, spec)
+        n_microbatches = _check_microbatches(job_config)
+        _check_validation(job_config, n_microbatches)
+        _check_activation_checkpointing(job_config)
+        _check_documents(job_config, spec)
+        _check_shape(job_config, spec, n_microbatches)
+
+
+def _check_degrees(job_config: JobConfig, world_size: int) -> None:
+    """The parallel degrees multiply to the process count (FSDP's -1 takes what is left)."""
+    par = job_config.parallelism
+    degrees = {
+        f"{dim}_degree": getattr(par, f"{dim}_degree")
+        for dim in ("data_parallel_replicate", "context_parallel", "tensor_parallel", "pipeline_parallel")
+    }
+    fixed, shard = math.prod(degrees.values()), par.data_parallel_shard_degree
+    if world_size % fixed or (shard != -1 and fixed * shard != world_size):
+        product = " x ".join(f"{k}={v}" for k, v in {**degrees, "data_parallel_shard_degree": shard}.items())
+        raise ValueError(
+            f"parallelism degrees {product} do not fit {world_size} processes: set them (e.g. "
+            "parallelism.pipeline_parallel_degree) so that their product is the process count, or change "
+            "the process count (NGPU)"
+        )
+
+
+def _check_flavor(job_config: JobConfig, spec: TrainSpec) -> None:
+    flavor = job_config.model.flavor
+    if flavor not in spec.model_args:
+        raise ValueError(
+            f"model.flavor = {flavor!r} is not a flavor of model.name = {job_config.model.name!r}: "
+            f"use one of {', '.join(spec.model_args)}"
+        )
+
+
+def _check_compile(job_config: JobConfig) -> None:
+    """torchtitan's memory-budget AC is a compile pass; compiled blocks run no split backward, nor
+    tensor parallelism in a pipeline (torch 2.13)."""
+    par, ac = job_config.parallelism, job_config.activation_checkpoint
+    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    sequence = par.pipeline_parallel_schedule in SEQUENCE_SCHEDULES
+    if compile_model and job_config.sequence_pipeline.split_backward and sequence:
+        raise ValueError(
+            "sequence_pipeline.split_backward = true cannot run with compile.enable = true: a compiled block is one "
+            "autograd node, so the weight pass would run its whole backward again (and torch 2.13 then gets some "
+            "weight gradients wrong); use a full backward"
+        )
+    if compile_model and par.tensor_parallel_degree > 1 and par.pipeline_parallel_degree > 1:
+        raise ValueError(
+            f"compile.enable = true cannot run with parallelism.tensor_parallel_degree = "
+            f"{par.tensor_parallel_degree} in a pipeline: torch 2.13 hands the compiled blocks' backward "
+            "plain tensors for DTensors (torch's 1F1B alike); turn one of them off"
+        )
+    if ac.mode == "memory_budget" and not compile_model:
+        raise ValueError(
+            "activation_checkpoint.mode = 'memory_budget' needs torch.compile of the model: set "
+            "compile.enable = true with 'model' in compile.components, or use activation_checkpoint.mode "
+            "'full', 'selective' or 'none'"
+        )
+
+
+def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
+    """A sequence schedule needs chunk-aware attention, and owns the sequence dimension alone."""
+    par, name = job_config.parallelism, job_config.parallelism.pipeline_parallel_schedule
+    if spec.pipelining_fn is not pipeline_sequence_llm:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule = {name!r} needs a model with chunk-aware attention, "
+            f'but model.name = {job_config.model.name!r} has none: set [model] name = "llama3_seq"'
+        )
+    if par.context_parallel_degree > 1:
+        raise ValueError(
+            f"parallelism.context_parallel_degree = {par.context_parallel_degree} cannot be combined with "
+            f"the sequence schedule {name}: both cut the sequence; set it to 1"
+        )
+
+
+def _check_microbatches(job_config: JobConfig) -> int:
+    """The microbatches a step runs, N; the local batch must be a whole number of them."""
+    batch, microbatch = job_config.training.local_batch_size, job_config.parallelism.pipeline_parallel_microbatch_size
+    if batch % microbatch:
+        raise ValueError(
+            f"training.local_batch_size = {batch} is not a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size = {microbatch}"
+        )
+    return batch // microbatch
+
+
+def _check_validation(job_config: JobConfig, n_microbatches: int) -> None:
+    """Validation runs the training pipeline: the same sequence cut, whole microbatches."""
+    val, name = job_config.validation, job_config.parallelism.pipeline_parallel_schedule
+    if not val.enable:
+        return
+    if val.seq_len != job_config.training.seq_len:
+        raise ValueError(
+            f"validation.seq_len = {val.seq_len} differs from training.seq_len = {job_config.training.seq_len}, "
+            f"but the sequence schedule {name} cuts every sequence as training's: set validation.seq_len "
+            "to training.seq_len"
+        )
+    if val.local_batch_size % n_microbatches:
+        raise ValueError(
+            f"validation.local_batch_size = {val.local_batch_size} is not a multiple of the "
+            f"{n_microbatches} microbatches the sequence schedule {name} runs: make it one"
+        )
+
+
+def _check_activation_checkpointing(job_config: JobConfig) -> None:
+    ac = job_config.activation_checkpoint
+    if job_config.sequence_pipeline.split_backward and ac.mode == "selective" and ac.selective_ac_option == "op":
+        raise ValueError(
+            "sequence_pipeline.split_backward = true cannot run with activation_checkpoint.mode = 'selective' "
+            "and selective_ac_option = 'op' (torch's op-level SAC allows one backward per region): use "
+            "another AC option or a full backward"
+        )
+
+
+def _check_documents(job_config: JobConfig, spec: TrainSpec) -> None:
+    seq, flavor = job_config.sequence_pipeline, job_config.model.flavor
+    if seq.expected_document_length and spec.model_args[flavor].attn_mask_type != "block_causal":
+        raise ValueError(
+            f"sequence_pipeline.expected_document_length = {seq.expected_document_length} needs a "
+            f"block-causal flavor, but model.flavor = {flavor!r} is causal: pick one (e.g. "
+            "debugmodel_flex_attn) or set it to 0"
+        )
+
+
+def _check_shape(job_config: JobConfig, spec: TrainSpec, n_microbatches: int) -> None:
+    """The schedule runs the job's shape: the sequence cut (k lengths), v chunks per rank, N, p."""
+    par, seq = job_config.parallelism, job_config.sequence_pipeline
+    model_args = spec.model_args[job_config.model.flavor]
+    v = stages_per_rank(job_config, model_args, par.pipeline_parallel_degree)
+    k = len(sequence_lengths(job_config, model_args, par.tensor_parallel_degree))
+    cls = SEQUENCE_SCHEDULES[par.pipeline_parallel_schedule]
+    cls.check_shape(
+        par.pipeline_parallel_degree, n_microbatches, k, split_backward=seq.split_backward, stages_per_rank=v,
+        **cls.options_from_config(seq),
+    )
