@@ -4,11 +4,15 @@ Every schedule's loss is normalised by the step's token count before backward
 (:class:`~torchtitan_seq.loss.TokenNormalizedLoss`): torchtitan 0.2.2 divides only the logged loss
 under pipeline parallelism, so its gradients are sums over tokens. Sequence schedules need the
 normalised recipe to be exact; torch's get it too, so both train alike. Every rank logs the real
-loss (not -1), and saved activations are measured per step (:mod:`torchtitan_seq.memory`).
+loss (not -1). Instrumentation runs only on the steps that report it: saved activations are
+metered (:mod:`torchtitan_seq.memory`) on the steps ``[sequence_pipeline] activation_memory_freq``
+picks, with no saved-tensor hook on the others, and compute actions are timed
+(:mod:`torchtitan_seq.timeline`) on logged steps only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -20,7 +24,7 @@ from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.train import Trainer
 
-from . import cpu_compat
+from . import cpu_compat, timeline
 from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
 from .metrics import SeqMetricsProcessor
@@ -82,6 +86,11 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
             "compile.enable = true with 'model' in compile.components, or use activation_checkpoint.mode "
             "'full', 'selective' or 'none'"
         )
+    if seq.activation_memory_freq < 0:
+        raise ValueError(
+            f"sequence_pipeline.activation_memory_freq = {seq.activation_memory_freq} is negative: use N >= 1 "
+            "(every N-th logged step) or 0 (never)"
+        )
     if name not in SEQUENCE_SCHEDULES:
         return
     if spec.pipelining_fn is not pipeline_sequence_llm:
@@ -140,6 +149,7 @@ class SeqTrainer(Trainer):
     def __init__(self, job_config: JobConfig) -> None:
         check_job(job_config, int(os.environ["WORLD_SIZE"]))
         self.activation_memory = ActivationMemory()
+        self.metering = False  # whether the current step meters activations (train_step decides)
         super().__init__(job_config)
         cpu_compat.fsdp_for_gloo(self.model_parts)
         schedule = getattr(self, "pp_schedule", None)
@@ -150,10 +160,25 @@ class SeqTrainer(Trainer):
             self.metrics_processor.activation_memory = self.activation_memory
             self.metrics_processor.record_start(schedule)
 
+    def train_step(self, data_iterator) -> None:
+        # The meter and the timeline cost per saved tensor and per action: armed for this step
+        # only when it reports them (``self.step`` is already the step's number).
+        processor = self.metrics_processor
+        reports = isinstance(processor, SeqMetricsProcessor)
+        self.metering = reports and processor.meters_activations(self.step)
+        timed = self.job_config.sequence_pipeline.pipeline_timeline
+        if reports and timed and processor.should_log(self.step):
+            timeline.RECORDER.enable(self.device)
+        try:
+            super().train_step(data_iterator)
+        finally:
+            timeline.RECORDER.disable()
+            self.metering = False
+
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
     ) -> torch.Tensor:
-        with self.activation_memory.track():
+        with self.activation_memory.track() if self.metering else contextlib.nullcontext():
             if not self.parallel_dims.pp_enabled:
                 return super().forward_backward_step(
                     input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
