@@ -57,7 +57,11 @@ the rounds (:func:`calibration.merge`) is written as a cost file of
 :mod:`torchtitan_seq.simulate` (seconds; every chunk's times on its rank) in
 ``--out``, and each record gets the simulator's predicted step time
 (makespan of the pipeline alone, no optimizer, no communication time) and its
-error against the measured step and against the measured pipeline time.
+error against the measured step and against the measured pipeline time, and
+what a unit costs beyond its share (:func:`add_unit_fit`): a fixed cost per unit
+fitted to every calibrated unit of the length, and its share of the cut's
+compute, shown beside the tokens/s ratio (a large share: k too large for the
+machine).
 
 Outputs in ``--out``: ``bench.json`` (a list of records, see :class:`Record`),
 ``bench.md`` (a table) and ``bench.png`` (tokens/s and rank 0's peak against
@@ -89,9 +93,10 @@ from torchtitan_seq.partition import PARTITIONS  # noqa: E402
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: E402
 from torchtitan_seq.simulate import SimConfig, simulate  # noqa: E402
 from torchtitan_seq.simulate.build import build, compute_leaves  # noqa: E402
+from torchtitan_seq.simulate.costs import fit_cost_files  # noqa: E402
 
 __all__ = ["Variant", "parse_variants", "Record", "measure", "calibrate", "merge", "chunks_of_ranks",
-           "predicted_step_time", "calibrate_run", "add_predictions", "main"]
+           "predicted_step_time", "calibrate_run", "add_predictions", "add_unit_fit", "main"]
 
 BASELINE = "1F1B"
 
@@ -199,6 +204,13 @@ class Record:
     """predicted / measured step time - 1."""
     pipeline_prediction_error: float | None = None
     """predicted / measured pipeline time - 1."""
+    unit_fit: dict[str, float] | None = None
+    """``--calibrate``: every unit's F + B at this length fitted as ``fixed_s`` per unit plus
+    ``per_token_s`` per token and ``per_pair_s`` per causal (query, key) pair, all cuts together
+    (:func:`add_unit_fit`)."""
+    fixed_cost_share: float | None = None
+    """k x fixed over this cut's fitted F + B: the share of each stage's compute that is the
+    fixed cost per unit (:meth:`~torchtitan_seq.simulate.costs.UnitCostFit.fixed_share`)."""
     instrumented: bool = True
     instrumentation_cost: float | None = None
     """Step time over that of the same schedule run uninstrumented, - 1 (``--instrumentation both``)."""
@@ -382,6 +394,28 @@ def add_predictions(records: list[Record], calibrations: dict[tuple, list[dict]]
         r.prediction_error = r.predicted_step_time_s / r.step_time_s - 1
         if r.pipeline_time_s is not None:
             r.pipeline_prediction_error = r.predicted_step_time_s / r.pipeline_time_s - 1
+    add_unit_fit(records, list(paths.values()))
+
+
+def add_unit_fit(records: list[Record], paths: list[Path]) -> None:
+    """What a unit costs beyond its share: the fit of every calibrated unit of one length (all
+    cuts together: one cut alone cannot tell a fixed cost from a cost per token) to a fixed cost
+    per unit plus costs per token and per causal (query, key) pair
+    (:func:`torchtitan_seq.simulate.costs.fit_cost_files`), written into each cost file with
+    its cut's fixed share, and each record's share. No fit (a warning) when the cuts cannot
+    separate the terms."""
+    try:
+        fit = fit_cost_files(paths)
+    except ValueError as e:
+        print(f"no unit-cost fit: {e}", file=sys.stderr)
+        return
+    terms = {"fixed_s": fit.fixed, "per_token_s": fit.per_token, "per_pair_s": fit.per_pair}
+    for path in paths:
+        data = json.loads(path.read_text())
+        data.update(unit_fit=terms, fixed_share=fit.fixed_share(data["lengths"]))
+        path.write_text(json.dumps(data, indent=1) + "\n")
+    for r in records:
+        r.unit_fit, r.fixed_cost_share = terms, fit.fixed_share(r.lengths)
 
 
 # --------------------------------------------------------------------------
@@ -394,17 +428,18 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def write_markdown(records: list[Record], path: Path, header: str) -> None:
     rows = [
-        "| schedule | seq | lengths | step time (s) | tokens/s | x 1F1B | peak act. rank 0 (MiB) | x 1F1B "
+        "| schedule | seq | lengths | step time (s) | tokens/s | x 1F1B | fixed cost share | peak act. rank 0 (MiB) | x 1F1B "
         "| peak act. per rank (MiB) | bubble ratio per rank | pipeline (s) | first step (s) | predicted (s) "
         "| error vs step | vs pipeline | instrumentation cost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         mib = [b / 2**20 for b in r.peak_activation_bytes or []]
         bubbles = ", ".join(f"{b:.3f}" for b in r.bubble_ratio) if r.bubble_ratio else ""
         rows.append(
             f"| {r.label} | {r.seq_len} | {r.lengths} | {r.step_time_s:.3f} | {r.tokens_per_s:.0f} "
-            f"| {_fmt(r.tokens_per_s_ratio, '.3f')} | {_fmt(mib[0] if mib else None, '.1f')} "
+            f"| {_fmt(r.tokens_per_s_ratio, '.3f')} | {_fmt(r.fixed_cost_share, '.1%')} "
+            f"| {_fmt(mib[0] if mib else None, '.1f')} "
             f"| {_fmt(r.peak_activation_ratio, '.3f')} | {', '.join(f'{b:.1f}' for b in mib)} | {bubbles} "
             f"| {_fmt(r.pipeline_time_s, '.3f')} | {r.first_step_s:.1f} | {_fmt(r.predicted_step_time_s, '.3f')} "
             f"| {_fmt(r.prediction_error, '+.1%')} | {_fmt(r.pipeline_prediction_error, '+.1%')} "

@@ -78,6 +78,23 @@ def test_instrumentation_ab_alternates_and_reports_the_step_time_ratio():
     assert records[0].instrumentation_cost == pytest.approx(0.1) and records[1].instrumentation_cost is None
 
 
+def test_the_unit_fit_of_a_length_goes_into_its_cost_files_and_records(tmp_path):
+    """Two cuts at one length, units costing 0.1 s each beyond 1 ms per token (no attention)."""
+    cuts = {"whole": [512], "even": [128] * 4}
+    paths, records = [], []
+    for name, lengths in cuts.items():
+        times = [0.1 + 1e-3 * n for n in lengths]
+        path = tmp_path / f"cost_{name}.json"
+        path.write_text(json.dumps({"F": [t / 3 for t in times], "B": [2 * t / 3 for t in times],
+                                    "lengths": lengths, "unit": "s"}))
+        paths.append(path)
+        records.append(SimpleNamespace(lengths=lengths, unit_fit=None, fixed_cost_share=None))
+    bench.add_unit_fit(records, paths)
+    assert records[1].unit_fit["fixed_s"] == pytest.approx(0.1)
+    assert records[1].fixed_cost_share == pytest.approx(0.4 / (0.4 + 0.512))
+    assert json.loads(paths[0].read_text())["fixed_share"] == pytest.approx(0.1 / 0.612)
+
+
 def test_recorder_times_actions_of_the_latest_step_only():
     rec = timeline.StepTimeline()
     with rec.action(0, F, 0):  # not enabled: nothing kept
