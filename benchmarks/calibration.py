@@ -161,8 +161,9 @@ def _calibrate_rank(
     torch.manual_seed(chunks[0])
     timers = [_Chunk(seq_len, lengths, num_chunks, c, units, flavor, dev) for c in chunks]
     barrier.wait()
-    # The trainer measures activations in every step: its saved-tensor hook runs on every
-    # tensor autograd saves, a cost per operation that many small units pay more often.
+    # The benchmark's runs meter activations in every step (activation_memory_freq = 1): the
+    # saved-tensor hook runs on every tensor autograd saves, a cost per operation that many
+    # small units pay more often, so the calibration pays it too.
     with ActivationMemory().track():
         _round(timers)  # allocations, kernel choice
         rounds = []
@@ -202,7 +203,9 @@ def calibrate(
     torch's own ``stage_backward*`` functions, as the pipeline stage runs them.
     The last chunk's loss (sum cross-entropy over the sequence) counts as
     forward. Median of ``repeats`` rounds after one untimed round, all under
-    the activation meter the trainer runs (:mod:`torchtitan_seq.memory`).
+    the activation meter the benchmark's instrumented runs have on every step
+    (:mod:`torchtitan_seq.memory`; ``--instrumentation off`` runs are
+    predicted from these metered times too).
 
     A rank's times are its chunks' mean scaled to 1/pp of the layers (the
     simulator's unit: it gives a stage of c chunks' share pp / c of them).
