@@ -161,7 +161,8 @@ class SeqMetricsProcessor(MetricsProcessor):
             parts.append(f"pipeline: {max(ends):.1f} ms")
         if parts:
             logger.info(f"step: {step:2}  " + "  ".join(parts))
-        if timeline.export_due(step, self.job_config.profiling):
+        timed = self.job_config.sequence_pipeline.pipeline_timeline
+        if timed and timeline.export_due(step, self.job_config.profiling):
             name = self.job_config.parallelism.pipeline_parallel_schedule
             k = self.job_config.sequence_pipeline.num_subsequences if name in SEQUENCE_SCHEDULES else 1
             loggers = getattr(self.logger, "_loggers", [])  # torchtitan's LoggerContainer
