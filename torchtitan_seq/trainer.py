@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -160,7 +161,7 @@ class SeqTrainer(Trainer):
             self.metrics_processor.activation_memory = self.activation_memory
             self.metrics_processor.record_start(schedule)
 
-    def train_step(self, data_iterator) -> None:
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
         # The meter and the timeline cost per saved tensor and per action: armed for this step
         # only when it reports them (``self.step`` is already the step's number).
         processor = self.metrics_processor
