@@ -75,10 +75,11 @@ dim 2048, 16 heads, 8 KV heads, bf16, batch 1, units through the KV context). De
 tokens (the whole sequence and every cut, k = 1, 2, 4, 8: 45 units) fits fixed = 8.45 ms per
 unit, per-token 2.0 us and per-pair 0.24 ns, for the 4 layers: 2.11 ms per layer. The 8K files
 are left out: there the fit's per-token cost turns negative (units of 1-2K tokens are not
-linear in their tokens on this GPU). That fixed cost is 19.5% of a 32K sequence's F + B cut into
-8 units (the measured overhead against the whole sequence: +29%), 10.8% at k = 4. Taken as the
-GPU's and the code's, whatever the model's width: kernel launches, host work and the per-call
-merges of unit attention do not shrink with a unit, and are not divided by TP."""
+linear in their tokens on this GPU). Fitted at one length each: 9.3 ms (16K), 6.3 ms (32K), 9.1 ms
+(64K); at 32K the fixed cost is 19.5% of the F + B of a cut into 8 units (measured overhead
+against the whole sequence: +29%) and 10.8% at k = 4. Taken as the GPU's and the code's, whatever
+the model's width: kernel launches, host work and the per-call merges of unit attention do not
+shrink with a unit, and are not divided by TP."""
 
 
 @dataclass(frozen=True)
