@@ -428,7 +428,8 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def write_markdown(records: list[Record], path: Path, header: str) -> None:
     rows = [
-        "| schedule | seq | lengths | step time (s) | tokens/s | x 1F1B | fixed cost share | peak act. rank 0 (MiB) | x 1F1B "
+        "| schedule | seq | lengths | step time (s) | tokens/s | x 1F1B | fixed cost share "
+        "| peak act. rank 0 (MiB) | x 1F1B "
         "| peak act. per rank (MiB) | bubble ratio per rank | pipeline (s) | first step (s) | predicted (s) "
         "| error vs step | vs pipeline | instrumentation cost |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -546,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{job.flavor}, seq {job.seq_len}, {cluster.gpus} GPUs of {cluster.gpu_memory_gib:g} GiB, "
           f"local batch {job.local_batch_size}; "
-          + ("measured costs\n" if costs else f"transformer-model costs, {a.unit_overhead_ms:g} ms per unit and layer\n"))
+          + ("measured costs\n" if costs else
+             f"transformer-model costs, {a.unit_overhead_ms:g} ms per unit and layer\n"))
     print(_table(plans))
     print(f"\nBest, as ./run_train.sh overrides:\n  ./run_train.sh {overrides}\n")
     print("As TOML:\n\n" + best.toml(job.flavor, job.seq_len, job.local_batch_size))

@@ -356,7 +356,8 @@ def test_the_h200_fixed_cost_per_unit_is_the_fit_of_its_cost_files():
     from torchtitan_seq.plan import H200_UNIT_OVERHEAD_S
     from torchtitan_seq.simulate.costs import fit_cost_files
 
-    files = [p for p in sorted((REPO / "benchmarks/gpu/2026-11-30/cudnn").glob("cost_s*.json")) if "s8192" not in p.name]
+    folder = REPO / "benchmarks/gpu/2026-11-30/cudnn"
+    files = [p for p in sorted(folder.glob("cost_s*.json")) if "s8192" not in p.name]
     assert len(files) == 15
     assert fit_cost_files(files).fixed / 4 == pytest.approx(H200_UNIT_OVERHEAD_S, rel=5e-3)
 
