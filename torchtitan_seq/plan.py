@@ -72,7 +72,7 @@ H200_UNIT_OVERHEAD_S = 2.11e-3
 an H200 (``benchmarks/gpu/2026-11-30/cudnn``: torch 2.11, cuDNN 9.19, a 4-layer Llama 3 stack of
 dim 2048, 16 heads, 8 KV heads, bf16, batch 1, units through the KV context). Derivation:
 :func:`~torchtitan_seq.simulate.costs.fit_cost_files` over its cost files at 16K, 32K and 64K
-tokens (the whole sequence and every cut, k = 1, 2, 4, 8: 45 units) fits fixed = 8.45 ms per
+tokens (the whole sequence and every cut, k = 1, 2, 4, 8: 48 units) fits fixed = 8.45 ms per
 unit, per-token 2.0 us and per-pair 0.24 ns, for the 4 layers: 2.11 ms per layer. The 8K files
 are left out: there the fit's per-token cost turns negative (units of 1-2K tokens are not
 linear in their tokens on this GPU). Fitted at one length each: 9.3 ms (16K), 6.3 ms (32K), 9.1 ms
@@ -298,7 +298,7 @@ class _Costs:
             chunks = data.get("chunks", [[r] for r in range(pp)])
             files[pp, len(chunks[0]), 1 + max(map(max, chunks)), lengths] = str(path)
             loaded.append((path, pp, data))
-        # Files of one stage size fit together; their fixed cost per unit, per layer.
+        # Their fixed cost per unit, per layer: a fit needs one stage size (else none is taken).
         pps = {pp for _, pp, _ in loaded}
         fixed_per_layer = 0.0
         if len(pps) == 1:
