@@ -30,7 +30,8 @@ structured record, ``metrics.jsonl`` in the run's dump folder
 * tokens/s: the pipeline's tokens per step (microbatches x sequence length)
   over that median. torchtitan's tps is this divided by the ranks.
 * peak activation bytes per rank: the largest of the steps, as the trainer
-  measures it (bytes autograd keeps for backward, :mod:`torchtitan_seq.memory`).
+  measures it (bytes autograd keeps for backward, :mod:`torchtitan_seq.memory`);
+  the benchmark meters every step (``activation_memory_freq = 1``).
 * bubble ratio per rank and pipeline time: the median over the steps, as
   the trainer measures them (:mod:`torchtitan_seq.timeline`; the pipeline time
   is the makespan of the schedule's compute, without optimizer and logging);
@@ -39,6 +40,10 @@ structured record, ``metrics.jsonl`` in the run's dump folder
   compiled runs against compiled 1F1B (``--compile on|both``), eager against eager.
 * the first step apart (median over the runs): it compiles, so its excess over
   the median step is the compile time.
+* ``--instrumentation both``: every schedule also runs with the trainer's
+  instrumentation off (no activation meter, no timeline), alternating with the
+  instrumented runs; the instrumented record gets the ratio of its step time to
+  the uninstrumented one's, the instrumentation's cost.
 
 ``--calibrate`` also times the passes of every unit on every pipeline
 rank, each rank in its own process (one thread, like a training rank) and
@@ -52,7 +57,11 @@ the rounds (:func:`calibration.merge`) is written as a cost file of
 :mod:`torchtitan_seq.simulate` (seconds; every chunk's times on its rank) in
 ``--out``, and each record gets the simulator's predicted step time
 (makespan of the pipeline alone, no optimizer, no communication time) and its
-error against the measured step and against the measured pipeline time.
+error against the measured step and against the measured pipeline time, and
+what a unit costs beyond its share (:func:`add_unit_fit`): a fixed cost per unit
+fitted to every calibrated unit of the length, and its share of the cut's
+compute, shown beside the tokens/s ratio (a large share: k too large for the
+machine).
 
 Outputs in ``--out``: ``bench.json`` (a list of records, see :class:`Record`),
 ``bench.md`` (a table) and ``bench.png`` (tokens/s and rank 0's peak against
@@ -84,9 +93,10 @@ from torchtitan_seq.partition import PARTITIONS  # noqa: E402
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: E402
 from torchtitan_seq.simulate import SimConfig, simulate  # noqa: E402
 from torchtitan_seq.simulate.build import build, compute_leaves  # noqa: E402
+from torchtitan_seq.simulate.costs import fit_cost_files  # noqa: E402
 
 __all__ = ["Variant", "parse_variants", "Record", "measure", "calibrate", "merge", "chunks_of_ranks",
-           "predicted_step_time", "calibrate_run", "add_predictions", "main"]
+           "predicted_step_time", "calibrate_run", "add_predictions", "add_unit_fit", "main"]
 
 BASELINE = "1F1B"
 
@@ -103,6 +113,8 @@ class Variant:
     partition: str | None = None
     compiled: bool = False
     """torchtitan's per-block torch.compile (``--compile.enable``)."""
+    instrumented: bool = True
+    """The trainer meters activations and times actions on every step; False: on none."""
 
     @property
     def is_sequence(self) -> bool:
@@ -111,7 +123,7 @@ class Variant:
     @property
     def label(self) -> str:
         label = f"{self.schedule} k={self.num_subsequences} {self.partition}" if self.is_sequence else self.schedule
-        return label + (" compiled" if self.compiled else "")
+        return label + (" compiled" if self.compiled else "") + ("" if self.instrumented else " uninstrumented")
 
     def overrides(self) -> list[str]:
         out = ["--parallelism.pipeline_parallel_schedule", self.schedule]
@@ -122,12 +134,18 @@ class Variant:
             ]
         if self.compiled:
             out.append("--compile.enable")
+        if self.instrumented:
+            out += ["--sequence_pipeline.activation_memory_freq", "1"]  # and the timeline on every logged step
+        else:
+            out += ["--sequence_pipeline.activation_memory_freq", "0", "--sequence_pipeline.no-pipeline-timeline"]
         return out
 
 
-def parse_variants(spec: str, subsequences: int, partition: str, compile: str = "off") -> list[Variant]:
+def parse_variants(spec: str, subsequences: int, partition: str, compile: str = "off",
+                   instrumentation: str = "on") -> list[Variant]:
     """``"1F1B,Seq1F1B,Seq1F1B:8:even"`` -> variants; k and partition default to the given ones.
-    ``compile``: ``"off"``, ``"on"``, or ``"both"`` (each schedule eager, then compiled)."""
+    ``compile``: ``"off"``, ``"on"``, or ``"both"`` (each schedule eager, then compiled);
+    ``instrumentation`` likewise (``"both"``: each instrumented, then not)."""
     variants = []
     for item in spec.split(","):
         name, *rest = item.strip().split(":")
@@ -143,8 +161,9 @@ def parse_variants(spec: str, subsequences: int, partition: str, compile: str = 
         if part not in PARTITIONS:
             raise ValueError(f"{item!r}: partition {part!r} is not one of {PARTITIONS}")
         variants.append(Variant(name, k, part))
-    modes = {"off": (False,), "on": (True,), "both": (False, True)}[compile]
-    return [dataclasses.replace(v, compiled=c) for v in variants for c in modes]
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}
+    return [dataclasses.replace(v, compiled=c, instrumented=i) for v in variants for c in modes[compile]
+            for i in reversed(modes[instrumentation])]
 
 
 @dataclass
@@ -165,8 +184,8 @@ class Record:
     step_time_s: float
     """Median of ``step_times_s``."""
     tokens_per_s: float
-    peak_activation_bytes: list[int]
-    """Per rank, the largest of the measured steps."""
+    peak_activation_bytes: list[int] | None
+    """Per rank, the largest of the measured steps; None when none was metered (uninstrumented)."""
     bubble_ratio: list[float] | None
     """Per rank, median of the measured steps; None when the stages are not timed."""
     pipeline_time_s: float | None
@@ -185,6 +204,16 @@ class Record:
     """predicted / measured step time - 1."""
     pipeline_prediction_error: float | None = None
     """predicted / measured pipeline time - 1."""
+    unit_fit: dict[str, float] | None = None
+    """``--calibrate``: every unit's F + B at this length fitted as ``fixed_s`` per unit plus
+    ``per_token_s`` per token and ``per_pair_s`` per causal (query, key) pair, all cuts together
+    (:func:`add_unit_fit`)."""
+    fixed_cost_share: float | None = None
+    """k x fixed over this cut's fitted F + B: the share of each stage's compute that is the
+    fixed cost per unit (:meth:`~torchtitan_seq.simulate.costs.UnitCostFit.fixed_share`)."""
+    instrumented: bool = True
+    instrumentation_cost: float | None = None
+    """Step time over that of the same schedule run uninstrumented, - 1 (``--instrumentation both``)."""
 
 
 def _job_overrides(variant: Variant, seq_len: int, args: argparse.Namespace) -> list[str]:
@@ -202,7 +231,7 @@ def _job_overrides(variant: Variant, seq_len: int, args: argparse.Namespace) -> 
 def _check_run(run: Run, steps: int, what: str) -> None:
     """Fail unless every step was logged. A run that fails after its last step (seen once: a
     rank aborting with SIGABRT at shutdown) still measured every step: it is kept, with a warning."""
-    if len(run.step_times_s) != steps or len(run.activation_bytes) != steps:
+    if len(run.step_times_s) != steps:
         raise RuntimeError(f"{what} failed (exit {run.returncode}):\n{run.output[-4000:]}")
     if run.returncode != 0:
         print(f"warning: {what} exited with {run.returncode} after its last step", file=sys.stderr)
@@ -231,12 +260,10 @@ def measure(variants: list[Variant], args: argparse.Namespace) -> list[Record]:
                 _check_run(run, args.steps, what)
                 runs[v].append(run)
                 kept = run.step_times_s[args.warmup:]
-                print(
-                    f"{what}: median step {statistics.median(kept):.3f} s, peak rank 0 "
-                    f"{max(b[0] for b in run.activation_bytes) / 2**20:.1f} MiB "
-                    f"({time.monotonic() - began:.0f} s)",
-                    flush=True,
-                )
+                peaks = [b[0] for b in run.activation_bytes if b]
+                peak = f", peak rank 0 {max(peaks) / 2**20:.1f} MiB" if peaks else ""
+                print(f"{what}: median step {statistics.median(kept):.3f} s{peak} "
+                      f"({time.monotonic() - began:.0f} s)", flush=True)
                 if args.calibrate:
                     calibrate_run(v, seq_len, run.lengths or [seq_len], args, calibrations, r)
         mine = [_record(v, seq_len, runs[v], args) for v in variants]
@@ -250,7 +277,7 @@ def measure(variants: list[Variant], args: argparse.Namespace) -> list[Record]:
 def _record(variant: Variant, seq_len: int, runs: list[Run], args: argparse.Namespace) -> Record:
     keep = slice(args.warmup, None)
     times = [t for run in runs for t in run.step_times_s[keep]]
-    peaks = [b for run in runs for b in run.activation_bytes[keep]]
+    peaks = [b for run in runs for b in run.activation_bytes[keep] if b]
     bubbles = [b for run in runs for b in run.bubble_ratios[keep] if b]
     pipeline = [t for run in runs for t in run.pipeline_s[keep] if t is not None]
     median = statistics.median(times)
@@ -258,6 +285,7 @@ def _record(variant: Variant, seq_len: int, runs: list[Run], args: argparse.Name
         schedule=variant.schedule,
         label=variant.label,
         compiled=variant.compiled,
+        instrumented=variant.instrumented,
         seq_len=seq_len,
         num_subsequences=variant.num_subsequences,
         partition=variant.partition,
@@ -268,7 +296,7 @@ def _record(variant: Variant, seq_len: int, runs: list[Run], args: argparse.Name
         step_times_s=times,
         step_time_s=median,
         tokens_per_s=args.microbatches * seq_len / median,
-        peak_activation_bytes=[max(step[r] for step in peaks) for r in range(len(peaks[0]))],
+        peak_activation_bytes=[max(step[r] for step in peaks) for r in range(len(peaks[0]))] if peaks else None,
         bubble_ratio=[statistics.median(step[r] for step in bubbles) for r in range(len(bubbles[0]))]
         if bubbles
         else None,
@@ -278,12 +306,17 @@ def _record(variant: Variant, seq_len: int, runs: list[Run], args: argparse.Name
 
 
 def _add_ratios(records: list[Record]) -> None:
-    base = {(r.seq_len, r.compiled): r for r in records if r.schedule == BASELINE}
+    base = {(r.seq_len, r.compiled, r.instrumented): r for r in records if r.schedule == BASELINE}
+    bare = {(r.label, r.seq_len): r for r in records if not r.instrumented}
     for r in records:
-        b = base.get((r.seq_len, r.compiled))
+        b = base.get((r.seq_len, r.compiled, r.instrumented))
         if b is not None:
             r.tokens_per_s_ratio = r.tokens_per_s / b.tokens_per_s
-            r.peak_activation_ratio = r.peak_activation_bytes[0] / b.peak_activation_bytes[0]
+            if r.peak_activation_bytes and b.peak_activation_bytes:
+                r.peak_activation_ratio = r.peak_activation_bytes[0] / b.peak_activation_bytes[0]
+        off = bare.get((r.label + " uninstrumented", r.seq_len))
+        if off is not None:
+            r.instrumentation_cost = r.step_time_s / off.step_time_s - 1
 
 
 # --------------------------------------------------------------------------
@@ -361,6 +394,28 @@ def add_predictions(records: list[Record], calibrations: dict[tuple, list[dict]]
         r.prediction_error = r.predicted_step_time_s / r.step_time_s - 1
         if r.pipeline_time_s is not None:
             r.pipeline_prediction_error = r.predicted_step_time_s / r.pipeline_time_s - 1
+    add_unit_fit(records, list(paths.values()))
+
+
+def add_unit_fit(records: list[Record], paths: list[Path]) -> None:
+    """What a unit costs beyond its share: the fit of every calibrated unit of one length (all
+    cuts together: one cut alone cannot tell a fixed cost from a cost per token) to a fixed cost
+    per unit plus costs per token and per causal (query, key) pair
+    (:func:`torchtitan_seq.simulate.costs.fit_cost_files`), written into each cost file with
+    its cut's fixed share, and each record's share. No fit (a warning) when the cuts cannot
+    separate the terms."""
+    try:
+        fit = fit_cost_files(paths)
+    except ValueError as e:
+        print(f"no unit-cost fit: {e}", file=sys.stderr)
+        return
+    terms = {"fixed_s": fit.fixed, "per_token_s": fit.per_token, "per_pair_s": fit.per_pair}
+    for path in paths:
+        data = json.loads(path.read_text())
+        data.update(unit_fit=terms, fixed_share=fit.fixed_share(data["lengths"]))
+        path.write_text(json.dumps(data, indent=1) + "\n")
+    for r in records:
+        r.unit_fit, r.fixed_cost_share = terms, fit.fixed_share(r.lengths)
 
 
 # --------------------------------------------------------------------------
@@ -373,20 +428,23 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def write_markdown(records: list[Record], path: Path, header: str) -> None:
     rows = [
-        "| schedule | seq | lengths | step time (s) | tokens/s | x 1F1B | peak act. rank 0 (MiB) | x 1F1B "
+        "| schedule | seq | lengths | step time (s) | tokens/s | x 1F1B | fixed cost share "
+        "| peak act. rank 0 (MiB) | x 1F1B "
         "| peak act. per rank (MiB) | bubble ratio per rank | pipeline (s) | first step (s) | predicted (s) "
-        "| error vs step | vs pipeline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| error vs step | vs pipeline | instrumentation cost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        peaks = ", ".join(f"{b / 2**20:.1f}" for b in r.peak_activation_bytes)
+        mib = [b / 2**20 for b in r.peak_activation_bytes or []]
         bubbles = ", ".join(f"{b:.3f}" for b in r.bubble_ratio) if r.bubble_ratio else ""
         rows.append(
             f"| {r.label} | {r.seq_len} | {r.lengths} | {r.step_time_s:.3f} | {r.tokens_per_s:.0f} "
-            f"| {_fmt(r.tokens_per_s_ratio, '.3f')} | {r.peak_activation_bytes[0] / 2**20:.1f} "
-            f"| {_fmt(r.peak_activation_ratio, '.3f')} | {peaks} | {bubbles} "
+            f"| {_fmt(r.tokens_per_s_ratio, '.3f')} | {_fmt(r.fixed_cost_share, '.1%')} "
+            f"| {_fmt(mib[0] if mib else None, '.1f')} "
+            f"| {_fmt(r.peak_activation_ratio, '.3f')} | {', '.join(f'{b:.1f}' for b in mib)} | {bubbles} "
             f"| {_fmt(r.pipeline_time_s, '.3f')} | {r.first_step_s:.1f} | {_fmt(r.predicted_step_time_s, '.3f')} "
-            f"| {_fmt(r.prediction_error, '+.1%')} | {_fmt(r.pipeline_prediction_error, '+.1%')} |"
+            f"| {_fmt(r.prediction_error, '+.1%')} | {_fmt(r.pipeline_prediction_error, '+.1%')} "
+            f"| {_fmt(r.instrumentation_cost, '+.1%')} |"
         )
     path.write_text(header + "\n\n" + "\n".join(rows) + "\n")
 
@@ -401,7 +459,8 @@ def write_plot(records: list[Record], path: Path) -> None:
         mine = sorted((r for r in records if r.label == label), key=lambda r: r.seq_len)
         lens = [r.seq_len for r in mine]
         speed.plot(lens, [r.tokens_per_s for r in mine], marker="o", label=label)
-        memory.plot(lens, [r.peak_activation_bytes[0] / 2**20 for r in mine], marker="o", label=label)
+        if all(r.peak_activation_bytes for r in mine):
+            memory.plot(lens, [r.peak_activation_bytes[0] / 2**20 for r in mine], marker="o", label=label)
     for ax, title in ((speed, "tokens/s (pipeline)"), (memory, "peak activations, rank 0 (MiB)")):
         ax.set_xlabel("sequence length")
         ax.set_title(title)
@@ -442,6 +501,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", choices=("off", "on", "both"), default="off",
                     help="torchtitan's per-block torch.compile: off, on, or both (each schedule "
                     "eager and compiled, each compared with 1F1B run alike)")
+    ap.add_argument("--instrumentation", choices=("off", "on", "both"), default="on",
+                    help="the trainer's activation meter and timeline on every step: on, off, or both "
+                    "(each schedule with and without, alternating: the instrumentation's cost)")
     ap.add_argument("--calibrate", action="store_true", help="measure unit costs, compare the simulator")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per calibration")
     ap.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder")
@@ -456,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate and args.compile != "off":
         ap.error("--calibrate times eager units: use it with --compile off")
     try:
-        variants = parse_variants(args.schedules, args.subsequences, args.partition, args.compile)
+        variants = parse_variants(args.schedules, args.subsequences, args.partition, args.compile,
+                                  args.instrumentation)
     except ValueError as e:
         ap.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)

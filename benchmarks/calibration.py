@@ -19,7 +19,7 @@ from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.memory import ActivationMemory
 from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
 
-__all__ = ["calibrate", "merge"]
+__all__ = ["calibrate", "merge", "meter_cost"]
 
 
 def _stage_model(flavor: str, seq_len: int, pp: int, stage: int) -> tuple[torch.nn.Module, object]:
@@ -151,6 +151,7 @@ def _calibrate_rank(
     flavor: str,
     repeats: int,
     device: str,
+    metered: bool,
     barrier,
 ) -> list[dict[str, list[float]]]:
     """Median seconds of each pass of each unit on each of one rank's chunks (one process; see
@@ -161,9 +162,10 @@ def _calibrate_rank(
     torch.manual_seed(chunks[0])
     timers = [_Chunk(seq_len, lengths, num_chunks, c, units, flavor, dev) for c in chunks]
     barrier.wait()
-    # The trainer measures activations in every step: its saved-tensor hook runs on every
-    # tensor autograd saves, a cost per operation that many small units pay more often.
-    with ActivationMemory().track():
+    # The benchmark's runs meter activations in every step (activation_memory_freq = 1): the
+    # saved-tensor hook runs on every tensor autograd saves, a cost per operation that many
+    # small units pay more often, so the calibration pays it too (unless not ``metered``).
+    with ActivationMemory().track() if metered else contextlib.nullcontext():
         _round(timers)  # allocations, kernel choice
         rounds = []
         for _ in range(repeats):
@@ -185,6 +187,7 @@ def calibrate(
     flavor: str = "debugmodel",
     repeats: int = 3,
     device: str = "cpu",
+    metered: bool = True,
 ) -> dict:
     """Seconds of each pass of each unit on the slowest rank: the simulator's cost file.
 
@@ -202,7 +205,10 @@ def calibrate(
     torch's own ``stage_backward*`` functions, as the pipeline stage runs them.
     The last chunk's loss (sum cross-entropy over the sequence) counts as
     forward. Median of ``repeats`` rounds after one untimed round, all under
-    the activation meter the trainer runs (:mod:`torchtitan_seq.memory`).
+    the activation meter the benchmark's instrumented runs have on every step
+    (:mod:`torchtitan_seq.memory`; ``--instrumentation off`` runs are
+    predicted from these metered times too), or, not ``metered``, without it
+    (what the meter costs a unit, against a metered calibration).
 
     A rank's times are its chunks' mean scaled to 1/pp of the layers (the
     simulator's unit: it gives a stage of c chunks' share pp / c of them).
@@ -217,11 +223,35 @@ def calibrate(
     ctx = torch.multiprocessing.get_context("spawn")
     with ctx.Manager() as manager, ctx.Pool(pp) as pool:
         barrier = manager.Barrier(pp)
-        work = [(seq_len, lengths, num_chunks, held, units, flavor, repeats, device, barrier) for held in chunks]
+        work = [(seq_len, lengths, num_chunks, held, units, flavor, repeats, device, metered, barrier)
+                for held in chunks]
         chunk_times = pool.starmap(_calibrate_rank, work)
     meta = {"unit": "s", "seq_len": seq_len, "lengths": lengths, "flavor": flavor, "repeats": repeats,
-            "device": device}
+            "device": device, "metered": metered}
     return _cost_file(chunks, chunk_times, meta)
+
+
+def meter_cost(seq_len: int, lengths: list[int], pp: int, *, chunk: int = 0, flavor: str = "debugmodel",
+               repeats: int = 6, device: str = "cpu") -> list[float]:
+    """What the activation meter costs a unit's passes, paired: this process (one thread on a
+    CPU, as a training rank) runs rounds of chunk ``chunk`` of ``pp``'s units ``lengths``
+    (:func:`_round`: every unit forward, backward, forward, input and weight gradients), with
+    the meter and without, alternating (ABBA), and returns each pair's wall time metered over
+    unmetered. Pairs run seconds apart, so a machine whose speed drifts moves both alike."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    torch.manual_seed(chunk)
+    timer = _Chunk(seq_len, lengths, pp, chunk, True, flavor, dev)
+    _round([timer])  # allocations, kernel choice
+    ratios = []
+    for i in range(repeats):
+        seconds = {}
+        for metered in (True, False) if i % 2 == 0 else (False, True):
+            with ActivationMemory().track() if metered else contextlib.nullcontext():
+                seconds[metered], _ = _timed(lambda: _round([timer]), dev)
+        ratios.append(seconds[True] / seconds[False])
+    return ratios
 
 
 def _cost_file(chunks: list[list[int]], chunk_times: list[list[dict[str, list[float]]]], meta: dict) -> dict:
@@ -246,5 +276,5 @@ def merge(costs: list[dict]) -> dict:
           for p in "FBIW"} for i in range(len(held))]
         for r, held in enumerate(first["chunks"])
     ]
-    meta = {key: first[key] for key in ("unit", "seq_len", "lengths", "flavor", "repeats", "device")}
+    meta = {key: first[key] for key in ("unit", "seq_len", "lengths", "flavor", "repeats", "device", "metered")}
     return {**_cost_file(first["chunks"], chunk_times, meta), "rounds": len(costs)}

@@ -30,7 +30,8 @@ class Run:
     tps: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
     """Wall time of each step: since the previous step's record (step 1: since the start record)."""
-    activation_bytes: list[list[int]] = field(default_factory=list)  # per step, per rank
+    activation_bytes: list[list[int] | None] = field(default_factory=list)
+    """Per step, per rank; None on a step not metered (``activation_memory_freq``)."""
     bubble_ratios: list[list[float]] = field(default_factory=list)  # per step, per rank; [] untimed
     pipeline_s: list[float | None] = field(default_factory=list)
     """Per step, the pipeline's makespan (None: stages not timed)."""
@@ -39,9 +40,9 @@ class Run:
     validation_losses: list[float] = field(default_factory=list)
 
     @property
-    def activations_mib(self) -> list[list[float]]:
+    def activations_mib(self) -> list[list[float] | None]:
         """``activation_bytes`` in MiB."""
-        return [[b / 2**20 for b in step] for step in self.activation_bytes]
+        return [None if step is None else [b / 2**20 for b in step] for step in self.activation_bytes]
 
     @classmethod
     def from_record(cls, returncode: int, output: str, records: list[dict[str, Any]]) -> Run:

@@ -31,6 +31,7 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
     spec = get_train_spec(job_config.model.name)
     _check_flavor(job_config, spec)
     _check_compile(job_config)
+    _check_instrumentation(job_config)
     if name in SEQUENCE_SCHEDULES:
         _check_sequence_model(job_config, spec)
         n_microbatches = _check_microbatches(job_config)
@@ -89,6 +90,15 @@ def _check_compile(job_config: JobConfig) -> None:
             "activation_checkpoint.mode = 'memory_budget' needs torch.compile of the model: set "
             "compile.enable = true with 'model' in compile.components, or use activation_checkpoint.mode "
             "'full', 'selective' or 'none'"
+        )
+
+
+def _check_instrumentation(job_config: JobConfig) -> None:
+    freq = job_config.sequence_pipeline.activation_memory_freq
+    if freq < 0:
+        raise ValueError(
+            f"sequence_pipeline.activation_memory_freq = {freq} is negative: use N >= 1 "
+            "(every N-th logged step) or 0 (never)"
         )
 
 

@@ -1,10 +1,12 @@
 """torchtitan's metrics, plus what sequence pipelines need to show, and a structured record.
 
-Per logged step, every rank's peak activation bytes
-(:class:`~torchtitan_seq.memory.ActivationMemory`) and bubble ratio, and the
-step's pipeline makespan (:mod:`torchtitan_seq.timeline`) join torchtitan's
-metrics (TensorBoard tags: :data:`PER_RANK_FIELDS`, ``pipeline/makespan(s)``)
-and its console (a line after torchtitan's step line); on the steps
+Per logged step, every rank's bubble ratio and the step's pipeline makespan
+(:mod:`torchtitan_seq.timeline`), and on the steps that meter activations
+(:meth:`SeqMetricsProcessor.meters_activations`) every rank's peak activation
+bytes (:class:`~torchtitan_seq.memory.ActivationMemory`; on CUDA also the
+allocator's peak) join torchtitan's metrics (TensorBoard tags:
+:data:`PER_RANK_FIELDS`, ``pipeline/makespan(s)``) and its console (a line after
+torchtitan's step line); on the steps
 :func:`~torchtitan_seq.timeline.export_due` picks, the step's timeline is
 exported (:func:`~torchtitan_seq.timeline.export_timeline`). Rank 0 appends
 every record to ``<dump_folder>/metrics.jsonl`` (:data:`RECORD_FILE`), whose
@@ -49,8 +51,13 @@ STEP_FIELDS = {
 VALIDATION_FIELDS = {"loss": "validation_metrics/loss", "tps": "validation_metrics/throughput(tps)",
                      "memory_gib": "validation_metrics/memory/max_reserved(GiB)"}
 
-PER_RANK_FIELDS = {"peak_activation_bytes": "memory/peak_activation_bytes", "bubble_ratio": "pipeline/bubble_ratio"}
+PER_RANK_FIELDS = {"peak_activation_bytes": "memory/peak_activation_bytes",
+                   "peak_allocated_bytes": "memory/peak_allocated_bytes", "bubble_ratio": "pipeline/bubble_ratio"}
 """A step record's lists by rank: the prefix of their per-rank metrics, ``{prefix}/rank{r}``."""
+
+METERED_FIELDS = ("peak_activation_bytes", "peak_allocated_bytes")
+"""The per-rank fields a step record holds only when the step was metered (CUDA's allocator peak:
+only on CUDA); null otherwise, never an older step's figure."""
 
 
 class MetricsRecord(BaseLogger):
@@ -73,10 +80,17 @@ class MetricsRecord(BaseLogger):
         record = {"event": "validation" if validation else "step", "step": step, "time": time.time()}
         record.update({field: metrics.get(name) for field, name in fields.items()})
         for field, prefix in ({} if validation else PER_RANK_FIELDS).items():  # {prefix}/rank0, rank1, ...
-            record[field] = values = []
+            values = []
             while (name := f"{prefix}/rank{len(values)}") in metrics:
                 values.append(metrics[name])
+            record[field] = None if field in METERED_FIELDS and not values else values
         self.append(record)
+
+
+def _allocator_peak(device: torch.device) -> int:
+    """The CUDA caching allocator's peak allocated bytes on ``device`` since torchtitan's memory
+    monitor last reset the peaks (at every logged step); -1 off CUDA."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
 
 
 class SeqMetricsProcessor(MetricsProcessor):
@@ -84,6 +98,7 @@ class SeqMetricsProcessor(MetricsProcessor):
     the pipeline's bubble ratio, and keeps the structured record on rank 0."""
 
     activation_memory: ActivationMemory | None = None
+    """The trainer's meter; without one no step is metered."""
     record: MetricsRecord | None = None
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag: str | None = None) -> None:
@@ -101,32 +116,53 @@ class SeqMetricsProcessor(MetricsProcessor):
             name = self.job_config.parallelism.pipeline_parallel_schedule
             self.record.append({"event": "start", "time": time.time(), "schedule": name, "lengths": lengths})
 
+    def meters_activations(self, step: int) -> bool:
+        """Whether training step ``step`` meters saved activations: step 1 and the multiples of
+        ``[sequence_pipeline] activation_memory_freq`` x ``metrics.log_freq`` (never when it is 0),
+        the trainer's meter being attached (:attr:`activation_memory`)."""
+        freq = self.job_config.sequence_pipeline.activation_memory_freq
+        due = freq > 0 and (step == 1 or step % (freq * self.job_config.metrics.log_freq) == 0)
+        return due and self.activation_memory is not None
+
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None) -> None:
-        # Every rank's peak activation bytes, busy ms and latest action end ms, in one all-gather.
-        peak = self.activation_memory.peak if self.activation_memory else 0
-        local = torch.tensor([peak, *busy_and_end(timeline.RECORDER.intervals())], dtype=torch.float64,
-                             device=self.device_memory_monitor.device)
+        # Every rank's peak activation bytes and allocator peak (-1: not measured), busy ms and
+        # latest action end ms, in one all-gather. Every rank meters the same steps.
+        metered = self.meters_activations(step)
+        device = self.device_memory_monitor.device
+        peaks = [self.activation_memory.peak, _allocator_peak(device)] if metered else [-1, -1]
+        local = torch.tensor([*peaks, *busy_and_end(timeline.RECORDER.intervals())], dtype=torch.float64,
+                             device=device)
         gathered = [local]
         if dist.is_initialized():
             gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, local)
-        peaks, busy, ends = torch.stack(gathered).T.tolist()
-        peaks = [int(b) for b in peaks]
-        bubbles = bubble_ratios(busy, ends)
+        peaks, allocated, busy, ends = torch.stack(gathered).T.tolist()
+        per_rank = {"bubble_ratio": bubble_ratios(busy, ends)}
+        if metered:
+            per_rank["peak_activation_bytes"] = peaks = [int(b) for b in peaks]
+        if metered and min(allocated) >= 0:
+            per_rank["peak_allocated_bytes"] = allocated = [int(b) for b in allocated]
         metrics = dict(extra_metrics or {})
-        for field, values in (("peak_activation_bytes", peaks), ("bubble_ratio", bubbles)):
+        for field, values in per_rank.items():
             metrics.update({f"{PER_RANK_FIELDS[field]}/rank{r}": x for r, x in enumerate(values)})
-        if bubbles:
+        if bubbles := per_rank["bubble_ratio"]:
             metrics[STEP_FIELDS["pipeline_s"]] = max(ends) / 1e3
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=metrics)
-        mib = ", ".join(f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(peaks))
-        line = f"step: {step:2}  peak activations (MiB): {mib}  bytes: {', '.join(map(str, peaks))}"
+        parts = []
+        if metered:
+            mib = ", ".join(f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(peaks))
+            parts.append(f"peak activations (MiB): {mib}  bytes: {', '.join(map(str, peaks))}")
+        if "peak_allocated_bytes" in per_rank:
+            parts.append("allocator peak (MiB): " + ", ".join(
+                f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(allocated)))
         if bubbles:
-            line += "  bubble ratio: " + ", ".join(f"rank{r} {x:.4f}" for r, x in enumerate(bubbles))
-            line += f"  pipeline: {max(ends):.1f} ms"
-        logger.info(line)
-        if timeline.export_due(step, self.job_config.profiling):
+            parts.append("bubble ratio: " + ", ".join(f"rank{r} {x:.4f}" for r, x in enumerate(bubbles)))
+            parts.append(f"pipeline: {max(ends):.1f} ms")
+        if parts:
+            logger.info(f"step: {step:2}  " + "  ".join(parts))
+        timed = self.job_config.sequence_pipeline.pipeline_timeline
+        if timed and timeline.export_due(step, self.job_config.profiling):
             name = self.job_config.parallelism.pipeline_parallel_schedule
             k = self.job_config.sequence_pipeline.num_subsequences if name in SEQUENCE_SCHEDULES else 1
             loggers = getattr(self.logger, "_loggers", [])  # torchtitan's LoggerContainer
@@ -147,7 +183,5 @@ class SeqMetricsProcessor(MetricsProcessor):
 def build_seq_metrics_processor(
     job_config: JobConfig, parallel_dims: ParallelDims, model_args: BaseModelArgs | None = None, tag: str | None = None
 ) -> SeqMetricsProcessor:
-    """torchtitan's ``build_metrics_processor_fn`` contract; starts timing pipeline actions."""
-    processor = SeqMetricsProcessor(job_config, parallel_dims, tag)
-    timeline.RECORDER.enable(processor.device_memory_monitor.device)
-    return processor
+    """torchtitan's ``build_metrics_processor_fn`` contract."""
+    return SeqMetricsProcessor(job_config, parallel_dims, tag)

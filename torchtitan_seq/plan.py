@@ -28,10 +28,14 @@ simulate every combination at full size:
   shape and reused across TP, AC and cost choices.
 
 Unit times are the transformer cost model (:class:`~torchtitan_seq.partition.UnitCost`)
-at ``--tflops`` achieved per GPU. With ``--cost``, calibration files
-(``benchmarks/bench.py --calibrate``) replace it: a configuration whose pp and
+at ``--tflops`` achieved per GPU, plus a fixed cost per unit and layer
+(``--unit-overhead-ms``, by default :data:`H200_UNIT_OVERHEAD_S`, measured): what
+a unit costs beyond its share of the FLOPs, which makes many short units slower
+than few long ones. With ``--cost``, calibration files
+(``benchmarks/bench.py --calibrate``) replace both: a configuration whose pp and
 sequence cut were measured uses those unit times, the others the model at the
-FLOP/s the files achieved. ``benchmarks/planner_check.py`` sets the planner's
+FLOP/s the files achieved plus the fixed cost fitted to them
+(:func:`~torchtitan_seq.simulate.costs.fit_cost_files`). ``benchmarks/planner_check.py`` sets the planner's
 ranking and peaks beside a measured benchmark.
 """
 
@@ -50,17 +54,32 @@ from .partition import Partition, UnitCost, partition_sequence
 from .render import busy_and_end
 from .schedules import SEQUENCE_SCHEDULES
 from .simulate.build import SimConfig, build
-from .simulate.costs import seconds_per_time_unit, subsequence_lengths
+from .simulate.costs import fit_cost_files, seconds_per_time_unit, subsequence_lengths
 from .simulate.engine import simulate
 from .simulate.memory import ACMode, Device, MemoryConfig, MemoryEstimate, gib, predict_memory
 from .simulate.network import Link, Network
 
-__all__ = ["ScheduleChoice", "Plan", "Job", "Cluster", "CHOICES", "AC_MODES", "plan", "evaluate", "memory", "main"]
+__all__ = ["ScheduleChoice", "Plan", "Job", "Cluster", "CHOICES", "AC_MODES", "H200_UNIT_OVERHEAD_S", "plan",
+           "evaluate", "memory", "main"]
 
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
 # Forward passes recomputed per backward: torchtitan's 'selective' default checkpoints every 2nd layer.
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
 TP_DEGREES = (1, 2, 4, 8)
+
+H200_UNIT_OVERHEAD_S = 2.11e-3
+"""Seconds a unit's forward + backward costs per layer beyond its share of the FLOPs, measured on
+an H200 (``benchmarks/gpu/2026-11-30/cudnn``: torch 2.11, cuDNN 9.19, a 4-layer Llama 3 stack of
+dim 2048, 16 heads, 8 KV heads, bf16, batch 1, units through the KV context). Derivation:
+:func:`~torchtitan_seq.simulate.costs.fit_cost_files` over its cost files at 16K, 32K and 64K
+tokens (the whole sequence and every cut, k = 1, 2, 4, 8: 48 units) fits fixed = 8.45 ms per
+unit, per-token 2.0 us and per-pair 0.24 ns, for the 4 layers: 2.11 ms per layer. The 8K files
+are left out: there the fit's per-token cost turns negative (units of 1-2K tokens are not
+linear in their tokens on this GPU). Fitted at one length each: 9.3 ms (16K), 6.3 ms (32K), 9.1 ms
+(64K); at 32K the fixed cost is 19.5% of the F + B of a cut into 8 units (measured overhead
+against the whole sequence: +29%) and 10.8% at k = 4. Taken as the GPU's and the code's, whatever
+the model's width: kernel launches, host work and the per-call merges of unit attention do not
+shrink with a unit, and are not divided by TP."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +181,8 @@ class Cluster:
     """One 200 Gb/s NIC per GPU."""
     device: Device = "cuda"
     """What the memory model sizes (RMSNorm saves more on the CPU)."""
+    unit_overhead_s: float = H200_UNIT_OVERHEAD_S
+    """Fixed seconds per unit (forward + backward) and layer on top of the cost model's FLOPs."""
 
 
 @dataclass(frozen=True)
@@ -250,17 +271,20 @@ def _fill_flops(choice: ScheduleChoice, cost: UnitCost, n_layers: int, lengths: 
 @dataclass(frozen=True)
 class _Costs:
     """Where unit times come from: a calibration file measured at the same pp, chunks per
-    rank, chunk count and cut, else the transformer model at ``flops_per_gpu``, which the
-    files (when given) fit: the geometric mean of their achieved cost-model FLOP/s."""
+    rank, chunk count and cut, else the transformer model at ``flops_per_gpu`` plus
+    ``unit_overhead_s`` per unit and layer, which the files (when given) fit: the fixed cost
+    of :func:`~torchtitan_seq.simulate.costs.fit_cost_files` (none when their units cannot
+    separate it) and the geometric mean of the cost-model FLOP/s the rest achieved."""
 
     files: tuple[tuple[tuple[int, int, int, tuple[int, ...]], str], ...]
     flops_per_gpu: float
+    unit_overhead_s: float = 0.0
 
     @classmethod
     def load(cls, job: Job, cluster: Cluster, args) -> "_Costs":
         if not job.costs:
-            return cls((), cluster.flops_per_gpu)
-        files, rates = {}, []
+            return cls((), cluster.flops_per_gpu, cluster.unit_overhead_s)
+        files, rates, loaded = {}, [], []
         for path in job.costs:
             data = json.loads(path.read_text()) if path.is_file() else {}
             if data.get("unit") != "s" or "lengths" not in data or "stages" not in data:
@@ -273,9 +297,20 @@ class _Costs:
             pp, lengths = len(data["stages"]), tuple(data["lengths"])
             chunks = data.get("chunks", [[r] for r in range(pp)])
             files[pp, len(chunks[0]), 1 + max(map(max, chunks)), lengths] = str(path)
-            measured = sum(data["F"]) + sum(data["B"])
-            rates.append(_step_flops(UnitCost.from_model_args(args), args.n_layers, list(lengths), pp) / measured)
-        return cls(tuple(files.items()), math.exp(sum(map(math.log, rates)) / len(rates)))
+            loaded.append((path, pp, data))
+        # Their fixed cost per unit, per layer: a fit needs one stage size (else none is taken).
+        pps = {pp for _, pp, _ in loaded}
+        fixed_per_layer = 0.0
+        if len(pps) == 1:
+            try:
+                fixed_per_layer = fit_cost_files([path for path, _, _ in loaded]).fixed * pps.pop() / args.n_layers
+            except ValueError:
+                pass  # units of one length only: the FLOP rate below absorbs the fixed cost
+        for _, pp, data in loaded:
+            lengths = list(data["lengths"])
+            measured = sum(data["F"]) + sum(data["B"]) - len(lengths) * fixed_per_layer * args.n_layers / pp
+            rates.append(_step_flops(UnitCost.from_model_args(args), args.n_layers, lengths, pp) / measured)
+        return cls(tuple(files.items()), math.exp(sum(map(math.log, rates)) / len(rates)), fixed_per_layer)
 
     def cost_for(self, choice: ScheduleChoice, pp: int, lengths: list[int]) -> str:
         """SimConfig.cost for ``choice`` on ``pp`` ranks cutting sequences into ``lengths``."""
@@ -310,7 +345,7 @@ def _simulated_step(choice: ScheduleChoice, pp: int, tp: int, dp: int, ac: ACMod
     config = SimConfig(
         choice.schedule, pp, microbatches, choice.num_subsequences, stages_per_rank=choice.stages_per_rank,
         flavor=job.flavor, seq_len=job.seq_len, partition=choice.partition, network=network,
-        recompute=_RECOMPUTE[ac], torch_lowering=False,
+        recompute=_RECOMPUTE[ac], torch_lowering=False, unit_overhead=costs.unit_overhead_s,
     )
     config = replace(config, cost=costs.cost_for(choice, pp, subsequence_lengths(config)))
     unit = seconds_per_time_unit(config)
@@ -413,8 +448,10 @@ def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
                 r = _RECOMPUTE[ac]
                 flops = n * _step_flops(cost, args.n_layers, lengths, pp, r) + _fill_flops(
                     choice, cost, args.n_layers, lengths, pp, r)
+                # Every rank runs N k units on its n_layers / pp layers, each at the fixed cost.
+                fixed = n * len(lengths) * args.n_layers / pp * costs.unit_overhead_s
                 for tp, dp in splits:
-                    seconds = flops / (tp * costs.flops_per_gpu) + n * _tp_seconds(
+                    seconds = flops / (tp * costs.flops_per_gpu) + fixed + n * _tp_seconds(
                         args, job.seq_len, pp, tp, r, cluster)
                     candidates.append(_Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds))
     # Best bound first. A configuration is slower than one with no more TP and no more
@@ -485,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tflops", type=float, default=Cluster.flops_per_gpu / 1e12,
                         help="achieved TFLOP/s per GPU of the cost model (default %(default)g)")
+    parser.add_argument("--unit-overhead-ms", type=float, default=Cluster.unit_overhead_s * 1e3,
+                        help="fixed ms per unit (forward + backward) and layer on top of the cost model "
+                        "(default %(default)g: measured on an H200)")
     parser.add_argument("--cost", type=Path, action="append", default=[],
                         help="a calibration file (benchmarks/bench.py --calibrate), repeatable, or a folder of them")
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default %(default)s)")
@@ -492,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     costs = tuple(f for path in a.cost for f in (sorted(path.glob("cost_*.json")) if path.is_dir() else [path]))
     job = Job(a.flavor, a.seq_len, a.local_batch_size, a.tp, costs)
-    cluster = Cluster(a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12)
+    cluster = Cluster(a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12,
+                      unit_overhead_s=a.unit_overhead_ms / 1e3)
     try:
         plans = plan(job, cluster, a.top)
     except ValueError as e:
@@ -504,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"plans": [asdict(p) for p in plans], "overrides": overrides}, indent=1))
         return 0
     print(f"{job.flavor}, seq {job.seq_len}, {cluster.gpus} GPUs of {cluster.gpu_memory_gib:g} GiB, "
-          f"local batch {job.local_batch_size}; {'measured' if costs else 'transformer-model'} costs\n")
+          f"local batch {job.local_batch_size}; "
+          + ("measured costs\n" if costs else
+             f"transformer-model costs, {a.unit_overhead_ms:g} ms per unit and layer\n"))
     print(_table(plans))
     print(f"\nBest, as ./run_train.sh overrides:\n  ./run_train.sh {overrides}\n")
     print("As TOML:\n\n" + best.toml(job.flavor, job.seq_len, job.local_batch_size))

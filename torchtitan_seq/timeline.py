@@ -2,10 +2,12 @@
 
 Pipeline stages time every forward, backward, input- and weight-gradient pass
 with :data:`RECORDER`, which keeps the latest schedule step's actions (with
-gradient accumulation, the training step's last). Once the metrics processor
-enables it, an action costs two clock reads and an append: ``time.perf_counter``
+gradient accumulation, the training step's last). The trainer enables it for
+the steps that log (and so may export) a timeline and disables it after them;
+while enabled an action costs two clock reads and an append: ``time.perf_counter``
 on a CPU; on CUDA, timing events read when the step is summarised, so that a
-time is when the work ran on the GPU, not when it was queued.
+time is when the work ran on the GPU, not when it was queued. Disabled, it
+reads no clock and keeps nothing.
 
 Times are ms since the rank's own step start: ranks start a step together (the
 previous one ends in collectives), so a rank's idle time is the makespan, the latest
@@ -54,9 +56,13 @@ class StepTimeline:
         self._marks: list[tuple[object, object, _Action]] = []
 
     def enable(self, device: torch.device) -> None:
-        """Record from now on, timing work on ``device``."""
+        """Record from the next step on, timing work on ``device``."""
         self.enabled = True
         self._cuda = torch.device(device).type == "cuda"
+
+    def disable(self) -> None:
+        """Record nothing from the next step on."""
+        self.enabled = False
 
     def _mark(self) -> float | torch.cuda.Event:
         if not self._cuda:
@@ -66,10 +72,10 @@ class StepTimeline:
         return event
 
     def start_step(self) -> None:
-        """A schedule step begins (torch's ``clear_runtime_states``): forget the previous step's actions."""
-        if self.enabled:
-            self._marks.clear()
-            self._origin = self._mark()
+        """A schedule step begins (torch's ``clear_runtime_states``): forget the previous step's
+        actions, so that a step not recorded reads as none rather than as an older one."""
+        self._marks.clear()
+        self._origin = self._mark() if self.enabled else None
 
     @contextlib.contextmanager
     def action(self, stage_index: int, kind: _ComputationType, chunk_id: int) -> Iterator[None]:

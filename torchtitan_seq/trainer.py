@@ -4,12 +4,17 @@ Every schedule's loss is normalised by the step's token count before backward
 (:class:`~torchtitan_seq.loss.TokenNormalizedLoss`): torchtitan 0.2.2 divides only the logged loss
 under pipeline parallelism, so its gradients are sums over tokens. Sequence schedules need the
 normalised recipe to be exact; torch's get it too, so both train alike. Every rank logs the real
-loss (not -1), and saved activations are measured per step (:mod:`torchtitan_seq.memory`).
+loss (not -1). Instrumentation runs only on the steps that report it: saved activations are
+metered (:mod:`torchtitan_seq.memory`) on the steps ``[sequence_pipeline] activation_memory_freq``
+picks, with no saved-tensor hook on the others, and compute actions are timed
+(:mod:`torchtitan_seq.timeline`) on logged steps only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,11 +22,11 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config import JobConfig
 from torchtitan.train import Trainer
 
-from . import cpu_compat
+from . import cpu_compat, timeline
+from .job_check import check_job
 from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
 from .metrics import SeqMetricsProcessor
-from .job_check import check_job
 from .schedules import SequenceSchedule
 
 __all__ = ["SeqTrainer"]
@@ -33,6 +38,7 @@ class SeqTrainer(Trainer):
     def __init__(self, job_config: JobConfig) -> None:
         check_job(job_config, int(os.environ["WORLD_SIZE"]))
         self.activation_memory = ActivationMemory()
+        self.metering = False  # whether the current step meters activations (train_step decides)
         super().__init__(job_config)
         cpu_compat.fsdp_for_gloo(self.model_parts)
         schedule = getattr(self, "pp_schedule", None)
@@ -43,10 +49,25 @@ class SeqTrainer(Trainer):
             self.metrics_processor.activation_memory = self.activation_memory
             self.metrics_processor.record_start(schedule)
 
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
+        # The meter and the timeline cost per saved tensor and per action: armed for this step
+        # only when it reports them (``self.step`` is already the step's number).
+        processor = self.metrics_processor
+        reports = isinstance(processor, SeqMetricsProcessor)
+        self.metering = reports and processor.meters_activations(self.step)
+        timed = self.job_config.sequence_pipeline.pipeline_timeline
+        if reports and timed and processor.should_log(self.step):
+            timeline.RECORDER.enable(self.device)
+        try:
+            super().train_step(data_iterator)
+        finally:
+            timeline.RECORDER.disable()
+            self.metering = False
+
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
     ) -> torch.Tensor:
-        with self.activation_memory.track():
+        with self.activation_memory.track() if self.metering else contextlib.nullcontext():
             if not self.parallel_dims.pp_enabled:
                 return super().forward_backward_step(
                     input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens

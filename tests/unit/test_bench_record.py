@@ -56,6 +56,45 @@ def test_parse_variants():
             bench.parse_variants(bad, 4, "compute")
 
 
+def test_instrumentation_ab_alternates_and_reports_the_step_time_ratio():
+    """``--instrumentation both``: each schedule instrumented (meter and timeline every step),
+    then not; the instrumented record gets its step time over the uninstrumented one's."""
+    on, off = bench.parse_variants("Seq1F1B:4", 4, "compute", instrumentation="both")
+    assert on.instrumented and not off.instrumented and off.label == "Seq1F1B k=4 compute uninstrumented"
+    assert on.overrides()[-2:] == ["--sequence_pipeline.activation_memory_freq", "1"]
+    assert off.overrides()[-3:] == ["--sequence_pipeline.activation_memory_freq", "0",
+                                    "--sequence_pipeline.no-pipeline-timeline"]
+
+    def record(variant, step_time, peaks):
+        return bench.Record(
+            schedule=variant.schedule, label=variant.label, compiled=False, seq_len=256, num_subsequences=4,
+            partition="compute", lengths=[64] * 4, pp=2, microbatches=2, steps_measured=1, step_times_s=[step_time],
+            step_time_s=step_time, tokens_per_s=512 / step_time, peak_activation_bytes=peaks, bubble_ratio=None,
+            pipeline_time_s=None, first_step_s=1.0, instrumented=variant.instrumented,
+        )
+
+    records = [record(on, 1.1, [2, 1]), record(off, 1.0, None)]
+    bench._add_ratios(records)
+    assert records[0].instrumentation_cost == pytest.approx(0.1) and records[1].instrumentation_cost is None
+
+
+def test_the_unit_fit_of_a_length_goes_into_its_cost_files_and_records(tmp_path):
+    """Two cuts at one length, units costing 0.1 s each beyond 1 ms per token (no attention)."""
+    cuts = {"whole": [512], "even": [128] * 4}
+    paths, records = [], []
+    for name, lengths in cuts.items():
+        times = [0.1 + 1e-3 * n for n in lengths]
+        path = tmp_path / f"cost_{name}.json"
+        path.write_text(json.dumps({"F": [t / 3 for t in times], "B": [2 * t / 3 for t in times],
+                                    "lengths": lengths, "unit": "s"}))
+        paths.append(path)
+        records.append(SimpleNamespace(lengths=lengths, unit_fit=None, fixed_cost_share=None))
+    bench.add_unit_fit(records, paths)
+    assert records[1].unit_fit["fixed_s"] == pytest.approx(0.1)
+    assert records[1].fixed_cost_share == pytest.approx(0.4 / (0.4 + 0.512))
+    assert json.loads(paths[0].read_text())["fixed_share"] == pytest.approx(0.1 / 0.612)
+
+
 def test_recorder_times_actions_of_the_latest_step_only():
     rec = timeline.StepTimeline()
     with rec.action(0, F, 0):  # not enabled: nothing kept

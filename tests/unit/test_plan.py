@@ -37,15 +37,33 @@ def test_json_ranks_plans_that_fit_and_gives_the_best_as_overrides(capsys):
 
 
 def test_a_tight_budget_leaves_only_what_fits_and_picks_a_sequence_schedule(capsys):
-    """Under the budget that torch's 1F1B needs, with no checkpointing, only lighter plans remain."""
-    roomy = _json(capsys, *SMALL, "--gpu-memory-gib", "64", "--tp", "1", "--top", "200")["plans"]
+    """Under the budget that torch's 1F1B needs, with no checkpointing, only lighter plans remain.
+    FLOPs alone: at the debug model's size the H200's fixed cost per unit would dwarf a unit's
+    FLOPs, and one-unit schedules win there whatever the budget."""
+    flops_only = [*SMALL, "--unit-overhead-ms", "0", "--tp", "1"]
+    roomy = _json(capsys, *flops_only, "--gpu-memory-gib", "64", "--top", "200")["plans"]
     one_f_one_b = min(p["peak_memory_gib"] for p in roomy
                       if p["schedule"] == "1F1B" and p["activation_checkpoint"] == "none")
-    tight = _json(capsys, *SMALL, "--gpu-memory-gib", f"{0.98 * one_f_one_b}", "--tp", "1")["plans"]
+    tight = _json(capsys, *flops_only, "--gpu-memory-gib", f"{0.98 * one_f_one_b}")["plans"]
     fitting = [p for p in tight if p["fits"]]
     assert fitting and all(p["peak_memory_gib"] <= 0.98 * one_f_one_b for p in fitting)
     assert not any(p["schedule"] == "1F1B" and p["activation_checkpoint"] == "none" for p in fitting)
     assert tight[0]["schedule"] in planner.SEQUENCE_SCHEDULES
+
+
+def test_a_fixed_cost_per_unit_costs_many_short_units_the_most():
+    """The default cost model's fixed cost per unit and layer (H200_UNIT_OVERHEAD_S): every
+    unit pays it, so the more units, the more it takes off the FLOP model's tokens/s."""
+    job = planner.Job("8B", 32768, 16, tp=2)
+    choices = {k: planner.ScheduleChoice("Seq1F1B", k, "compute") for k in (2, 16)}
+
+    def speed(k: int, overhead: float) -> float:
+        cluster = planner.Cluster(64, 80, unit_overhead_s=overhead)
+        return planner.evaluate(job, cluster, choices[k], 8, 2).tokens_per_s
+
+    assert planner.Cluster(64, 80).unit_overhead_s == planner.H200_UNIT_OVERHEAD_S
+    loss = {k: speed(k, planner.H200_UNIT_OVERHEAD_S) / speed(k, 0.0) for k in choices}
+    assert loss[16] < loss[2] < 1, loss
 
 
 def test_the_step_extended_from_fewer_microbatches_equals_the_simulated_one():

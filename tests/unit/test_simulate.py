@@ -325,3 +325,56 @@ def test_packed_documents_cost_less_attention_and_cut_more_evenly(capsys):
     assert runs["0"]["makespan"] > runs["4096"]["makespan"] > runs["512"]["makespan"]
     spread = {d: max(r["lengths"]) - min(r["lengths"]) for d, r in runs.items()}
     assert spread["0"] > spread["4096"] > spread["512"], spread
+
+
+# --- what a unit costs beyond its share ---------------------------------------
+
+
+@pytest.mark.parametrize("document_length", [None, 300.0])
+def test_the_fit_recovers_a_fixed_cost_per_unit_and_costs_per_token_and_pair(document_length):
+    from torchtitan_seq.partition import UnitCost
+    from torchtitan_seq.simulate.costs import fit_unit_costs
+
+    pairs = UnitCost(0.0, 0.0, document_length).pairs
+    cuts = [[2048], [1024, 1024], [704, 512, 448, 384], [256] * 8]
+    units = [(n, sum(cut[:j]), 5e-3 + 2e-6 * n + 3e-10 * pairs(n, sum(cut[:j])))
+             for cut in cuts for j, n in enumerate(cut)]
+    fit = fit_unit_costs(units, document_length)
+    assert (fit.fixed, fit.per_token, fit.per_pair) == pytest.approx((5e-3, 2e-6, 3e-10), rel=1e-6)
+    # k x fixed over the cut's F + B
+    total = sum(t for _, _, t in units[7:])
+    assert fit.fixed_share([256] * 8) == pytest.approx(8 * 5e-3 / total, rel=1e-6)
+    with pytest.raises(ValueError, match="cannot separate"):
+        fit_unit_costs(units[7:])  # one even cut: fixed and per-token cost are one
+    # Units that cost more than linearly in their tokens get no negative fixed cost.
+    convex = [(n, 0, 1e-6 * n ** 1.2) for n in (128, 256, 512, 1024, 2048)]
+    assert fit_unit_costs(convex).fixed == 0.0
+
+
+def test_the_h200_fixed_cost_per_unit_is_the_fit_of_its_cost_files():
+    """plan.H200_UNIT_OVERHEAD_S: the fit of benchmarks/gpu/2026-11-30/cudnn at 16K-64K over its 4 layers."""
+    from torchtitan_seq.plan import H200_UNIT_OVERHEAD_S
+    from torchtitan_seq.simulate.costs import fit_cost_files
+
+    folder = REPO / "benchmarks/gpu/2026-11-30/cudnn"
+    files = [p for p in sorted(folder.glob("cost_s*.json")) if "s8192" not in p.name]
+    assert len(files) == 15
+    assert fit_cost_files(files).fixed / 4 == pytest.approx(H200_UNIT_OVERHEAD_S, rel=5e-3)
+
+
+def test_a_unit_overhead_adds_its_time_to_every_units_passes():
+    from dataclasses import replace
+
+    from torchtitan_seq.simulate.costs import seconds_per_time_unit, subsequence_lengths, unit_times
+    from torchtitan_seq.simulate.network import Network
+
+    config = sim.SimConfig("Seq1F1B", 2, 4, 4, cost="transformer", seq_len=2048, network=Network(flops_per_gpu=1e12))
+    lengths = subsequence_lengths(config)
+    bare = unit_times(config, lengths)
+    loaded = unit_times(replace(config, unit_overhead=1e-3), lengths)
+    # debugmodel: 6 layers, 3 a stage at pp = 2, so 3 ms a unit
+    added = 3e-3 / seconds_per_time_unit(config)
+    for j in range(4):
+        assert loaded.F[j] + loaded.B[j] == pytest.approx(bare.F[j] + bare.B[j] + added, rel=1e-9)
+        assert loaded.F[j] / loaded.B[j] == pytest.approx(bare.F[j] / bare.B[j], rel=1e-9)
+        assert loaded.I[j] + loaded.W[j] == pytest.approx(loaded.B[j], rel=1e-9)

@@ -78,6 +78,10 @@ class SimConfig:
     recompute: float = 0.0
     """Forwards recomputed per backward under activation checkpointing: 1 for ``full``,
     1/n for torchtitan's layer-level ``selective`` (every n-th block); added to B and I."""
+    unit_overhead: float = 0.0
+    """The 'transformer' cost only: seconds each unit's forward + backward costs per layer on
+    top of its FLOPs (the fixed cost of :func:`~torchtitan_seq.simulate.costs.fit_unit_costs`
+    per layer), converted at the network's FLOP/s; 0: none."""
     comm_latency: float = 0.0
     """Time from a SEND to the data being usable on the receiving rank, on top of the network's."""
     network: Network = field(default_factory=Network)

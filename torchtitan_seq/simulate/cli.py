@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="packed documents: expected tokens per document (block-causal attention); 0: causal")
     ap.add_argument("--recompute", type=float, default=0.0,
                     help="forwards recomputed per backward (activation checkpointing: full 1, selective 1/n)")
+    ap.add_argument("--unit-overhead", type=float, default=0.0,
+                    help="'transformer' cost: fixed seconds per unit (forward + backward) and layer on top of "
+                    "its FLOPs (needs --flops-per-gpu; the planner's H200 default: 2.11e-3)")
     ap.add_argument("--comm-latency", type=float, default=0.0,
                     help="SEND to usable data, in time units, on top of the links'")
     ap.add_argument("--no-torch-lowering", dest="torch_lowering", action="store_false",

@@ -26,6 +26,13 @@ rank). Unit j of length L_j after a prefix P_j costs:
 
 :func:`seconds_per_time_unit` converts the unit of time into seconds for a
 network.
+
+What a unit costs beyond its share of the sequence: :func:`fit_unit_costs` fits
+measured units' F + B to a fixed cost per unit plus a cost per token and per
+(query, key) pair (:class:`UnitCostFit`; :func:`fit_cost_files` on calibration
+files). The 'transformer' cost has no fixed cost; ``SimConfig.unit_overhead``
+adds one (seconds per layer, as :attr:`UnitCostFit.fixed` over the layers of the
+stage it was measured on), shared between a unit's passes in proportion to them.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import numpy as np
 
 from ..partition import UnitCost, partition_sequence
 from .build import SimConfig
@@ -43,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "UnitTimes", "ChunkTimes", "unit_times", "unit_and_chunk_times", "transformer_times", "subsequence_lengths", "model_args",
-    "seconds_per_time_unit",
+    "seconds_per_time_unit", "UnitCostFit", "fit_unit_costs", "fit_cost_files",
 ]
 
 
@@ -82,6 +91,9 @@ def unit_and_chunk_times(config: SimConfig, lengths: list[int]) -> tuple[UnitTim
         times = UnitTimes(F=fwd, B=tuple(2 * t for t in fwd), I=fwd, W=fwd)
     elif config.cost == "transformer":
         times = transformer_times(_model_cost(config), lengths)
+        if config.unit_overhead:
+            layers = model_args(config).n_layers / config.pp  # the time unit's stage
+            times = _with_fixed_cost(times, config.unit_overhead * layers / seconds_per_time_unit(config))
     else:
         data = _read(Path(config.cost))
         times = _parse(data, k, config.cost)
@@ -93,6 +105,17 @@ def unit_and_chunk_times(config: SimConfig, lengths: list[int]) -> tuple[UnitTim
         }
     recompute = config.recompute
     return _recomputing(times, recompute), {key: _recomputing(t, recompute) for key, t in chunks.items()}
+
+
+def _with_fixed_cost(times: UnitTimes, fixed: float) -> UnitTimes:
+    """``fixed`` more on each unit's F + B, shared between its passes in proportion to them."""
+
+    def plus(passes: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if passes is None:
+            return None
+        return tuple(t * (1 + fixed / (f + b)) for t, f, b in zip(passes, times.F, times.B))
+
+    return UnitTimes(F=plus(times.F), B=plus(times.B), I=plus(times.I), W=plus(times.W))
 
 
 def _recomputing(times: UnitTimes, recompute: float) -> UnitTimes:
@@ -117,6 +140,69 @@ def transformer_times(cost: UnitCost, lengths: list[int]) -> UnitTimes:
 
     inp, wgt = per_unit(cost.backward_input), per_unit(cost.backward_weight)
     return UnitTimes(F=per_unit(cost.forward), B=tuple(i + w for i, w in zip(inp, wgt)), I=inp, W=wgt)
+
+
+@dataclass(frozen=True)
+class UnitCostFit:
+    """A unit's forward + backward time as ``fixed + per_token * s + per_pair * pairs(s, P)``
+    for s tokens after a prefix of P, pairs being the (query, key) pairs attention scores
+    (:meth:`~torchtitan_seq.partition.UnitCost.pairs`: causal, or packed documents of
+    ``document_length`` tokens on average). ``fixed`` is what a unit costs beyond its share
+    of the sequence: launches, host work, per-call merges, whatever does not shrink with it."""
+
+    fixed: float
+    per_token: float
+    per_pair: float
+    document_length: float | None = None
+
+    def __call__(self, length: float, prefix: float) -> float:
+        pairs = UnitCost(0.0, 0.0, self.document_length).pairs(length, prefix)
+        return self.fixed + self.per_token * length + self.per_pair * pairs
+
+    def fixed_share(self, lengths: list[int]) -> float:
+        """The fixed cost's share of a cut into ``lengths``: k x fixed over the k units' fitted
+        F + B. Every stage runs each unit of each microbatch once a step, so this is also the
+        share of a stage's compute time in the step (its busy time, bubbles apart)."""
+        prefixes = [sum(lengths[:j]) for j in range(len(lengths))]
+        return len(lengths) * self.fixed / sum(self(n, p) for n, p in zip(lengths, prefixes))
+
+
+def fit_unit_costs(units: Iterable[tuple[float, float, float]], document_length: float | None = None) -> UnitCostFit:
+    """Least-squares :class:`UnitCostFit` of measured units, each ``(length, prefix, F + B)``.
+    Relative residuals are minimised, so that short units weigh as much as long ones. The
+    fixed cost is at least 0: where longer units cost more than linearly in their tokens (on a
+    CPU, whose caches they outgrow) the best fit with none is taken. Raises ValueError when the
+    units cannot tell the three terms apart (e.g. one even cut alone: every unit has the same
+    length, so fixed and per-token cost are one)."""
+    pairs = UnitCost(0.0, 0.0, document_length).pairs
+    rows = [(1.0, float(n), pairs(n, p), t) for n, p, t in units]
+    a = np.array([r[:3] for r in rows], dtype=np.float64)
+    y = np.array([r[3] for r in rows], dtype=np.float64)
+    scale = np.abs(a).max(axis=0) if len(rows) else np.ones(3)
+    if len(rows) < 3 or np.linalg.matrix_rank(a / scale) < 3:
+        raise ValueError(
+            f"{len(rows)} units cannot separate a fixed cost from the costs per token and per pair: "
+            "give units of at least two different lengths (e.g. two cuts, or the whole sequence and a cut)"
+        )
+    weighted = a / scale / y[:, None]  # relative residuals: (a c - y) / y
+    coef = np.linalg.lstsq(weighted, np.ones_like(y), rcond=None)[0] / scale
+    if coef[0] < 0:  # the least squares with fixed >= 0 has it at 0 (one bound, a convex fit)
+        coef = np.concatenate([[0.0], np.linalg.lstsq(weighted[:, 1:], np.ones_like(y), rcond=None)[0] / scale[1:]])
+    return UnitCostFit(float(coef[0]), float(coef[1]), float(coef[2]), document_length)
+
+
+def fit_cost_files(paths: Iterable[Path], document_length: float | None = None) -> UnitCostFit:
+    """:func:`fit_unit_costs` of every unit in cost files (``F``, ``B`` and ``lengths``, as
+    ``bench.py --calibrate`` and the GPU check write them), their times as they are (one
+    stage's layers: the files should be of one model cut alike)."""
+    units = []
+    for path in paths:
+        data = _read(Path(path))
+        prefix = 0
+        for n, f, b in zip(data["lengths"], data["F"], data["B"]):
+            units.append((n, prefix, f + b))
+            prefix += n
+    return fit_unit_costs(units, document_length)
 
 
 def _read(path: Path) -> dict:
