@@ -128,7 +128,11 @@ _SUMMARY = (
 Transfer = Callable[[int, int, int], float]
 """(source rank, destination rank, unit id) -> time from a SEND to its data on the destination."""
 
-Need = tuple[tuple[_Action, ...], int, int]
+Key = tuple[int, Any, int]
+"""An action as (stage, computation type, unit): a plain tuple, quicker to make and hash than an
+``_Action`` (a NamedTuple), of which the planner's simulations make millions."""
+
+Need = tuple[tuple[Key, ...], int, int]
 """Any one of these finished actions, plus the transfer from rank to rank (-1, -1: none)."""
 
 
@@ -136,21 +140,21 @@ def _needs(a: _Action, stage_to_rank: dict[int, int], chain_length: int) -> tupl
     """What ``a`` waits for."""
     s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
     if kind == W:
-        return (((_Action(s, I, m),), -1, -1),)
+        return ((((s, I, m),), -1, -1),)
     if kind == SEND_F:
-        return (((_Action(s, F, m),), -1, -1),)
+        return ((((s, F, m),), -1, -1),)
     if kind == SEND_B:
-        return (((_Action(s, B, m), _Action(s, I, m)), -1, -1),)
+        return ((((s, B, m), (s, I, m)), -1, -1),)
     if kind not in (F, B, I):
         return ()  # RECV_* only post a receive; UNSHARD, RESHARD, REDUCE_GRAD
-    own = () if kind == F else (((_Action(s, F, m),), -1, -1),)
+    own = () if kind == F else ((((s, F, m),), -1, -1),)
     source = fed_by(a, chain_length)
     if source is None:
         return own
     if stage_to_rank[source] == stage_to_rank[s]:
-        made = (_Action(source, F, m),) if kind == F else (_Action(source, B, m), _Action(source, I, m))
+        made = ((source, F, m),) if kind == F else ((source, B, m), (source, I, m))
         return (*own, (made, -1, -1))
-    send = _Action(source, SEND_F if kind == F else SEND_B, m)
+    send = (source, SEND_F if kind == F else SEND_B, m)
     return (*own, ((send,), stage_to_rank[source], stage_to_rank[s]))
 
 
@@ -176,7 +180,7 @@ class _Prepared:
     stage_to_rank: dict[int, int]
     list_kind: str
     steps: dict[int, list[_Step]]
-    actions: tuple[_Action, ...]
+    keys: tuple[Key, ...]
     """Every action a step is or needs, by id."""
 
 
@@ -206,14 +210,14 @@ def _prepare(
         listed = {r: list(enumerate(acts)) for r, acts in lowered.items()}
     else:
         listed = send_after_compute(order, stage_to_rank, chain_length)
-    ids: dict[_Action, int] = {}
+    ids: dict[Key, int] = {}
 
     def step(i: int, leaf: _Action) -> _Step:
         needs = tuple(
             (tuple(ids.setdefault(o, len(ids)) for o in opts), src, dst)
             for opts, src, dst in _needs(leaf, stage_to_rank, chain_length)
         )
-        return _Step(i, leaf, ids.setdefault(leaf, len(ids)), leaf.is_compute_op, needs)
+        return _Step(i, leaf, ids.setdefault(leaf[:3], len(ids)), leaf.is_compute_op, needs)
 
     # An OVERLAP_F_B runs its sub-actions in sequence, each waiting for its inputs.
     steps = {r: [step(i, leaf) for i, a in acts for leaf in compute_leaves(a)] for r, acts in listed.items()}
@@ -227,7 +231,7 @@ def _run(
     """Run every rank's list in order; the times are final once known, so
     advancing ranks round-robin as far as their inputs allow is exact."""
     flat = prepared.steps
-    finished: list[float | None] = [None] * len(prepared.actions)
+    finished: list[float | None] = [None] * len(prepared.keys)
     clock = dict.fromkeys(flat, 0.0)
     pos = dict.fromkeys(flat, 0)
     timeline: dict[int, list[Interval]] = {r: [] for r in flat}
@@ -261,13 +265,13 @@ def _run(
 
 def _deadlock(prepared: _Prepared, pos: dict[int, int], waiting: dict[int, tuple[int, ...]]) -> Deadlock:
     """Where each unfinished rank stopped (``pos``) and what it waits for."""
-    actions, stage_to_rank = prepared.actions, prepared.stage_to_rank
+    keys, stage_to_rank = prepared.keys, prepared.stage_to_rank
     stuck = tuple(
         StuckRank(
             r,
             acts[pos[r]].index,
             str(acts[pos[r]].action),
-            " or ".join(f"{actions[o]} on rank {stage_to_rank[actions[o].stage_index]}" for o in waiting[r]),
+            " or ".join(f"{_Action(*keys[o])} on rank {stage_to_rank[keys[o][0]]}" for o in waiting[r]),
         )
         for r, acts in prepared.steps.items()
         if pos[r] < len(acts)
