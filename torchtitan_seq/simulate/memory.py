@@ -15,7 +15,7 @@ Notation: D = ``dim``, H and Hkv query and K/V heads, hd = D / H, F = the MLP wi
 bytes of the compute dtype, b = microbatch size, L_j = tokens of unit j (the whole
 sequence for torch's schedules). A chunk is the part of the model a stage runs: torchtitan's
 ``generate_llm_fqn_per_model_part`` split (embeddings and norm + output weighted as one
-layer each), or, when that split has an empty chunk (more chunks than layers), an even
+layer each; :func:`~torchtitan_seq.flavors.chunk_split` computes it without torchtitan), or, when that split has an empty chunk (more chunks than layers), an even
 real-valued share of the layers, embeddings on the first chunk and the output on the last.
 
 **Activations** (what autograd saves for backward, the figure
