@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from torch.distributed.pipelining.schedules import _Action
 
-from ..ordering import B, F, chain_neighbour, fed_by
+from ..ordering import B, F, chain_neighbour, fed_by, feeds
 from .base import ActionLists
 from .bidirectional import BidirectionalLayout, BidirectionalSchedule
 from .seq1f1b import unit_orders
@@ -84,12 +84,18 @@ class _Position:
         return self.held[chain] >= self.limits[chain] or sum(self.held) >= self.limits[2]
 
 
+_FORWARD, _BACKWARD = 0, 1
+_KINDS = (F, B)
+"""Pass kinds as list indices (an enum member is slow to hash): _KINDS[_FORWARD] is F."""
+
+
 class _Pass(NamedTuple):
     """A pass a position can start, and the soonest it can."""
 
     start: float
     stage: int
-    kind: Any
+    kind: int
+    """_FORWARD or _BACKWARD."""
     unit: int
 
 
@@ -103,7 +109,8 @@ class ListSchedule(NamedTuple):
 
 
 class _ListScheduler:
-    """BSIPipe's list scheduling of one step (:func:`list_schedule`)."""
+    """BSIPipe's list scheduling of one step (:func:`list_schedule`). Per-stage state is
+    indexed [stage][kind] with kinds _FORWARD and _BACKWARD."""
 
     def __init__(self, num_ranks: int, num_microbatches: int, k: int, priority: Priority,
                  limits: list[list[int]]) -> None:
@@ -112,66 +119,93 @@ class _ListScheduler:
         self.positions = [_Position(layout.stages_of_rank(q), list(limits[q])) for q in range(p)]
         orders = [unit_orders(range(c, num_microbatches, 2), k) for c in (0, 1)]
         stages = range(2 * self.chain)
-        # Per (stage, kind), the units still to run, next one last.
-        self.queue = {(s, kind): units[::-1] for s in stages for kind, units in zip((F, B), orders[s // self.chain])}
-        self.upstream = {(s, kind): fed_by(_Action(s, kind, 0), self.chain) for s in stages for kind in (F, B)}
+        # The units still to run, next one last.
+        self.queue = [[units[::-1] for units in orders[s // self.chain]] for s in stages]
+        self.upstream = [[fed_by(_Action(s, kind, 0), self.chain) for kind in _KINDS] for s in stages]
+        self.downstream = [[feeds(_Action(s, kind, 0), self.chain) for kind in _KINDS] for s in stages]
         # A position's startable passes change only when it or a neighbour in a chain acts.
         self.touches = {s: {layout.rank_of_stage(n) for d in (-1, 0, 1)
                             if (n := chain_neighbour(s, d, self.chain)) is not None} for s in stages}
-        self.cost = {F: 0.5 / k, B: 1.0 / k}
-        self.finished: dict[tuple[int, Any, int], float] = {}
+        self.cost = (0.5 / k, 1.0 / k)
+        # When each unit's pass ended, None before it ran.
+        self.finished: list[list[list[float | None]]] = [
+            [[None] * (num_microbatches * k) for _ in _KINDS] for _ in stages
+        ]
+        # When the inputs of each queue's next unit exist, None before they do or once it is empty;
+        # kept up to date by _run, so a position's passes are re-read without recomputing them.
+        self.ready = [[self._ready(s, kind) for kind in (_FORWARD, _BACKWARD)] for s in stages]
+
+    def _ready(self, s: int, kind: int) -> float | None:
+        """When the inputs of stage ``s``'s next pass of ``kind`` exist (-inf: it has none to wait for)."""
+        waiting = self.queue[s][kind]
+        if not waiting:
+            return None
+        u, up = waiting[-1], self.upstream[s][kind]
+        made = -math.inf if up is None else self.finished[up][kind][u]
+        if kind == _FORWARD or made is None:
+            return made
+        # A backward also waits, by rule 2, for the microbatch's last forward on the stage.
+        forwarded = self.finished[s][_FORWARD][u - u % self.k + self.k - 1]
+        return None if forwarded is None else max(made, forwarded)
 
     def startable(self, q: int) -> list[_Pass]:
         """The passes position ``q`` can start, each once its inputs exist."""
         pos, out = self.positions[q], []
         for s in pos.stages:
-            full = pos.full(s // self.chain)
-            for kind in (B, F):
-                waiting = self.queue[s, kind]
-                if not waiting or (kind == F and full):
-                    continue
-                u, up = waiting[-1], self.upstream[s, kind]
-                made = pos.free if up is None else self.finished.get((up, kind, u))
-                # A backward also waits, by rule 2, for the microbatch's last forward on the stage.
-                forwarded = pos.free if kind == F else self.finished.get((s, F, u - u % self.k + self.k - 1))
-                if made is not None and forwarded is not None:
-                    out.append(_Pass(max(pos.free, made, forwarded), s, kind, u))
+            for kind in (_BACKWARD, _FORWARD):
+                ready = self.ready[s][kind]
+                if ready is not None and not (kind == _FORWARD and pos.full(s // self.chain)):
+                    out.append(_Pass(max(pos.free, ready), s, kind, self.queue[s][kind][-1]))
         return out
+
+    def soonest(self, q: int) -> float:
+        """When position ``q`` can start its soonest pass (inf: none); what startable's least start is."""
+        pos, inputs = self.positions[q], math.inf
+        for s in pos.stages:
+            ready = self.ready[s]
+            if ready[_BACKWARD] is not None and ready[_BACKWARD] < inputs:
+                inputs = ready[_BACKWARD]
+            if ready[_FORWARD] is not None and ready[_FORWARD] < inputs and not pos.full(s // self.chain):
+                inputs = ready[_FORWARD]
+        return max(pos.free, inputs)
 
     def _rank(self, q: int, p: _Pass) -> float:
         pos, (c, depth) = self.positions[q], divmod(p.stage, self.chain)
-        return self.priority(p.kind == F, pos.ran[c], depth, p.unit // self.k, pos.busy[c])
+        return self.priority(p.kind == _FORWARD, pos.ran[c], depth, p.unit // self.k, pos.busy[c])
 
     def _run(self, q: int, p: _Pass) -> None:
         pos, c = self.positions[q], p.stage // self.chain
-        self.queue[p.stage, p.kind].pop()
-        pos.held[c] += 1 if p.kind == F else -1
+        self.queue[p.stage][p.kind].pop()
+        pos.held[c] += 1 if p.kind == _FORWARD else -1
         pos.most[c] = max(pos.most[c], pos.held[c])
         pos.most[2] = max(pos.most[2], sum(pos.held))
         pos.ran[c] += 1
         pos.busy[c] += self.cost[p.kind]
-        pos.free = self.finished[(p.stage, p.kind, p.unit)] = p.start + self.cost[p.kind]
+        pos.free = self.finished[p.stage][p.kind][p.unit] = p.start + self.cost[p.kind]
+        # What this pass finishing can make ready: the queue's next unit, the unit downstream and,
+        # after a forward, the stage's backward (rule 2).
+        changed = [(p.stage, p.kind), (self.downstream[p.stage][p.kind], p.kind), (p.stage, _BACKWARD)]
+        for s, kind in changed:
+            if s is not None:
+                self.ready[s][kind] = self._ready(s, kind)
 
     def schedule(self) -> ListSchedule:
         """Whenever a position can start something, it runs the startable pass of lowest priority. The
         position that can start soonest (the first of equals) acts: nothing it waits for can finish
         earlier. If no position can start anything under its limits, every limit grows by one."""
         actions: ActionLists = {q: [] for q in range(len(self.positions))}
-        startable = [self.startable(q) for q in actions]
-        soonest = [min((p.start for p in ps), default=math.inf) for ps in startable]
-        for _ in range(sum(map(len, self.queue.values()))):  # every pass once
+        soonest = [self.soonest(q) for q in actions]
+        for _ in range(sum(len(units) for queues in self.queue for units in queues)):  # every pass once
             while (start := min(soonest)) == math.inf:
                 for pos in self.positions:
                     pos.limits = [lim + 1 for lim in pos.limits]
-                startable = [self.startable(q) for q in actions]
-                soonest = [min((p.start for p in ps), default=math.inf) for ps in startable]
+                soonest = [self.soonest(q) for q in actions]
             q = soonest.index(start)
-            chosen = min((p for p in startable[q] if p.start <= start), key=lambda p: self._rank(q, p))
+            chosen = min((p for p in self.startable(q) if p.start <= start), key=lambda p: self._rank(q, p))
             self._run(q, chosen)
-            actions[q].append(_Action(chosen.stage, chosen.kind, chosen.unit))
+            actions[q].append(_Action(chosen.stage, _KINDS[chosen.kind], chosen.unit))
             for r in self.touches[chosen.stage]:
-                startable[r] = self.startable(r)
-                soonest[r] = min((p.start for p in startable[r]), default=math.inf)
+                soonest[r] = self.soonest(r)
         return ListSchedule(actions, max(pos.free for pos in self.positions), [pos.most for pos in self.positions])
 
 

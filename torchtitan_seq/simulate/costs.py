@@ -40,15 +40,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
+from ..flavors import ModelShape, flavor_shapes
 from ..partition import UnitCost, partition_sequence
 from .build import SimConfig
-
-if TYPE_CHECKING:
-    from torchtitan.models.llama3 import TransformerModelArgs
 
 __all__ = [
     "UnitTimes", "ChunkTimes", "unit_times", "unit_and_chunk_times", "transformer_times", "subsequence_lengths", "model_args",
@@ -225,14 +223,11 @@ def _parse(data: dict, k: int, path: str) -> UnitTimes:
     return UnitTimes(**passes)
 
 
-def model_args(config: SimConfig) -> TransformerModelArgs:
-    """The ``TransformerModelArgs`` of ``config.flavor``."""
-    # Imported here: the model pulls in torchtitan, which uniform costs never need.
-    from ..models.llama3_seq import seq_llama3_flavors
-
-    if config.flavor not in seq_llama3_flavors:
-        raise ValueError(f"unknown flavor {config.flavor!r}: use one of {sorted(seq_llama3_flavors)}")
-    return seq_llama3_flavors[config.flavor]
+def model_args(config: SimConfig) -> ModelShape:
+    """The shape of ``config.flavor`` (its ``TransformerModelArgs``' numbers)."""
+    if config.flavor not in flavor_shapes:
+        raise ValueError(f"unknown flavor {config.flavor!r}: use one of {sorted(flavor_shapes)}")
+    return flavor_shapes[config.flavor]
 
 
 def _model_cost(config: SimConfig) -> UnitCost:

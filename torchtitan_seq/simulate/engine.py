@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import SEND_B, SEND_F, _Action
@@ -128,7 +128,11 @@ _SUMMARY = (
 Transfer = Callable[[int, int, int], float]
 """(source rank, destination rank, unit id) -> time from a SEND to its data on the destination."""
 
-Need = tuple[tuple[_Action, ...], int, int]
+Key = tuple[int, Any, int]
+"""An action as (stage, computation type, unit): a plain tuple, quicker to make and hash than an
+``_Action`` (a NamedTuple), of which the planner's simulations make millions."""
+
+Need = tuple[tuple[Key, ...], int, int]
 """Any one of these finished actions, plus the transfer from rank to rank (-1, -1: none)."""
 
 
@@ -136,22 +140,36 @@ def _needs(a: _Action, stage_to_rank: dict[int, int], chain_length: int) -> tupl
     """What ``a`` waits for."""
     s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
     if kind == W:
-        return (((_Action(s, I, m),), -1, -1),)
+        return ((((s, I, m),), -1, -1),)
     if kind == SEND_F:
-        return (((_Action(s, F, m),), -1, -1),)
+        return ((((s, F, m),), -1, -1),)
     if kind == SEND_B:
-        return (((_Action(s, B, m), _Action(s, I, m)), -1, -1),)
+        return ((((s, B, m), (s, I, m)), -1, -1),)
     if kind not in (F, B, I):
         return ()  # RECV_* only post a receive; UNSHARD, RESHARD, REDUCE_GRAD
-    own = () if kind == F else (((_Action(s, F, m),), -1, -1),)
+    own = () if kind == F else ((((s, F, m),), -1, -1),)
     source = fed_by(a, chain_length)
     if source is None:
         return own
     if stage_to_rank[source] == stage_to_rank[s]:
-        made = (_Action(source, F, m),) if kind == F else (_Action(source, B, m), _Action(source, I, m))
+        made = ((source, F, m),) if kind == F else ((source, B, m), (source, I, m))
         return (*own, (made, -1, -1))
-    send = _Action(source, SEND_F if kind == F else SEND_B, m)
+    send = (source, SEND_F if kind == F else SEND_B, m)
     return (*own, ((send,), stage_to_rank[source], stage_to_rank[s]))
+
+
+class _Step(NamedTuple):
+    """One step of a rank's list, with what timing it needs (actions as ids: an action, holding an
+    enum member, is slow to hash)."""
+
+    index: int
+    """In the list a deadlock points into."""
+    action: _Action
+    """A compute leaf or a communication."""
+    id: int
+    compute: bool
+    needs: tuple[tuple[tuple[int, ...], int, int], ...]
+    """:data:`Need` with action ids."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +179,9 @@ class _Prepared:
     lowered: dict[int, list[_Action]] | None
     stage_to_rank: dict[int, int]
     list_kind: str
-    steps: dict[int, list[tuple[int, _Action, tuple[Need, ...]]]]
-    """Per rank: (index in the list, compute leaf or communication, its needs)."""
+    steps: dict[int, list[_Step]]
+    keys: tuple[Key, ...]
+    """Every action a step is or needs, by id."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -191,12 +210,19 @@ def _prepare(
         listed = {r: list(enumerate(acts)) for r, acts in lowered.items()}
     else:
         listed = send_after_compute(order, stage_to_rank, chain_length)
+    ids: dict[Key, int] = {}
+
+    def step(i: int, leaf: _Action) -> _Step:
+        needs = tuple(
+            (tuple(ids.setdefault(o, len(ids)) for o in opts), src, dst)
+            for opts, src, dst in _needs(leaf, stage_to_rank, chain_length)
+        )
+        return _Step(i, leaf, ids.setdefault(leaf[:3], len(ids)), leaf.is_compute_op, needs)
+
     # An OVERLAP_F_B runs its sub-actions in sequence, each waiting for its inputs.
-    steps = {
-        r: [(i, leaf, _needs(leaf, stage_to_rank, chain_length)) for i, a in acts for leaf in compute_leaves(a)]
-        for r, acts in listed.items()
-    }
-    return _Prepared(lowered, stage_to_rank, "lowered" if lowered is not None else "compute-only", steps)
+    steps = {r: [step(i, leaf) for i, a in acts for leaf in compute_leaves(a)] for r, acts in listed.items()}
+    kind = "lowered" if lowered is not None else "compute-only"
+    return _Prepared(lowered, stage_to_rank, kind, steps, tuple(ids))
 
 
 def _run(
@@ -204,29 +230,29 @@ def _run(
 ) -> tuple[dict[int, list[Interval]], Deadlock | None]:
     """Run every rank's list in order; the times are final once known, so
     advancing ranks round-robin as far as their inputs allow is exact."""
-    flat, stage_to_rank = prepared.steps, prepared.stage_to_rank
-    finished: dict[_Action, float] = {}
+    flat = prepared.steps
+    finished: list[float | None] = [None] * len(prepared.keys)
     clock = dict.fromkeys(flat, 0.0)
     pos = dict.fromkeys(flat, 0)
     timeline: dict[int, list[Interval]] = {r: [] for r in flat}
-    waiting: dict[int, tuple[_Action, ...]] = {}
+    waiting: dict[int, tuple[int, ...]] = {}
     while True:
         progress = False
         for r, acts in flat.items():
             while pos[r] < len(acts):
-                _, a, needs = acts[pos[r]]
+                _, a, ident, compute, needs = acts[pos[r]]
                 start = clock[r]
                 for opts, src, dst in needs:
-                    done = [finished[o] for o in opts if o in finished]
+                    done = [t for t in map(finished.__getitem__, opts) if t is not None]
                     if not done:
                         waiting[r] = opts
                         break
                     start = max(start, min(done) + (transfer(src, dst, a.microbatch_index) if src >= 0 else 0.0))
                 else:
-                    end = start + duration(a) if a.is_compute_op else start
-                    if a.is_compute_op:
+                    end = start + duration(a) if compute else start
+                    if compute:
                         timeline[r].append((start, end, a))
-                    finished[a] = clock[r] = end
+                    finished[ident] = clock[r] = end
                     pos[r] += 1
                     progress = True
                     continue
@@ -234,17 +260,23 @@ def _run(
         if all(pos[r] == len(acts) for r, acts in flat.items()):
             return timeline, None
         if not progress:
-            stuck = tuple(
-                StuckRank(
-                    r,
-                    acts[pos[r]][0],
-                    str(acts[pos[r]][1]),
-                    " or ".join(f"{o} on rank {stage_to_rank[o.stage_index]}" for o in waiting[r]),
-                )
-                for r, acts in flat.items()
-                if pos[r] < len(acts)
-            )
-            return timeline, Deadlock(prepared.list_kind, stuck)
+            return timeline, _deadlock(prepared, pos, waiting)
+
+
+def _deadlock(prepared: _Prepared, pos: dict[int, int], waiting: dict[int, tuple[int, ...]]) -> Deadlock:
+    """Where each unfinished rank stopped (``pos``) and what it waits for."""
+    keys, stage_to_rank = prepared.keys, prepared.stage_to_rank
+    stuck = tuple(
+        StuckRank(
+            r,
+            acts[pos[r]].index,
+            str(acts[pos[r]].action),
+            " or ".join(f"{_Action(*keys[o])} on rank {stage_to_rank[keys[o][0]]}" for o in waiting[r]),
+        )
+        for r, acts in prepared.steps.items()
+        if pos[r] < len(acts)
+    )
+    return Deadlock(prepared.list_kind, stuck)
 
 
 def simulate(config: SimConfig) -> SimResult:
@@ -326,6 +358,7 @@ def simulate_order(
     def duration(a: _Action) -> float:
         return per_stage[a.stage_index][a.computation_type][a.microbatch_index % k]
 
+    @functools.cache  # asked for every SEND; a few rank pairs and units
     def transfer(src: int, dst: int, unit: int) -> float:
         return comm_latency + (transfers.send(src, dst, unit % k) if transfers else 0.0)
 

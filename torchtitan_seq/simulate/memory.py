@@ -15,7 +15,7 @@ Notation: D = ``dim``, H and Hkv query and K/V heads, hd = D / H, F = the MLP wi
 bytes of the compute dtype, b = microbatch size, L_j = tokens of unit j (the whole
 sequence for torch's schedules). A chunk is the part of the model a stage runs: torchtitan's
 ``generate_llm_fqn_per_model_part`` split (embeddings and norm + output weighted as one
-layer each), or, when that split has an empty chunk (more chunks than layers), an even
+layer each; :func:`~torchtitan_seq.flavors.chunk_split` computes it without torchtitan), or, when that split has an empty chunk (more chunks than layers), an even
 real-valued share of the layers, embeddings on the first chunk and the output on the last.
 
 **Activations** (what autograd saves for backward, the figure
@@ -106,6 +106,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 
+from ..flavors import ModelShape, chunk_split, flavor_shapes
 from ..ordering import B, F, I, W
 from ..partition import Partition, UnitCost, ffn_hidden_dim, partition_sequence
 from ..schedules import SEQUENCE_SCHEDULES
@@ -201,15 +202,12 @@ class MemoryConfig:
                 raise ValueError(f"{name} = {getattr(self, name)}: it must be at least 1")
 
     @property
-    def model_args(self) -> TransformerModelArgs:
+    def model_args(self) -> TransformerModelArgs | ModelShape:
         if not isinstance(self.model, str):
             return self.model
-        # The package's flavors, imported on use: they import torchtitan.
-        from ..models.llama3_seq import seq_llama3_flavors
-
-        if self.model not in seq_llama3_flavors:
-            raise ValueError(f"model = {self.model!r}: use one of {sorted(seq_llama3_flavors)} or TransformerModelArgs")
-        return seq_llama3_flavors[self.model]
+        if self.model not in flavor_shapes:
+            raise ValueError(f"model = {self.model!r}: use one of {sorted(flavor_shapes)} or TransformerModelArgs")
+        return flavor_shapes[self.model]
 
     @property
     def fsdp(self) -> bool:
@@ -483,18 +481,12 @@ def _lengths(c: MemoryConfig, args: TransformerModelArgs) -> list[int]:
 
 @functools.lru_cache(maxsize=256)
 def _chunk_split(n_layers: int, num_chunks: int) -> tuple[tuple[float, bool, bool], ...]:
-    """Per chunk: (transformer layers, holds the embeddings, holds norm + output)."""
-    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
-
-    try:
-        names = generate_llm_fqn_per_model_part(num_chunks, n_layers, 1, 1)
-    except ValueError:  # more chunks than layers: an even real-valued share
+    """Per chunk: (transformer layers, holds the embeddings, holds norm + output), as torchtitan cuts it."""
+    split = chunk_split(n_layers, num_chunks)
+    if split is None:  # more chunks than layers: an even real-valued share
         share = n_layers / num_chunks
         return tuple((share, i == 0, i == num_chunks - 1) for i in range(num_chunks))
-    return tuple(
-        (sum(name.startswith("layers.") for name in chunk), "tok_embeddings" in chunk, "output" in chunk)
-        for chunk in names
-    )
+    return split
 
 
 def _recomputed_fraction(c: MemoryConfig) -> float:
