@@ -89,6 +89,17 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
             f"parallelism.pipeline_parallel_schedule = {name!r} needs a model with chunk-aware attention, "
             f'but model.name = {job_config.model.name!r} has none: set [model] name = "llama3_seq"'
         )
+    # torchtitan 0.2.2 trains in float32 under pipeline parallelism unless FSDP casts the parameters;
+    # torch's CUDA attention kernels (and flash-attn), which units run on, take bf16 and fp16 only.
+    low_precision = job_config.training.mixed_precision_param in ("bfloat16", "float16")
+    fsdp_casts = world_size // fixed > 1 and low_precision
+    if torch.cuda.is_available() and par.pipeline_parallel_degree > 1 and not fsdp_casts:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule = {name!r} on CUDA needs bf16 or fp16 activations, but without "
+            "FSDP (parallelism.data_parallel_shard_degree > 1, with training.mixed_precision_param = 'bfloat16') "
+            "torchtitan trains pipelines in float32, which the CUDA attention kernels do not take: shard the data "
+            "parallel dimension, or use one of torch's schedules"
+        )
     if par.context_parallel_degree > 1:
         raise ValueError(
             f"parallelism.context_parallel_degree = {par.context_parallel_degree} cannot be combined with "

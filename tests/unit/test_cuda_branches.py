@@ -11,6 +11,7 @@ GPU check's timing) run against a fake of what needs a GPU.
   its 2.6-2.8 signatures. Each adapter must then equal torch's CPU kernel, forward and backward.
 * Kernel selection on a fake CUDA device: Hopper, Ampere with and without flash-attn.
 * ``cpu_compat`` with CUDA present: nothing patched, FSDP2 left alone.
+* The job check on CUDA: a sequence pipeline without FSDP's bf16 parameters is refused.
 """
 
 from __future__ import annotations
@@ -393,3 +394,34 @@ def test_fsdp_sum_reduction_only_for_gloo(monkeypatch, cuda):
     monkeypatch.setattr(_ShardedModule, "forced", [])
     cpu_compat.fsdp_for_gloo([nn.Sequential(_ShardedModule(), nn.Linear(2, 2))])
     assert _ShardedModule.forced == ([] if cuda else [True])  # NCCL has PREMUL_SUM: FSDP2's own reduction
+
+
+# --------------------------------------------------------------------------
+# The job check on CUDA
+
+
+@pytest.mark.parametrize("overrides, world, refused", [
+    ((), 2, True),  # the shipped config, pp = 2 and no FSDP: float32 activations
+    (("--parallelism.data_parallel_shard_degree", "2"), 4, False),
+    (("--parallelism.data_parallel_shard_degree", "-1"), 4, False),
+    (("--parallelism.data_parallel_shard_degree", "2", "--training.mixed_precision_param", "float32"), 4, True),
+    (("--parallelism.pipeline_parallel_schedule", "1F1B"), 2, False),  # torch's: SDPA takes float32
+    (("--parallelism.pipeline_parallel_degree", "1"), 1, False),  # no pipeline: torchtitan's AMP, SDPA
+])
+def test_job_check_on_cuda_refuses_float32_units(monkeypatch, overrides, world, refused):
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_seq.registration import register
+    from torchtitan_seq.train import resolve_args
+    from torchtitan_seq.trainer import check_job
+
+    register()
+    job = ConfigManager().parse_args(resolve_args(["--job.config_file", "train_configs/debug_model.toml", *overrides]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if refused:
+        with pytest.raises(ValueError, match="on CUDA needs bf16 or fp16 activations"):
+            check_job(job, world)
+    else:
+        check_job(job, world)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_job(job, world)  # the CPU's kernel takes float32
