@@ -78,8 +78,12 @@ def fake_cuda_events(monkeypatch):
     monkeypatch.setattr(FakeGpuClock, "now", 0.0)
     monkeypatch.setattr(FakeGpuClock, "completed", -1.0)
     monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: FakeCudaEvent.synchronize(
-        types.SimpleNamespace(time=FakeGpuClock.now)))
+    monkeypatch.setattr(torch.cuda, "synchronize", _synchronize_device)
+
+
+def _synchronize_device(device: Any = None) -> None:
+    """``torch.cuda.synchronize``: everything recorded so far has run."""
+    FakeGpuClock.completed = FakeGpuClock.now
 
 
 def _timed(recorder: StepTimeline, start: float, end: float, action: _Action) -> None:
