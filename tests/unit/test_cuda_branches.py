@@ -8,7 +8,8 @@ GPU check's timing) run against a fake of what needs a GPU.
   misplaced or mistyped argument fails there), reads the arguments by their schema names,
   checks what the adapter promises (no varlen offsets, no dropout, heads expanded, lengths
   given), and computes the op's result on the CPU; flash-attn's interface is faked alike from
-  its 2.6-2.8 signatures. Each adapter must then equal torch's CPU kernel, forward and backward.
+  the signatures of its 2.6+ source (``window_size_left``, ``softcap``). Each adapter must
+  then equal torch's CPU kernel, forward and backward.
 * Kernel selection on a fake CUDA device: Hopper, Ampere with and without flash-attn.
 * ``cpu_compat`` with CUDA present: nothing patched, FSDP2 left alone.
 * The job check on CUDA: a sequence pipeline without FSDP's bf16 parameters is refused.
@@ -250,7 +251,7 @@ def fake_aten(monkeypatch) -> dict[str, FakeAtenOp]:
 
 
 def _fake_flash_attn() -> types.ModuleType:
-    """flash-attn 2's ``flash_attn_interface`` (2.6 to 2.8 signatures, read from its source),
+    """flash-attn 2's ``flash_attn_interface`` (the signatures of its 2.6+ source),
     layout (B, L, H, D), GQA native; backward writes into the dq, dk, dv it is given."""
 
     def _flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: float,
