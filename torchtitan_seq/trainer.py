@@ -25,7 +25,7 @@ from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
 from .metrics import SeqMetricsProcessor
 from .pipeline import pipeline_sequence_llm, sequence_lengths, stages_per_rank
-from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, SequenceSchedule
+from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, BidirectionalSchedule, SequenceSchedule
 
 __all__ = ["SeqTrainer", "check_job"]
 
@@ -141,6 +141,8 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
     stages_per_rank(job_config, model_args, par.pipeline_parallel_degree)
     k = len(sequence_lengths(job_config, model_args, par.tensor_parallel_degree))
     cls = SEQUENCE_SCHEDULES[name]
+    if issubclass(cls, BidirectionalSchedule):
+        cls.check_torch()
     options = cls.options_from_config(seq)
     cls.check_shape(par.pipeline_parallel_degree, n_microbatches, k, split_backward=seq.split_backward, **options)
 
