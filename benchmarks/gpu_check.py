@@ -8,15 +8,20 @@ attention in float64 with the same mask: output and dq, dk, dv as max |error| / 
 |reference|; (2) the KV context's overhead on a 1B-class Llama 3 stack (4 layers, dim
 2048, 16 heads, 8 KV heads, bf16) at 8K-64K tokens: forward+backward time (CUDA events,
 median after warm-up) and peak memory of k units against torchtitan's own Llama 3 on the
-whole sequence. Goal: under 5% at 32K. Eager only.
+whole sequence. Goal: under 5% at 32K. Eager only; (3) a real sequence-schedule step on the
+one device, two stages of one pipeline on one rank, against the whole-sequence loss and
+gradients (:mod:`gpu_pipeline`); (4) the trainer end to end under torchrun with one process,
+at 8K tokens (:mod:`gpu_train`). ``benchmarks/gpu_check.sh`` runs it with what the GPU
+machine lacks installed from prepared wheels.
 
 Writes into ``--out``: ``gpu_check.json`` (every figure, versions, date; rewritten after
 each part, so a run cut short keeps what it measured) and per run a cost file of
 ``torchtitan_seq.simulate --cost`` (per-unit F and B seconds, as ``bench.py --calibrate``
 writes them). ``--device cpu --tiny`` is the dry run: the same code at toy sizes in
 seconds (tests/unit/test_gpu_check.py), so the script keeps working between GPU runs.
-Exit status: 0 when every attention case passes, 1 when one does not (the figures are
-written anyway), 2 when the run cannot start (no CUDA device, an option not supported yet).
+Exit status: 0 when every attention case, the sequence step and the training run pass, 1
+when one does not (the figures are written anyway), 2 when the run cannot start (no CUDA
+device, an option not supported yet).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -35,6 +41,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from gpu_pipeline import FULL_STEP, TINY_STEP, check_sequence_step
+from gpu_train import check_training
 from torchtitan_seq.attention import (
     AttentionKernel,
     CpuSdpaKernel,
@@ -492,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the unit kernel of the overhead runs")
     ap.add_argument("--compile", action="store_true",
                     help="overhead runs with every block compiled (torchtitan's per-block compile)")
-    ap.add_argument("--skip-attention", action="store_true", help="the overhead runs alone")
+    ap.add_argument("--skip-attention", action="store_true", help="no attention check")
+    ap.add_argument("--skip-overhead", action="store_true", help="no kernel timing and overhead runs")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device: run on a GPU, or use --device cpu --tiny for the dry run", file=sys.stderr)
@@ -537,16 +546,41 @@ def main(argv: list[str] | None = None) -> int:
         # One GPU run should still measure the overhead: with torch's own kernel, then.
         print(f"{type(kernel).__name__} failed above: overhead runs use CudaSdpaKernel", flush=True)
         kernel = CudaSdpaKernel()
-    print(f"attention alone, forward + backward ({type(kernel).__name__} for units)", flush=True)
-    results["kernels"] = time_kernels(sizes, device, kernel)
+    if not args.skip_overhead:
+        print(f"attention alone, forward + backward ({type(kernel).__name__} for units)", flush=True)
+        results["kernels"] = time_kernels(sizes, device, kernel)
+        write()
+        print(f"KV-context overhead ({type(kernel).__name__}{', compiled' if args.compile else ''})", flush=True)
+        results["overhead"] = measure_overhead(sizes, device, kernel, args.out, args.compile)
+        write()
+        print(f"goal: {results['overhead']['goal']['line']}: met = {results['overhead']['goal']['met']}")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the training run is another process
+    print(f"sequence-schedule step on one {device.type} device", flush=True)
+    results["sequence_step"] = _part(lambda: check_sequence_step(TINY_STEP if args.tiny else FULL_STEP, device))
     write()
-    print(f"KV-context overhead ({type(kernel).__name__}{', compiled' if args.compile else ''})", flush=True)
-    results["overhead"] = measure_overhead(sizes, device, kernel, args.out, args.compile)
+    print(f"  {_summary(results['sequence_step'])}", flush=True)
+    print("the trainer end to end (torchrun, one process)", flush=True)
+    results["training"] = _part(lambda: check_training(args.tiny, device.type == "cuda"))
     write()
-    print(f"goal: {results['overhead']['goal']['line']}: met = {results['overhead']['goal']['met']}")
+    print(f"  {_summary(results['training'])}", flush=True)
     print(f"wrote {args.out / 'gpu_check.json'} ({results['elapsed_s']:.0f} s)", flush=True)
     failed = [c for c in cases if c["status"] == "failed" or c["status"].startswith("error")]
+    failed += [part for part in ("sequence_step", "training") if results[part]["status"] != "ok"]
     return 1 if failed else 0
+
+
+def _part(run: Callable[[], dict]) -> dict:
+    """``run()``'s record, or the error it raised as one: a failing part is a result; GPU runs are scarce."""
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001
+        return {"status": f"error: {type(e).__name__}: {e}".splitlines()[0], "traceback": traceback.format_exc()}
+
+
+def _summary(record: dict) -> str:
+    figures = {key: record[key] for key in ("units", "whole", "losses", "elapsed_s") if key in record}
+    return f"{record['status']} {figures}"
 
 
 def _attention_part(sizes: Sizes, device: torch.device, results: dict) -> list[dict]:

@@ -1,3 +1,27 @@
 #!/usr/bin/env bash
-# The prepared GPU check with the repo's .venv (set up on first use): ./benchmarks/gpu_check.sh --out benchmarks/gpu/$(date +%F)
-cd "$(dirname "$0")/.." && source tools/setup_env.sh && exec python benchmarks/gpu_check.py "$@"
+# The prepared GPU check: ./benchmarks/gpu_check.sh --out benchmarks/gpu/$(date +%F)
+# With .whl/ (benchmarks/gpu_wheels.sh, run beforehand where there is network), as on the GPU
+# machine: its python3 (torch there), the wheels of the packages it lacks installed into a
+# temporary folder, nothing from the network. Without .whl: the repo's .venv (tools/setup_env.sh),
+# as for the CPU dry run (--device cpu --tiny).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -d .whl ]; then
+    SITE=$(mktemp -d /tmp/gpu_check_site.XXXXXX)
+    missing=()
+    for wheel in .whl/*.whl; do
+        name=$(basename "$wheel" | cut -d- -f1)
+        python3 -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$name" 2>/dev/null \
+            || missing+=("$wheel")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "installing into $SITE: ${missing[*]##*/}"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${missing[@]}"
+    fi
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    PYTHON=python3
+else
+    source tools/setup_env.sh
+    PYTHON=python
+fi
+exec "$PYTHON" benchmarks/gpu_check.py "$@"

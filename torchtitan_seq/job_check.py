@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
@@ -34,6 +36,7 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
     _check_instrumentation(job_config)
     if name in SEQUENCE_SCHEDULES:
         _check_sequence_model(job_config, spec)
+        _check_cuda_precision(job_config, world_size)
         n_microbatches = _check_microbatches(job_config)
         _check_validation(job_config, n_microbatches)
         _check_activation_checkpointing(job_config)
@@ -117,6 +120,23 @@ def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
         )
 
 
+def _check_cuda_precision(job_config: JobConfig, world_size: int) -> None:
+    """torchtitan 0.2.2 trains in float32 under pipeline parallelism unless FSDP casts the parameters;
+    torch's CUDA attention kernels (and flash-attn), which units run on, take bf16 and fp16 only."""
+    par = job_config.parallelism
+    fixed = par.data_parallel_replicate_degree * par.context_parallel_degree * par.tensor_parallel_degree
+    fixed *= par.pipeline_parallel_degree
+    low_precision = job_config.training.mixed_precision_param in ("bfloat16", "float16")
+    fsdp_casts = world_size // fixed > 1 and low_precision
+    if torch.cuda.is_available() and par.pipeline_parallel_degree > 1 and not fsdp_casts:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} on CUDA needs bf16 or "
+            "fp16 activations, but without FSDP (parallelism.data_parallel_shard_degree > 1, with "
+            "training.mixed_precision_param = 'bfloat16') torchtitan trains pipelines in float32, which the CUDA "
+            "attention kernels do not take: shard the data parallel dimension, or use one of torch's schedules"
+        )
+
+
 def _check_microbatches(job_config: JobConfig) -> int:
     """The microbatches a step runs, N; the local batch must be a whole number of them."""
     batch, microbatch = job_config.training.local_batch_size, job_config.parallelism.pipeline_parallel_microbatch_size
@@ -173,6 +193,7 @@ def _check_shape(job_config: JobConfig, spec: TrainSpec, n_microbatches: int) ->
     v = stages_per_rank(job_config, model_args, par.pipeline_parallel_degree)
     k = len(sequence_lengths(job_config, model_args, par.tensor_parallel_degree))
     cls = SEQUENCE_SCHEDULES[par.pipeline_parallel_schedule]
+    cls.check_torch()
     cls.check_shape(
         par.pipeline_parallel_degree, n_microbatches, k, split_backward=seq.split_backward, stages_per_rank=v,
         **cls.options_from_config(seq),

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.stage import _RecvInfo
 from torch.utils._pytree import tree_map_only
 
 from .attention import AttentionKernel, bind_kv_context, select_kernel
@@ -69,6 +70,20 @@ class SequencePipelineStage(PipelineStage):
         if not self.is_last:
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
+    # torch 2.11 checks each forward's inputs (on a first stage) and outputs against those of unit 0, shapes
+    # and strides; units differ in length, and a first stage's are views of the batch. torch 2.13 checks none.
+    def _validate_fwd_input(self, args: tuple, kwargs: dict) -> None:
+        pass
+
+    def _validate_fwd_outputs(self, outputs: tuple) -> None:
+        pass
+
+    # torch 2.11 warms up the links to both neighbouring stages, also where a neighbour is on this rank
+    # (p = 1, a V's turn: the runtime hands tensors over locally), a send to itself that gloo refuses.
+    # torch 2.13 asks no stage for these.
+    def _get_init_p2p_neighbors_ops(self) -> list:
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
     def unit(self, unit_id: int) -> Unit:
         """The (microbatch, subsequence) unit behind torch's microbatch index."""
         m, j = divmod(unit_id, len(self.lengths))
@@ -101,26 +116,37 @@ class SequencePipelineStage(PipelineStage):
         RECORDER.start_step()  # torch's schedules clear the stages as a step begins
 
     def _size_recv_buffers(self, infos_by_unit: dict) -> None:
-        """Resize torch's receive metadata and buffers, made for unit 0, to each unit's length; shapes
-        scale, so a tensor whose sequence is sharded (TP's sequence parallel) keeps its fraction."""
+        """Resize torch's receive buffers (and torch 2.13's metadata beside them), made for unit 0, to
+        each unit's length; shapes scale, so a tensor whose sequence is sharded (TP's sequence parallel)
+        keeps its fraction. torch 2.11 has no metadata and describes model inputs by placeholders."""
         for unit_id, infos in infos_by_unit.items():
             length = self.lengths[unit_id % len(self.lengths)]
-            for info in infos:
-                if info.is_root_arg or info.tensor_meta is None:
-                    continue
-                changes = {}
-                for prefix in ("", "global_"):
-                    if shape := list(getattr(info.tensor_meta, f"{prefix}shape", None) or ()):
-                        shape[1] = shape[1] * length // self.lengths[0]
-                        changes[f"{prefix}shape"] = torch.Size(shape)
-                        changes[f"{prefix}stride"] = torch.empty(shape, device="meta").stride()
-                info.tensor_meta = meta = dataclasses.replace(info.tensor_meta, **changes)
-                grad = info.buffer.requires_grad
-                info.buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device, requires_grad=grad)
 
-    def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
-        # Metadata inference runs the chunk on unit 0 outside any unit: plain causal attention, nothing cached.
-        out = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward)
+            def scaled(shape: torch.Size) -> torch.Size:
+                return torch.Size([shape[0], shape[1] * length // self.lengths[0], *shape[2:]])
+
+            for info in infos:
+                if not isinstance(info, _RecvInfo) or getattr(info, "is_root_arg", False):
+                    continue  # a model input: nothing is received
+                if hasattr(info, "tensor_meta"):  # torch 2.13
+                    if info.tensor_meta is None:
+                        continue
+                    changes = {}
+                    for prefix in ("", "global_"):
+                        if shape := getattr(info.tensor_meta, f"{prefix}shape", None):
+                            changes[f"{prefix}shape"] = shape = scaled(shape)
+                            changes[f"{prefix}stride"] = torch.empty(shape, device="meta").stride()
+                    info.tensor_meta = meta = dataclasses.replace(info.tensor_meta, **changes)
+                    shape, dtype = meta.shape, meta.dtype
+                else:
+                    shape, dtype = scaled(info.buffer.shape), info.buffer.dtype
+                grad = info.buffer.requires_grad
+                info.buffer = torch.empty(shape, dtype=dtype, device=self.device, requires_grad=grad)
+
+    def _prepare_forward_infra(self, num_microbatches, *args, **kwargs):
+        # Metadata inference runs the chunk on unit 0 outside any unit: plain causal attention, nothing
+        # cached. (torch 2.13 also passes has_backward; torch 2.11 does not.)
+        out = super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
         self._size_recv_buffers(self.args_recv_info)
         return out
 

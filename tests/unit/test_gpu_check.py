@@ -1,8 +1,9 @@
 """The prepared GPU check (benchmarks/gpu_check.py) through its CPU dry run.
 
 The dry run goes through the same code as a GPU run, at toy sizes, so the script
-cannot rot between GPU runs: its figures must be there and sane, and the cost
-files it writes must load in the simulator.
+cannot rot between GPU runs: its figures must be there and sane, the cost
+files it writes must load in the simulator, the one-rank sequence-schedule step
+must be exact and the trainer's run must leave its record and TensorBoard events.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def dry_run(tmp_path_factory) -> tuple[Path, dict]:
 
 def test_dry_run_reports_every_figure(dry_run):
     _, results = dry_run
-    for key in ("date", "device", "torch", "cuda", "flash_attn", "attention", "overhead", "elapsed_s"):
+    for key in ("date", "device", "torch", "cuda", "flash_attn", "attention", "overhead", "sequence_step",
+                "training", "elapsed_s"):
         assert key in results, key
     cases = results["attention"]["cases"]
     assert {(c["mask"], c["status"]) for c in cases} == {("causal", "ok"), ("block_causal", "ok")}
@@ -59,6 +61,26 @@ def test_dry_run_reports_every_figure(dry_run):
         if r["path"] == "units":
             assert "overhead" in r
             assert r["loss_rel_diff"] < 1e-5  # units compute the whole sequence's loss
+
+
+def test_dry_run_steps_a_sequence_schedule_on_one_rank(dry_run):
+    """Two stages of one pipeline on the one rank, as the GPU runs them, exact in float32."""
+    step = dry_run[1]["sequence_step"]
+    assert step["status"] == "ok", step
+    assert (step["schedule"], step["pp"], step["stages"], step["backend"]) == ("InterleavedSeq1F1B", 1, 2, "gloo")
+    assert len(step["lengths"]) == step["k"] == 4 and sum(step["lengths"]) == step["seq_len"]
+    assert step["units"]["loss"] < 1e-5 and step["units"]["grad"] < 1e-5
+    assert "whole" not in step  # float32: the reference itself
+
+
+def test_dry_run_trains_end_to_end(dry_run):
+    """torchrun, one process, torch's 1F1B with pp = 1: the record and TensorBoard's events are there."""
+    training = dry_run[1]["training"]
+    assert training["status"] == "ok", training.get("output_tail")
+    assert training["returncode"] == 0 and training["start_record"]
+    assert training["step_records"] == training["steps"] == len(training["losses"]) == 2
+    assert training["tensorboard_event_files"]
+    assert "-m torchtitan_seq.train" in training["command"] and "1F1B" in training["command"]
 
 
 def test_cost_files_load_in_the_simulator(dry_run):

@@ -68,3 +68,15 @@ def test_compile_with_split_backward_is_refused():
     with pytest.raises(ValueError) as e:
         _check("--compile.enable", "--sequence_pipeline.split_backward")
     assert "split_backward = true cannot run with compile.enable = true" in str(e.value)
+
+
+@pytest.mark.parametrize("schedule", ["BSIPipe", "Chimera"])
+def test_two_chains_refuse_torch_2_11(monkeypatch, schedule):
+    """torch 2.11 (the GPU machine's) infers stage shapes in rank order, which two chains break."""
+    import torch
+    from torch.torch_version import TorchVersion
+
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.11.0+cu130"))
+    with pytest.raises(ValueError, match=f"'{schedule}' needs torch 2.13 or newer, not 2.11.0"):
+        _check("--parallelism.pipeline_parallel_schedule", schedule)
+    _check("--parallelism.pipeline_parallel_schedule", "InterleavedSeq1F1B")  # one chain: runs on 2.11

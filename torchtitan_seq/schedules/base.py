@@ -86,6 +86,11 @@ class SequenceSchedule(_PipelineScheduleRuntime):
                           stages_per_rank=options.get("stages_per_rank"))
 
     @classmethod
+    def check_torch(cls) -> None:
+        """Raise ValueError where the installed torch cannot run the schedule (every torch the
+        package supports can, unless a schedule says otherwise)."""
+
+    @classmethod
     def options_from_config(cls, config: Any) -> dict[str, Any]:
         """Keywords for the constructor, :meth:`place_stages` and :meth:`check_shape` from ``[sequence_pipeline]``."""
         return {}
@@ -109,7 +114,8 @@ class SequenceSchedule(_PipelineScheduleRuntime):
     # units in any order, or only some of them.
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
         if stage.is_last and self._loss_fn is not None:
-            self._unit_losses[mb_index] = self._compute_loss(output, target_mbs[mb_index], loss_kwargs)
+            # The loss function itself, not torch's _compute_loss, whose loss_kwargs torch 2.11 lacks.
+            self._unit_losses[mb_index] = self._loss_fn(output, target_mbs[mb_index], **(loss_kwargs or {}))
 
     def _maybe_get_loss(self, stage, mb_index):
         if stage.is_last and self._loss_fn is not None:

@@ -239,6 +239,7 @@ class BidirectionalSchedule(SequenceSchedule):
     def __init__(self, stages: list[SequencePipelineStage], n_microbatches: int,
                  loss_fn: Callable[..., torch.Tensor] | None = None, *, split_backward: bool = False,
                  scale_grads: bool = False, placement: Placement = "paired") -> None:
+        self.check_torch()
         self.layout = BidirectionalLayout(stages[0].group_size, placement, self.stages_per_rank)
         held, expected = sorted(s.stage_index for s in stages), self.layout.stages_of_rank(stages[0].group_rank)
         if held != expected:
@@ -262,6 +263,16 @@ class BidirectionalSchedule(SequenceSchedule):
         self.pipeline_order_with_comms = lower_chains(
             self.pipeline_order, self.stage_index_to_group_rank, self.layout.chain_length, self._n_microbatches // 2
         )
+
+    @classmethod
+    def check_torch(cls) -> None:
+        """Refuse torch before 2.13, whose pipeline set-up cannot run two chains (the simulator needs no check)."""
+        if torch.__version__ < "2.13":
+            raise ValueError(
+                f"parallelism.pipeline_parallel_schedule = {cls._name()!r} needs torch 2.13 or newer, not "
+                f"{torch.__version__}: torch 2.11 infers each stage's shapes from the stage before it on the rank, "
+                "which two chains on a rank do not follow; use Seq1F1B, InterleavedSeq1F1B or TeraPipe"
+            )
 
     @classmethod
     def check_shape(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False,

@@ -1,0 +1,432 @@
+"""What only CUDA reaches, reached on the CPU: each CUDA-only branch of the package (and of the
+GPU check's timing) run against a fake of what needs a GPU.
+
+* Timing events: :class:`FakeCudaEvent` stands in for ``torch.cuda.Event`` on a fake GPU clock
+  whose events complete only when synchronised, as a real stream's do.
+* The CUDA kernel adapters: each aten op they call is replaced by :class:`FakeAtenOp`, which
+  runs the real op's argument parsing and meta kernel on meta copies of the arguments (a
+  misplaced or mistyped argument fails there), reads the arguments by their schema names,
+  checks what the adapter promises (no varlen offsets, no dropout, heads expanded, lengths
+  given), and computes the op's result on the CPU; flash-attn's interface is faked alike from
+  the signatures of its 2.6+ source (``window_size_left``, ``softcap``). Each adapter must
+  then equal torch's CPU kernel, forward and backward.
+* Kernel selection on a fake CUDA device: Hopper, Ampere with and without flash-attn.
+* ``cpu_compat`` with CUDA present: nothing patched, FSDP2 left alone.
+* The job check on CUDA: a sequence pipeline without FSDP's bf16 parameters is refused.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining.schedules import _Action
+from torch.utils._pytree import tree_map_only
+
+from torchtitan_seq import cpu_compat
+from torchtitan_seq.attention import (
+    CpuSdpaKernel,
+    CudaSdpaKernel,
+    CudnnSdpaKernel,
+    FlashAttnKernel,
+    select_kernel,
+)
+from torchtitan_seq.ordering import B, F as FWD
+from torchtitan_seq.render import busy_and_end
+from torchtitan_seq.timeline import StepTimeline
+
+CUDA = torch.device("cuda", 0)  # a device object needs no GPU; nothing is allocated on it
+
+# --------------------------------------------------------------------------
+# CUDA timing events
+
+
+class FakeGpuClock:
+    """The fake GPU's clock (ms): ``now`` is set by the test; events recorded up to
+    ``completed`` have run (a real stream completes in order, once synchronised)."""
+
+    now = 0.0
+    completed = -1.0
+
+
+class FakeCudaEvent:
+    """``torch.cuda.Event(enable_timing=True)``: ``record`` stamps the fake clock,
+    ``elapsed_time`` fails on an event that has not completed, as CUDA's does."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing, "elapsed_time needs enable_timing=True"
+        self.time: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.time = FakeGpuClock.now
+
+    def synchronize(self) -> None:
+        FakeGpuClock.completed = max(FakeGpuClock.completed, self.time)
+
+    def elapsed_time(self, end: FakeCudaEvent) -> float:
+        for event in (self, end):
+            if event.time is None or event.time > FakeGpuClock.completed:
+                raise RuntimeError("CUDA error: device not ready (event not completed)")
+        return end.time - self.time
+
+
+@pytest.fixture
+def fake_cuda_events(monkeypatch):
+    monkeypatch.setattr(FakeGpuClock, "now", 0.0)
+    monkeypatch.setattr(FakeGpuClock, "completed", -1.0)
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", _synchronize_device)
+
+
+def _synchronize_device(device: Any = None) -> None:
+    """``torch.cuda.synchronize``: everything recorded so far has run."""
+    FakeGpuClock.completed = FakeGpuClock.now
+
+
+def _timed(recorder: StepTimeline, start: float, end: float, action: _Action) -> None:
+    FakeGpuClock.now = start
+    with recorder.action(action.stage_index, action.computation_type, action.microbatch_index):
+        FakeGpuClock.now = end
+
+
+def test_timeline_on_cuda_without_a_started_step_is_empty(fake_cuda_events):
+    """The crash of #25: the metrics processor enables the recorder for every job, but only a
+    sequence stage starts a step, so under torch's schedules (or pp = 1) no step starts."""
+    recorder = StepTimeline()
+    recorder.enable(CUDA)
+    assert recorder.intervals() == []
+    _timed(recorder, 1.0, 2.0, _Action(0, FWD, 0))  # timed, yet no step began
+    assert recorder.intervals() == []
+    assert busy_and_end(recorder.intervals()) == (0.0, 0.0)  # what the metrics processor gathers
+
+
+def test_timeline_on_cuda_reads_the_events_once_synchronised(fake_cuda_events):
+    recorder = StepTimeline()
+    recorder.enable(CUDA)
+    FakeGpuClock.now = 100.0
+    recorder.start_step()
+    _timed(recorder, 102.0, 105.0, _Action(0, FWD, 0))
+    _timed(recorder, 106.0, 110.5, _Action(0, B, 0))
+    assert FakeGpuClock.completed < 110.5  # queued, not run: intervals() must synchronise
+    assert recorder.intervals() == [(2.0, 5.0, _Action(0, FWD, 0)), (6.0, 10.5, _Action(0, B, 0))]
+    FakeGpuClock.now = 200.0
+    recorder.start_step()  # the next step forgets the last one's actions
+    assert recorder.intervals() == []
+
+
+def test_gpu_check_times_passes_with_cuda_events(fake_cuda_events, monkeypatch):
+    import gpu_check  # benchmarks/ (on the path: conftest.py), as the tests of the benchmark import it
+
+    marks = gpu_check._Marks(CUDA)
+    for t in (1.0, 3.5, 4.0):
+        FakeGpuClock.now = t
+        marks.mark()
+    assert marks.intervals() == [2.5e-3, 0.5e-3]  # seconds
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert gpu_check._device_name(CUDA) == "NVIDIA H200"
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", None)  # not installed
+    kernels = gpu_check._kernels(CUDA)
+    assert isinstance(kernels["CudaSdpaKernel"], CudaSdpaKernel)
+    assert isinstance(kernels["CudnnSdpaKernel"], CudnnSdpaKernel)
+    assert kernels["FlashAttnKernel"].startswith("skipped: flash_attn does not import")
+
+
+# --------------------------------------------------------------------------
+# The CUDA kernel adapters
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Reference attention in torch's layout, q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D), GQA
+    by head groups: out (B, Hq, Lq, D) and float32 lse (B, Hq, Lq). ``causal`` only on square
+    blocks: the adapters ask for no other, so top-left and bottom-right alignment agree."""
+    assert not causal or q.shape[2] == k.shape[2], "causal attention on a non-square block"
+    n_rep = q.shape[1] // k.shape[1]
+    assert n_rep * k.shape[1] == q.shape[1]
+    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ v, lse.float()
+
+
+def _attention_grads(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, _ = _attention(q, k, v, causal, scale)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def _bind(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by their schema names, defaults filled in."""
+    positional = [a.name for a in schema.arguments if not a.kwarg_only]
+    assert len(args) <= len(positional), f"{schema.name}: {len(args)} positional arguments"
+    bound = dict(zip(positional, args))
+    assert not set(kwargs) & set(bound), f"{schema.name}: {set(kwargs) & set(bound)} given twice"
+    bound.update(kwargs)
+    for a in schema.arguments:
+        if a.name not in bound:
+            assert a.has_default_value(), f"{schema.name}: {a.name} not given"
+            bound[a.name] = a.default_value
+    return bound
+
+
+class FakeAtenOp:
+    """A CUDA-only aten op on the CPU: the real op parses the call and its meta kernel shapes the
+    result (on meta copies); ``compute`` gets the arguments by name and returns the real values of
+    the outputs the adapters read, checked against the meta kernel's shapes and dtypes."""
+
+    def __init__(self, name: str, compute: Callable[[dict[str, Any]], tuple]) -> None:
+        self.op = getattr(torch.ops.aten, name)
+        self.compute = compute
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple:
+        meta_args, meta_kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+        expected = self.op(*meta_args, **meta_kwargs)
+        got = self.compute(_bind(self.op.default._schema, args, kwargs))
+        for g, e in zip(got, expected):
+            if isinstance(g, Tensor):
+                assert (g.shape, g.dtype) == (e.shape, e.dtype), (self.op, g.shape, e.shape)
+        self.calls += 1
+        return (*got, *expected[len(got):])
+
+
+def _no_extras(a: dict[str, Any]) -> None:
+    """What every call of the adapters promises: plain attention, no dropout, no debug mask."""
+    assert a["dropout_p"] == 0.0
+    assert not a.get("return_debug_mask", False)
+    assert a.get("attn_bias") is None
+    assert a["query"].shape[1] == a["key"].shape[1] == a["value"].shape[1], "torch's CUDA kernels have no GQA"
+
+
+def _backward_lengths(a: dict[str, Any]) -> None:
+    # Defined offsets select the varlen kernel; max_q and max_k are the padded lengths.
+    assert a["cum_seq_q"] is None and a["cum_seq_k"] is None
+    assert (a["max_q"], a["max_k"]) == (a["query"].shape[2], a["key"].shape[2])
+
+
+def _flash_forward(a):
+    _no_extras(a)
+    return _attention(a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
+
+
+def _flash_backward(a):
+    _no_extras(a)
+    _backward_lengths(a)
+    assert a["logsumexp"].shape == a["query"].shape[:-1]
+    return _attention_grads(a["grad_out"], a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
+
+
+def _cudnn_forward(a):
+    _no_extras(a)
+    assert a["compute_log_sumexp"], "the merge needs the log-sum-exp"
+    out, lse = _attention(a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
+    return out, lse.unsqueeze(-1)  # cuDNN's lse is (B, H, L, 1)
+
+
+def _cudnn_backward(a):
+    _no_extras(a)
+    _backward_lengths(a)
+    assert a["logsumexp"].shape == (*a["query"].shape[:-1], 1)
+    assert a["out"].is_contiguous() and a["logsumexp"].is_contiguous()
+    return _attention_grads(a["grad_out"], a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
+
+
+@pytest.fixture
+def fake_aten(monkeypatch) -> dict[str, FakeAtenOp]:
+    ops = {
+        "_scaled_dot_product_flash_attention": _flash_forward,
+        "_scaled_dot_product_flash_attention_backward": _flash_backward,
+        "_scaled_dot_product_cudnn_attention": _cudnn_forward,
+        "_scaled_dot_product_cudnn_attention_backward": _cudnn_backward,
+    }
+    fakes = {name: FakeAtenOp(name, compute) for name, compute in ops.items()}
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.ops.aten, name, fake)
+    return fakes
+
+
+def _fake_flash_attn() -> types.ModuleType:
+    """flash-attn 2's ``flash_attn_interface`` (the signatures of its 2.6+ source),
+    layout (B, L, H, D), GQA native; backward writes into the dq, dk, dv it is given."""
+
+    def _flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: float,
+                            causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+                            alibi_slopes: Tensor | None, return_softmax: bool):
+        assert dropout_p == 0.0 and (window_size_left, window_size_right) == (-1, -1) and softcap == 0.0
+        assert alibi_slopes is None and not return_softmax
+        out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale)
+        return out.transpose(1, 2), lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
+
+    def _flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+                             dq: Tensor | None, dk: Tensor | None, dv: Tensor | None, dropout_p: float,
+                             softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+                             softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
+                             rng_state: Tensor | None = None):
+        assert dropout_p == 0.0 and (window_size_left, window_size_right) == (-1, -1) and softcap == 0.0
+        assert out.shape == q.shape and softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        for buffer, grad, like in zip((dq, dk, dv), _attention_grads(t(dout), t(q), t(k), t(v), causal,
+                                                                     softmax_scale), (q, k, v)):
+            assert buffer.shape == like.shape
+            buffer.copy_(t(grad))
+        return q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)  # softmax_d
+
+    module = types.ModuleType("flash_attn.flash_attn_interface")
+    module._flash_attn_forward, module._flash_attn_backward = _flash_attn_forward, _flash_attn_backward
+    return module
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", _fake_flash_attn())
+
+
+# (Lq, Lk, causal): a diagonal block, a prefix block (unmasked, Lq != Lk), both odd-sized
+BLOCKS = [(6, 6, True), (5, 7, False), (7, 3, False)]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("adapter", ["CudaSdpaKernel", "CudnnSdpaKernel", "FlashAttnKernel"])
+def test_cuda_adapter_equals_the_cpu_kernel(adapter, block, fake_aten, fake_flash_attn):
+    lq, lk, causal = block
+    gen = torch.Generator().manual_seed(lq * 10 + lk)
+    # (B, L, H, D) transposed, as the model lays q, k, v out; 4 query heads on 2 K/V heads
+    q, dout = (torch.randn(2, lq, 4, 8, generator=gen).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(2, lk, 2, 8, generator=gen).transpose(1, 2) for _ in range(2))
+    kernel = {"CudaSdpaKernel": CudaSdpaKernel, "CudnnSdpaKernel": CudnnSdpaKernel,
+              "FlashAttnKernel": FlashAttnKernel}[adapter]()
+    cpu = CpuSdpaKernel()
+    out, lse = kernel.forward(q, k, v, causal, 0.3)
+    ref_out, ref_lse = cpu.forward(q, k, v, causal, 0.3)
+    assert (out.shape, lse.shape, lse.dtype) == (ref_out.shape, ref_lse.shape, torch.float32)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal, 0.3)
+    for got, ref in zip(grads, cpu.backward(dout, q, k, v, ref_out, ref_lse, causal, 0.3)):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref)
+    if adapter != "FlashAttnKernel":  # the adapter reached the CUDA ops, not something else
+        family = "flash" if adapter == "CudaSdpaKernel" else "cudnn"
+        calls = {name: op.calls for name, op in fake_aten.items() if f"_{family}_" in name}
+        assert set(calls.values()) == {1}, calls
+
+
+def test_cuda_adapters_on_meta_tensors_keep_the_real_ops_contract():
+    """The real ops' argument parsing and meta kernels alone, with bf16 as on a GPU."""
+    q = torch.empty(1, 4, 16, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 48, 64, device="meta", dtype=torch.bfloat16)
+    for kernel in (CudaSdpaKernel(), CudnnSdpaKernel()):
+        out, lse = kernel.forward(q, k, k, False, 0.125)
+        assert (out.shape, lse.shape, lse.dtype) == (q.shape, q.shape[:-1], torch.float32)
+        dq, dk, dv = kernel.backward(out, q, k, k, out, lse, False, 0.125)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+
+
+# --------------------------------------------------------------------------
+# Kernel selection on a CUDA device
+
+
+@pytest.fixture
+def gpu(monkeypatch) -> Callable[..., None]:
+    """``gpu(capability, cudnn=True, flash_attn=True)``: what select_kernel sees of the device."""
+
+    def make(capability: tuple[int, int], cudnn: bool = True, flash_attn: bool = True) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: cudnn)
+        interface = _fake_flash_attn() if flash_attn else None  # None in sys.modules: ImportError
+        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+
+    return make
+
+
+@pytest.mark.parametrize("capability, cudnn, flash_attn, backend, expected", [
+    ((9, 0), True, True, "auto", CudnnSdpaKernel),  # Hopper: cuDNN, flash-attn or not
+    ((9, 0), True, False, "auto", CudnnSdpaKernel),
+    ((10, 0), True, False, "auto", CudnnSdpaKernel),  # Blackwell counts as "Hopper and newer"
+    ((9, 0), True, True, "sdpa", CudnnSdpaKernel),
+    ((9, 0), True, True, "flash", FlashAttnKernel),
+    ((9, 0), False, False, "auto", CudaSdpaKernel),  # no cuDNN: torch's flash kernel
+    ((8, 0), True, True, "auto", FlashAttnKernel),  # Ampere: flash-attn when it imports
+    ((8, 0), True, False, "auto", CudaSdpaKernel),
+    ((8, 0), True, True, "sdpa", CudaSdpaKernel),
+    ((8, 6), True, True, "flash", FlashAttnKernel),
+])
+def test_kernel_selection_on_cuda(gpu, capability, cudnn, flash_attn, backend, expected):
+    gpu(capability, cudnn, flash_attn)
+    assert type(select_kernel(CUDA, backend)) is expected
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)])
+def test_flash_asked_for_but_absent_on_cuda_says_so(gpu, capability):
+    gpu(capability, flash_attn=False)
+    with pytest.raises(ValueError, match="'flash' but flash-attn is not installed"):
+        select_kernel(CUDA, "flash")
+
+
+# --------------------------------------------------------------------------
+# cpu_compat with CUDA present
+
+
+def test_cpu_compat_does_nothing_with_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def fail(*args):
+        raise AssertionError(f"patched {args[:2]} with CUDA present")
+
+    monkeypatch.setattr(cpu_compat, "_patch", fail)
+    cpu_compat.apply()
+
+
+class _ShardedModule(nn.Module):
+    """Stands in for an FSDP2 module (fully_shard needs a process group)."""
+
+    forced: list[bool] = []
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        self.forced.append(enable)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_fsdp_sum_reduction_only_for_gloo(monkeypatch, cuda):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(cpu_compat, "FSDPModule", _ShardedModule)
+    monkeypatch.setattr(_ShardedModule, "forced", [])
+    cpu_compat.fsdp_for_gloo([nn.Sequential(_ShardedModule(), nn.Linear(2, 2))])
+    assert _ShardedModule.forced == ([] if cuda else [True])  # NCCL has PREMUL_SUM: FSDP2's own reduction
+
+
+# --------------------------------------------------------------------------
+# The job check on CUDA
+
+
+@pytest.mark.parametrize("overrides, world, refused", [
+    ((), 2, True),  # the shipped config, pp = 2 and no FSDP: float32 activations
+    (("--parallelism.data_parallel_shard_degree", "2"), 4, False),
+    (("--parallelism.data_parallel_shard_degree", "-1"), 4, False),
+    (("--parallelism.data_parallel_shard_degree", "2", "--training.mixed_precision_param", "float32"), 4, True),
+    (("--parallelism.pipeline_parallel_schedule", "1F1B"), 2, False),  # torch's: SDPA takes float32
+    (("--parallelism.pipeline_parallel_degree", "1"), 1, False),  # no pipeline: torchtitan's AMP, SDPA
+])
+def test_job_check_on_cuda_refuses_float32_units(monkeypatch, overrides, world, refused):
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_seq.registration import register
+    from torchtitan_seq.train import resolve_args
+    from torchtitan_seq.job_check import check_job
+
+    register()
+    job = ConfigManager().parse_args(resolve_args(["--job.config_file", "train_configs/debug_model.toml", *overrides]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if refused:
+        with pytest.raises(ValueError, match="on CUDA needs bf16 or fp16 activations"):
+            check_job(job, world)
+    else:
+        check_job(job, world)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_job(job, world)  # the CPU's kernel takes float32
