@@ -11,8 +11,12 @@ and :func:`chunk_split`, against torchtitan's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["ModelShape", "flavor_shapes", "chunk_split"]
+if TYPE_CHECKING:
+    from torchtitan.models.llama3 import TransformerModelArgs
+
+__all__ = ["ModelShape", "flavor_shapes", "flavor_shape", "chunk_split"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,16 @@ flavor_shapes: dict[str, ModelShape] = {
     "405B": ModelShape(16384, 126, 128, 8, 128256, 4096, 1.2),
 }
 """Per flavor of ``torchtitan_seq.models.llama3_seq.seq_llama3_flavors`` (torchtitan's), its shape."""
+
+
+def flavor_shape(flavor: str) -> ModelShape | TransformerModelArgs | None:
+    """The shape of ``flavor``: the table's for torchtitan's flavors, else (importing torchtitan)
+    the arguments of a flavor added to ``seq_llama3_flavors``; None for a name neither holds."""
+    if flavor in flavor_shapes:
+        return flavor_shapes[flavor]
+    from .models.llama3_seq import seq_llama3_flavors
+
+    return seq_llama3_flavors.get(flavor)
 
 
 def chunk_split(n_layers: int, num_chunks: int) -> tuple[tuple[int, bool, bool], ...] | None:

@@ -50,7 +50,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import get_args
 
-from .flavors import flavor_shapes
+from .flavors import flavor_shape, flavor_shapes
 from .partition import Partition, UnitCost, partition_sequence
 from .render import busy_and_end
 from .schedules import SEQUENCE_SCHEDULES
@@ -398,7 +398,7 @@ def evaluate(
     job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int = 1, ac: ACMode = "none"
 ) -> Plan:
     """One configuration's predicted throughput, bubble and peak memory (what the search ranks)."""
-    args = flavor_shapes[job.flavor]
+    args = flavor_shape(job.flavor)
     costs = _Costs.load(job, cluster, args)
     dp = cluster.gpus // (pp * tp)
     peak = gib(memory(job, cluster, choice, pp, tp, ac).total)
@@ -421,9 +421,8 @@ def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
     Raises ValueError, naming the setting, for an unknown flavor, GPU counts no
     degrees divide, or a memory budget nothing fits.
     """
-    if job.flavor not in flavor_shapes:
+    if (args := flavor_shape(job.flavor)) is None:
         raise ValueError(f"--flavor {job.flavor!r} does not exist: use one of {sorted(flavor_shapes)}")
-    args = flavor_shapes[job.flavor]
     if job.seq_len < 2 or job.local_batch_size < 1 or cluster.gpu_memory_gib <= 0:
         raise ValueError("--seq-len, --local-batch-size and --gpu-memory-gib must be positive (seq-len at least 2)")
     costs = _Costs.load(job, cluster, args)

@@ -3,7 +3,6 @@ all-reduces, and BSIPipe's and Chimera's placements."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -13,7 +12,6 @@ from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan_seq import simulate as sim
 from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
 from torchtitan_seq.ordering import F
-from torchtitan_seq.flavors import ModelShape, flavor_shapes
 from torchtitan_seq.partition import UnitCost
 from torchtitan_seq.schedules import seq1f1b_actions
 from torchtitan_seq.simulate.network import parameter_count
@@ -27,8 +25,7 @@ FLOPS = 60e12
 @pytest.fixture
 def gpt(monkeypatch):
     """GPT-1.3B as the flavor 'gpt-1.3b' (the simulator reads models by flavor name)."""
-    shape = ModelShape(**{f.name: getattr(GPT_1_3B, f.name) for f in dataclasses.fields(ModelShape)})
-    monkeypatch.setitem(flavor_shapes, "gpt-1.3b", shape)
+    monkeypatch.setitem(seq_llama3_flavors, "gpt-1.3b", GPT_1_3B)
     return "gpt-1.3b"
 
 

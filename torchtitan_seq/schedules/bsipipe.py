@@ -86,7 +86,8 @@ class _Position:
 
 _FORWARD, _BACKWARD = 0, 1
 _KINDS = (F, B)
-"""Pass kinds as list indices (an enum member is slow to hash): _KINDS[_FORWARD] is F."""
+"""Pass kinds as list indices (state in nested lists is quicker to read than in dicts keyed by
+(stage, kind, unit) tuples): _KINDS[_FORWARD] is F."""
 
 
 class _Pass(NamedTuple):

@@ -40,13 +40,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
-from ..flavors import ModelShape, flavor_shapes
+from ..flavors import ModelShape, flavor_shape, flavor_shapes
 from ..partition import UnitCost, partition_sequence
 from .build import SimConfig
+
+if TYPE_CHECKING:
+    from torchtitan.models.llama3 import TransformerModelArgs
 
 __all__ = [
     "UnitTimes", "ChunkTimes", "unit_times", "unit_and_chunk_times", "transformer_times", "subsequence_lengths", "model_args",
@@ -223,11 +226,11 @@ def _parse(data: dict, k: int, path: str) -> UnitTimes:
     return UnitTimes(**passes)
 
 
-def model_args(config: SimConfig) -> ModelShape:
-    """The shape of ``config.flavor`` (its ``TransformerModelArgs``' numbers)."""
-    if config.flavor not in flavor_shapes:
+def model_args(config: SimConfig) -> ModelShape | TransformerModelArgs:
+    """The shape of ``config.flavor`` (:func:`~torchtitan_seq.flavors.flavor_shape`)."""
+    if (shape := flavor_shape(config.flavor)) is None:
         raise ValueError(f"unknown flavor {config.flavor!r}: use one of {sorted(flavor_shapes)}")
-    return flavor_shapes[config.flavor]
+    return shape
 
 
 def _model_cost(config: SimConfig) -> UnitCost:

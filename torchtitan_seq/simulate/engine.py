@@ -129,8 +129,8 @@ Transfer = Callable[[int, int, int], float]
 """(source rank, destination rank, unit id) -> time from a SEND to its data on the destination."""
 
 Key = tuple[int, Any, int]
-"""An action as (stage, computation type, unit): a plain tuple, quicker to make and hash than an
-``_Action`` (a NamedTuple), of which the planner's simulations make millions."""
+"""An action as (stage, computation type, unit): a plain tuple, quicker to make than an ``_Action``
+(a NamedTuple, whose constructor runs in Python), of which the planner's simulations made a million."""
 
 Need = tuple[tuple[Key, ...], int, int]
 """Any one of these finished actions, plus the transfer from rank to rank (-1, -1: none)."""
@@ -159,8 +159,8 @@ def _needs(a: _Action, stage_to_rank: dict[int, int], chain_length: int) -> tupl
 
 
 class _Step(NamedTuple):
-    """One step of a rank's list, with what timing it needs (actions as ids: an action, holding an
-    enum member, is slow to hash)."""
+    """One step of a rank's list, with what timing it needs (actions as ids: finished times in a
+    list, quicker to read than a dict keyed by actions)."""
 
     index: int
     """In the list a deadlock points into."""

@@ -106,7 +106,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 
-from ..flavors import ModelShape, chunk_split, flavor_shapes
+from ..flavors import ModelShape, chunk_split, flavor_shape, flavor_shapes
 from ..ordering import B, F, I, W
 from ..partition import Partition, UnitCost, ffn_hidden_dim, partition_sequence
 from ..schedules import SEQUENCE_SCHEDULES
@@ -205,9 +205,9 @@ class MemoryConfig:
     def model_args(self) -> TransformerModelArgs | ModelShape:
         if not isinstance(self.model, str):
             return self.model
-        if self.model not in flavor_shapes:
+        if (shape := flavor_shape(self.model)) is None:
             raise ValueError(f"model = {self.model!r}: use one of {sorted(flavor_shapes)} or TransformerModelArgs")
-        return flavor_shapes[self.model]
+        return shape
 
     @property
     def fsdp(self) -> bool:
