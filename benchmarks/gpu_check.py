@@ -148,7 +148,7 @@ def _reference(q, k, v, dout, ids: torch.Tensor | None) -> dict[str, torch.Tenso
 def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths, ids) -> dict[str, torch.Tensor]:
     """The sequence cut into ``lengths`` units, run as a pipeline stage runs them."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    context = KVContext()
+    context = KVContext(sequence_length=sum(lengths))
     context.documents = None if ids is None else [Documents.from_ids(ids)]
     attention = SequenceAttention(layer_id=0)
     attention.bind(context, kernel)
@@ -408,6 +408,7 @@ def measure_overhead(
     runs = []
     for seq_len in sizes.seq_lens:
         gen = torch.Generator().manual_seed(seq_len)
+        context.sequence_length = seq_len  # each unit writes into a slab of the whole sequence
         tokens = torch.randint(args.vocab_size, (1, seq_len), generator=gen).to(device)
         targets = torch.randint(args.vocab_size, (1, seq_len), generator=gen).to(device)
         configs = [("whole", plain, None, [seq_len])]

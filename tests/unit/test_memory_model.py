@@ -99,8 +99,7 @@ def test_wrong_models_miss(monkeypatch):
 
 def _uniform_weights(plan: mm._Plan, lengths: list[int], share: float) -> dict:
     unit = [length / sum(lengths) * share for length in lengths]
-    zeros = [0.0] * len(lengths)
-    return {s: mm._StageBytes(unit, zeros, zeros) for s in plan.stages}
+    return {s: mm._StageBytes(unit) for s in plan.stages}
 
 
 @pytest.mark.parametrize(
@@ -155,7 +154,7 @@ def test_kv_context_under_checkpointing(monkeypatch):
     def held_peak() -> float:
         held = mm._stage_bytes(args, config, 4, (args.n_layers, False, False), [1024] * 4, True).held
         zeros = [0.0] * 4
-        weights = {s: mm._StageBytes(zeros, held, zeros) for s in plan.stages}
+        weights = {s: mm._StageBytes(zeros, held=held) for s in plan.stages}
         return mm._walks(plan, weights, 4, 4)[0][1]
 
     assert held_peak() == measured
