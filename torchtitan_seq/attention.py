@@ -281,25 +281,36 @@ def _calls(
     return causal, prefix
 
 
+@dataclass(frozen=True)
+class _Keys:
+    """Where a unit's keys lie: those before ``offset`` in ``slab``, the unit's own, (B, Hkv, L, D)
+    from ``offset`` on, in the slab where it holds them (written there), else in ``own``."""
+
+    own: tuple[Tensor, Tensor]
+    offset: int
+    slab: KVSlab | None
+
+    def __call__(self, c: _Call) -> tuple[Tensor, Tensor]:
+        """K and V of call ``c``'s keys, views."""
+        if self.slab is None or not self.slab.holds(c.keys.stop):
+            start, stop = c.keys.start - self.offset, c.keys.stop - self.offset
+            return self.own[0][c.rows, :, start:stop], self.own[1][c.rows, :, start:stop]
+        return self.slab.keys(c.keys.start, c.keys.stop, c.rows)
+
+
 def _attention_forward(
-    kernel: AttentionKernel, q: Tensor, keys: tuple[Tensor, Tensor], causal: list[_Call], prefix: list[_Call],
-    scale: float,
+    kernel: AttentionKernel, q: Tensor, keys: _Keys, causal: list[_Call], prefix: list[_Call], scale: float
 ) -> tuple[Tensor, Tensor]:
-    """out (B, Hq, L, D) and lse (B, Hq, L) float32 of the ``causal`` and ``prefix`` calls; keys:
-    K and V (B, Hkv, >= last key, D) indexed by sequence position."""
-    k, v = keys
+    """out (B, Hq, L, D) and lse (B, Hq, L) float32 of the ``causal`` and ``prefix`` calls."""
     whole = (_EVERY, _EVERY, _EVERY)
     if len(causal) == 1 and causal[0].index == whole:
-        c = causal[0]
-        out, lse = kernel.forward(q, k[:, :, c.keys], v[:, :, c.keys], True, scale)
+        out, lse = kernel.forward(q, *keys(causal[0]), True, scale)
     else:
         out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
         for c in causal:
-            out[c.index], lse[c.index] = kernel.forward(
-                q[c.index], k[c.rows, :, c.keys], v[c.rows, :, c.keys], True, scale
-            )
+            out[c.index], lse[c.index] = kernel.forward(q[c.index], *keys(c), True, scale)
     for c in prefix:
-        out_i, lse_i = kernel.forward(q[c.index], k[c.rows, :, c.keys], v[c.rows, :, c.keys], False, scale)
+        out_i, lse_i = kernel.forward(q[c.index], *keys(c), False, scale)
         merged, lse_m = _merge(out[c.index].float(), lse[c.index], out_i.float(), lse_i)
         if c.index == whole:
             out, lse = merged.to(q.dtype), lse_m
@@ -309,22 +320,19 @@ def _attention_forward(
 
 
 def _attention_backward(
-    kernel: AttentionKernel, dout: Tensor, q: Tensor, keys: tuple[Tensor, Tensor], out: Tensor, lse: Tensor,
-    offset: int, causal: list[_Call], prefix: list[_Call], slab: KVSlab | None, scale: float,
+    kernel: AttentionKernel, dout: Tensor, q: Tensor, keys: _Keys, out: Tensor, lse: Tensor,
+    causal: list[_Call], prefix: list[_Call], scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, and dk, dv of the unit's own keys [offset, offset + L), of :func:`_attention_forward`
-    given its merged ``out`` and ``lse``; the gradient of earlier keys goes to ``slab``."""
-    k, v = keys
+    """dq, and dk, dv of the unit's own keys, of :func:`_attention_forward` given its merged
+    ``out`` and ``lse``; the gradient of earlier keys goes to the slab."""
+    offset, slab = keys.offset, keys.slab
     length = q.shape[2]
     whole = len(causal) == 1 and causal[0].index == (_EVERY, _EVERY, _EVERY)
     if not whole:
         dq = torch.empty_like(q)
-        dk, dv = (t.new_empty(*t.shape[:2], length, t.shape[3]) for t in (k, v))
+        dk, dv = (torch.empty_like(t) for t in keys.own)
     for c in causal:
-        dq_i, dk_i, dv_i = kernel.backward(
-            dout[c.index], q[c.index], k[c.rows, :, c.keys], v[c.rows, :, c.keys], out[c.index], lse[c.index],
-            True, scale,
-        )
+        dq_i, dk_i, dv_i = kernel.backward(dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], True, scale)
         cut = max(offset - c.keys.start, 0)  # keys before the unit: a bottom-right call's prefix
         if cut:
             slab.accumulate(dk_i[:, :, :cut], dv_i[:, :, :cut], c.rows, c.keys.start)
@@ -334,10 +342,7 @@ def _attention_backward(
         else:
             dq[c.index], dk[c.rows, :, own], dv[c.rows, :, own] = dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:]
     for c in prefix:
-        dq_i, dk_i, dv_i = kernel.backward(
-            dout[c.index], q[c.index], k[c.rows, :, c.keys], v[c.rows, :, c.keys], out[c.index], lse[c.index],
-            False, scale,
-        )
+        dq_i, dk_i, dv_i = kernel.backward(dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], False, scale)
         dq[c.index] += dq_i
         slab.accumulate(dk_i, dv_i, c.rows, c.keys.start)
     later_k, later_v = slab.take(offset, length) if slab is not None else (None, None)
@@ -377,13 +382,13 @@ def _unit_attention(
         context, kernel, layer_id = _bound(ids)
         unit = context.unit or context.backward_unit
         if context.unit is not None:
-            slab = context.append(layer_id, k, v)
+            slab = context.append(layer_id, k, v, with_own=kernel.bottom_right)
         elif unit is not None:  # a recomputation inside the unit's backward
             slab = context.recorded(layer_id)
         offset = unit.offset if unit is not None else 0
         packed = context.documents_of(unit)
     causal, prefix = _calls(packed, offset, q.shape[2], kernel.bottom_right)
-    out, lse = _attention_forward(kernel, q, (slab.k, slab.v) if slab is not None else (k, v), causal, prefix, scale)
+    out, lse = _attention_forward(kernel, q, _Keys((k, v), offset, slab), causal, prefix, scale)
     return _heads_inner(out), lse.contiguous()
 
 
@@ -405,8 +410,7 @@ def _unit_attention_backward(
         packed = context.documents_of(unit)
     causal, prefix = _calls(packed, offset, q.shape[2], kernel.bottom_right)
     dq, dk, dv = _attention_backward(
-        kernel, dout.contiguous(), q, (slab.k, slab.v) if slab is not None else (k, v), out, lse, offset,
-        causal, prefix, slab, scale,
+        kernel, dout.contiguous(), q, _Keys((k, v), offset, slab), out, lse, causal, prefix, scale
     )
     # A custom op's outputs must have the strides of its fake implementation.
     return dq.contiguous(), dk.contiguous(), dv.contiguous()

@@ -2,9 +2,11 @@
 
 A pipeline stage runs a microbatch as k units (subsequences) in order; unit j attends to its
 own K/V and to those of units 0..j-1 of its microbatch on the stage. The context keeps, per
-microbatch and layer, one :class:`KVSlab`: K and V of the whole microbatch, each unit's
-written at its offset as it runs forward (one copy of the unit's own K/V, never of the
-prefix), so a unit reads its whole prefix, or prefix and own keys together, as one view.
+microbatch and layer, one :class:`KVSlab`: K and V of the microbatch's keys that later units
+read, each unit's written at its offset as it runs forward (one copy of the unit's own K/V,
+never of the prefix), so a unit reads its whole prefix, or prefix and own keys together, as
+one view. The last unit's keys are read by no later unit: it writes them only where its
+kernel reads prefix and own keys in one call (``with_own``).
 
 Gradients flow backwards through the slab without joining the units' autograd graphs
 (joining them would let the backward of unit j walk into, and free, the graph of unit j-1):
@@ -17,9 +19,11 @@ alike: the gradient slab is filled and read inside the attention's own backward,
 input-gradient pass.
 
 Lifetime: a microbatch's slabs live from its first unit's forward until its first unit's
-backward has ended on the stage (the last of its backwards); the attention of each unit
-saves views of the slab for its backward (not K/V of its own), so the slab is the one copy
-of K/V, counted once by :class:`~torchtitan_seq.memory.ActivationMemory`. :meth:`KVContext.clear`
+backward has ended on the stage (the last of its backwards); the attention of a unit whose
+K/V are in the slab saves views of the slab for its backward (not K/V of its own), so the
+slab is the one copy of K/V, counted once by :class:`~torchtitan_seq.memory.ActivationMemory`.
+A slab is allocated whole by the first unit, so until the later units have run it holds
+room for their K/V (the cost of reading the prefix as one view). :meth:`KVContext.clear`
 ends a step.
 
 Packed documents (:attr:`KVContext.documents`): a unit reads only the keys of the document
@@ -62,37 +66,42 @@ class Unit:
 class KVSlab:
     """K/V of one microbatch in one layer, and the gradient later units send earlier positions.
 
-    ``k`` and ``v``: (batch, kv_heads, S, head_dim), positions [0, ``filled``) written so far
-    (units 0..j in order); ``grad_k`` and ``grad_v``: dL/dK and dL/dV of positions [0, n)
-    sent by later units' backward, None until the first is sent.
+    ``k`` and ``v``: (batch, kv_heads, capacity, head_dim), allocated by the first write,
+    positions [0, ``filled``) written so far (units 0..j in order); ``grad_k`` and ``grad_v``:
+    dL/dK and dL/dV of positions [0, n) sent by later units' backward, None until the first is
+    sent.
     """
 
     __slots__ = ("k", "v", "filled", "grad_k", "grad_v")
 
-    def __init__(self, like: torch.Tensor, length: int) -> None:
-        """An empty slab of ``length`` positions for K/V shaped, typed and placed as ``like``."""
-        b, h, _, d = like.shape
-        self.k = like.new_empty(b, h, length, d)
-        self.v = like.new_empty(b, h, length, d)
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         self.filled = 0
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
 
-    def write(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write a unit's K/V (B, Hkv, L, D) at positions [offset, offset + L)."""
+    def write(self, offset: int, k: torch.Tensor, v: torch.Tensor, capacity: int = 0) -> None:
+        """Write a unit's K/V (B, Hkv, L, D) at positions [offset, offset + L), into a slab of
+        ``capacity`` positions where this write allocates it."""
         stop = offset + k.shape[2]
-        if stop > self.k.shape[2]:  # a context told no sequence length: grow (copies the prefix)
-            grown = KVSlab(self.k, stop)
-            grown.k[:, :, :self.filled] = self.k[:, :, :self.filled]
-            grown.v[:, :, :self.filled] = self.v[:, :, :self.filled]
-            self.k, self.v = grown.k, grown.v
+        if self.k is None or stop > self.k.shape[2]:  # a context told no lengths grows (copies the prefix)
+            b, h, _, d = k.shape
+            grown = [k.new_empty(b, h, max(capacity, stop), d) for _ in range(2)]
+            if self.k is not None:
+                grown[0][:, :, :self.filled], grown[1][:, :, :self.filled] = self.keys(0, self.filled)
+            self.k, self.v = grown
         self.k[:, :, offset:stop] = k.detach()
         self.v[:, :, offset:stop] = v.detach()
         self.filled = stop
 
-    def keys(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [start, stop), views."""
-        return self.k[:, :, start:stop], self.v[:, :, start:stop]
+    def holds(self, stop: int) -> bool:
+        """Whether the slab holds the keys before position ``stop``."""
+        return self.filled >= stop
+
+    def keys(self, start: int, stop: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, stop) of batch rows ``rows``, views."""
+        return self.k[rows, :, start:stop], self.v[rows, :, start:stop]
 
     def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, rows: slice, start: int) -> None:
         """Add the gradient a later unit's attention sends the keys [start, start + n) of batch
@@ -119,12 +128,12 @@ class KVSlab:
 class KVContext:
     """Per-stage K/V state of the microbatches in flight. The stage (model chunk) binds it to
     the chunk's attention layers and announces each unit with :meth:`running`; outside a
-    unit the layers compute plain full-sequence causal attention. ``sequence_length``: the
-    tokens of a microbatch (the sum of the units' lengths), the size of each slab; without
-    it a slab grows, a copy of its prefix, as units reach past its end."""
+    unit the layers compute plain full-sequence causal attention. ``lengths``: the units'
+    lengths [L_0, ..., L_{k-1}] of every microbatch, which size the slabs; without them a slab
+    grows, a copy of its prefix, as units reach past its end."""
 
-    def __init__(self, sequence_length: int | None = None) -> None:
-        self.sequence_length = sequence_length
+    def __init__(self, lengths: list[int] | None = None) -> None:
+        self.lengths = lengths
         self.unit: Unit | None = None
         """The unit being run forward (:meth:`running`; not a recomputation), or None."""
         self.backward_unit: Unit | None = None
@@ -163,24 +172,26 @@ class KVContext:
         """The slab that ``layer_id`` wrote in the forward of the unit in backward."""
         unit = self.backward_unit
         slab = self._slabs.get(unit.microbatch, {}).get(layer_id) if unit is not None else None
-        if slab is None or slab.filled < unit.offset + unit.length:
+        if slab is None or not slab.holds(unit.offset):
             raise RuntimeError(f"layer {layer_id} recomputed outside the backward of a unit it ran forward")
         return slab
 
     def own(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Views of ``layer_id``'s slab at the positions of the unit running forward (or
-        recomputed), where its K/V lie; None outside a unit."""
+        recomputed), where its K/V lie; None outside a unit or where the slab holds none of them."""
         unit = self.unit or self.backward_unit
-        if unit is None:
+        slab = self._slabs[unit.microbatch][layer_id] if unit is not None else None
+        if slab is None or not slab.holds(unit.offset + unit.length):
             return None
-        slab = self._slabs[unit.microbatch][layer_id]
         # Aliases with a version counter of their own: later units write other positions of the
         # slab, which autograd would otherwise take for a change of what the unit saved.
         return tuple(t.data for t in slab.keys(unit.offset, unit.offset + unit.length))
 
-    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> KVSlab:
-        """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab
-        (allocated by the first unit); returns the slab."""
+    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False) -> KVSlab:
+        """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
+        unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
+        kernel reads them apart from the prefix). The first unit allocates the slab: room for the
+        keys later units read, the last unit's too if ``with_own``. Returns the slab."""
         unit = self.unit
         if unit is None:
             raise RuntimeError("KVContext.append called outside a unit")
@@ -193,8 +204,10 @@ class KVContext:
                 "subsequence order, each once"
             )
         if slab is None:
-            slab = layers[layer_id] = KVSlab(k, self.sequence_length or unit.offset + unit.length)
-        slab.write(unit.offset, k, v)
+            slab = layers[layer_id] = KVSlab()
+        if not unit.is_last or with_own:
+            capacity = sum(self.lengths[:None if with_own else -1]) if self.lengths else 0
+            slab.write(unit.offset, k, v, capacity)
         return slab
 
     def clear(self) -> None:
@@ -204,7 +217,7 @@ class KVContext:
 
     def held_storages(self) -> dict[int, int]:
         """The storages of the K/V the context keeps alive (its slabs): data_ptr -> bytes."""
-        tensors = [t for layers in self._slabs.values() for s in layers.values() for t in (s.k, s.v)]
+        tensors = [t for layers in self._slabs.values() for s in layers.values() for t in (s.k, s.v) if t is not None]
         return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
     def held_bytes(self) -> int:

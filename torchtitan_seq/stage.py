@@ -41,7 +41,7 @@ class SequencePipelineStage(PipelineStage):
         if not lengths or min(lengths) < 1:
             raise ValueError(f"subsequence lengths must be positive, got {lengths}")
         self.lengths = list(lengths)
-        self.kv_context = KVContext(sequence_length=sum(self.lengths))
+        self.kv_context = KVContext(self.lengths)
         bind_kv_context(submodule, self.kv_context, kernel or select_kernel(torch.device(device)))
 
     @property

@@ -213,7 +213,7 @@ def _units_of_one_layer(kernel, lengths: list[int], ids: torch.Tensor | None):
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
 
-    context = KVContext(sequence_length=seq_len)
+    context = KVContext(lengths)
     context.documents = [Documents.from_ids(ids)] if ids is not None else None
     layer = SequenceAttention(0)
     layer.bind(context, kernel)
@@ -264,33 +264,32 @@ def test_kernel_calls_per_unit(aligned, lengths, packed):
 
 
 def test_a_slab_is_the_one_copy_of_kv_and_lives_until_the_first_units_backward():
-    """Units write their K/V into one slab per (microbatch, layer), sized to the microbatch; the
-    attention saves views of it (no K/V of its own), and the slab goes with the microbatch's
-    last backward on the stage (its first unit's)."""
+    """Units write their K/V into one slab per (microbatch, layer), with room for the keys later
+    units read (all but the last unit's); their attention saves views of it (no K/V of its own;
+    the last unit's are its own), and the slab goes with the microbatch's last backward on the
+    stage (its first unit's)."""
     from torchtitan_seq.attention import SequenceAttention
 
-    context, layer = KVContext(sequence_length=8), SequenceAttention(0)
+    context, layer = KVContext([4, 4, 4]), SequenceAttention(0)
     layer.bind(context, select_kernel(torch.device("cpu")))
-    units = [Unit(0, j, 4 * j, 4, 2) for j in range(2)]
-    q = torch.randn(1, 2, 8, 2, requires_grad=True)
-    k, v = (torch.randn(1, 1, 8, 2, requires_grad=True) for _ in range(2))
+    units = [Unit(0, j, 4 * j, 4, 3) for j in range(3)]
+    q = [torch.randn(1, 2, 4, 2, requires_grad=True) for _ in units]
+    k, v = ([torch.randn(1, 1, 4, 2, requires_grad=True) for _ in units] for _ in range(2))
     outs, saved = [], []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         for u in units:
             with context.running(u):
-                outs.append(layer(q[:, :, 4 * u.index:][:, :, :4], k[:, :, 4 * u.index:][:, :, :4],
-                                  v[:, :, 4 * u.index:][:, :, :4], enable_gqa=True))
+                outs.append(layer(q[u.index], k[u.index], v[u.index], enable_gqa=True))
     slab = context._slabs[0][0]
-    assert slab.k.shape == (1, 1, 8, 2) and torch.equal(slab.k, k.detach())
+    assert slab.k.shape == (1, 1, 8, 2) and torch.equal(slab.k, torch.cat([t.detach() for t in k[:2]], 2))
     storages = {t.untyped_storage().data_ptr() for t in saved}
-    assert slab.k.untyped_storage().data_ptr() in storages
-    assert k.untyped_storage().data_ptr() not in storages and v.untyped_storage().data_ptr() not in storages
+    assert slab.k.untyped_storage().data_ptr() in storages and slab.v.untyped_storage().data_ptr() in storages
+    mine = {t.untyped_storage().data_ptr() for t in k + v}
+    assert mine & storages == {k[2].untyped_storage().data_ptr(), v[2].untyped_storage().data_ptr()}
     kept = weakref.ref(slab.k)
     del slab, saved
-    with context.backward(units[1]):
-        outs[1].sum().backward()
-    assert len(context) == 1 and kept() is not None
-    with context.backward(units[0]):
-        outs.pop(0).sum().backward()
-    outs.clear()
+    for u in reversed(units):
+        assert len(context) == 1 and kept() is not None
+        with context.backward(u):
+            outs.pop().sum().backward()
     assert len(context) == 0 and kept() is None

@@ -63,7 +63,8 @@ def test_layout_of_a_packed_microbatch():
 def test_a_unit_reads_only_its_continuing_documents_keys():
     """Per row, a unit's prefix call reads the keys of the document continuing into it, from
     that document's first key, in one call; the K/V of documents that ended stay in the slab
-    (one per microbatch and layer) until the microbatch's backward is over."""
+    (one per microbatch and layer, room for the keys of every unit but the last) until the
+    microbatch's backward is over."""
     from torchtitan_seq.attention import CpuSdpaKernel, SequenceAttention
 
     class Recording(CpuSdpaKernel):
@@ -76,7 +77,7 @@ def test_a_unit_reads_only_its_continuing_documents_keys():
             return super().forward(q, k, v, causal, scale)
 
     ids = torch.tensor([[0] * 6 + [1] * 10])  # a document starts at 6, in unit 1 of 4 units of 4
-    context, kernel, layer = KVContext(sequence_length=16), Recording(), SequenceAttention(0)
+    context, kernel, layer = KVContext([4] * 4), Recording(), SequenceAttention(0)
     context.documents = [Documents.from_ids(ids)]
     layer.bind(context, kernel)
     held, reads = [], []
@@ -88,7 +89,8 @@ def test_a_unit_reads_only_its_continuing_documents_keys():
         kernel.prefix_keys = []
         held.append(context.held_bytes())
     assert reads == [[], [[0, 1, 2, 3]], [[6, 7]], [[6, 7, 8, 9, 10, 11]]]
-    assert held == [2 * 16 * 2 * 4] * 4  # K and V of 16 keys x 2 dims, fp32, from the first unit on
+    # K and V of the 12 keys later units read, x 2 dims, fp32, from the first unit on
+    assert held == [2 * 12 * 2 * 4] * 4
     context.clear()
     assert context.held_bytes() == 0
 

@@ -49,13 +49,14 @@ float32 with the labels (4V/t + 8). A unit of stage s holds b L_j times its chun
 per-token bytes from its forward until its backward (B, or W where backward is split).
 
 **KV context** (:mod:`torchtitan_seq.kv_context`): per stage, microbatch and layer one K/V
-slab of the whole microbatch, 2 Hkv hd a / t bytes per token, from the microbatch's first
-forward F(m, 0) to the end of its first unit's backward (B(m, 0), or W(m, 0) where backward
-is split), the last of its backwards on the stage:
+slab of the keys later units read, S - L_{k-1} tokens at 2 Hkv hd a / t bytes each (torch's
+kernels, which align causal masks top-left: the last unit keeps its own K/V), allocated
+whole by the microbatch's first forward F(m, 0) and kept to the end of its first unit's
+backward (B(m, 0), or W(m, 0) where backward is split), the last of its backwards on the stage:
 
 * without checkpointing the units' attention saves views of the slab, so it is among the
-  saved activations (a unit's own K/V then are not: the per-unit bytes above less
-  2 Hkv hd a / t a layer);
+  saved activations (the own K/V of units 0..k-2 then are not: their per-unit bytes above
+  less 2 Hkv hd a / t a layer);
 * under checkpointing (``full``, op-level ``selective``, and the checkpointed 1/n of
   layer-level ``selective``) the context alone keeps it;
 * in every mode, the slab's gradient (:meth:`~torchtitan_seq.kv_context.KVSlab.accumulate`):
@@ -374,11 +375,11 @@ def _stage_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tup
     if not is_sequence:  # torch's schedules: K/V are the unit's own, no context
         return _StageBytes([n * per_token for n in tokens], constant=table)
     kv = 2 * _kv_width(args) / c.tp * a * layers  # K and V, a token
-    slab = sum(tokens) * kv
-    saved_kv = kv * (1 - recomputed)  # in the per-token bytes, where autograd saves the slab's views
+    slab = (sum(tokens) - tokens[-1]) * kv  # the keys later units read
+    saved_kv = kv * (1 - recomputed)  # in the per-token bytes: where the slab holds them, its views
     return _StageBytes(
-        [n * (per_token - saved_kv) for n in tokens], slab * (1 - recomputed), slab * recomputed,
-        (sum(tokens) - tokens[-1]) * kv, table,
+        [n * (per_token - saved_kv) for n in tokens[:-1]] + [tokens[-1] * per_token],
+        slab * (1 - recomputed), slab * recomputed, slab, table,
     )
 
 
