@@ -140,7 +140,8 @@ def test_peak_from_fewer_microbatches(schedule, n, k):
 
 def test_kv_context_under_checkpointing(monkeypatch):
     """benchmarks/documents: rank 0 of Seq1F1B (p 2, N 4, k 4 even, 4096 tokens, the debug
-    model's 6 layers as one stage) under full AC; the context held 50331648 bytes at most.
+    model's 6 layers as one stage) under full AC; the context held 75497472 bytes at most (two
+    microbatches' slabs: 3 of 4 units' K/V each, the newer one allocated whole by its first unit).
     Without the KV context's term (as if recomputation read nothing the context keeps) the
     prediction misses it by far."""
     measured = json.loads((REPO / "benchmarks/documents/documents.json").read_text())
