@@ -18,10 +18,11 @@ last unit first (``torchtitan_seq.ordering``), for full and split input/weight b
 alike: the gradient slab is filled and read inside the attention's own backward, in the
 input-gradient pass.
 
-Lifetime: a microbatch's slabs live from its first unit's forward until its first unit's
-backward has ended on the stage (the last of its backwards); the attention of a unit whose
-K/V are in the slab saves views of the slab for its backward (not K/V of its own), so the
-slab is the one copy of K/V, counted once by :class:`~torchtitan_seq.memory.ActivationMemory`.
+Lifetime: a microbatch's slabs live from its first unit's forward until the last of its
+units' backwards has ended on the stage (its first unit's, in the order that is exact); the
+attention of a unit whose K/V are in the slab saves views of the slab for its backward (not
+K/V of its own), so the slab is the one copy of K/V, counted once by
+:class:`~torchtitan_seq.memory.ActivationMemory`.
 A slab is allocated whole by the first unit, so until the later units have run it holds
 room for their K/V (the cost of reading the prefix as one view). :meth:`KVContext.clear`
 ends a step.
@@ -141,6 +142,7 @@ class KVContext:
         self.documents: list[Documents] | None = None
         """Per microbatch, its packed documents (block-causal attention); None: causal."""
         self._slabs: dict[int, dict[int, KVSlab]] = {}  # microbatch -> layer id -> slab
+        self._backwards: dict[int, int] = {}  # microbatch -> units whose backward has ended
 
     def documents_of(self, unit: Unit | None) -> Documents | None:
         """The packed documents of ``unit``'s microbatch; None under causal attention or outside a unit."""
@@ -165,8 +167,11 @@ class KVContext:
             yield
         finally:
             self.backward_unit = None
-            if last_pass and unit.index == 0:  # the microbatch's last backward on the stage
-                self._slabs.pop(unit.microbatch, None)
+            if last_pass:
+                done = self._backwards[unit.microbatch] = self._backwards.get(unit.microbatch, 0) + 1
+                if done == unit.num_subsequences:  # the microbatch's last backward on the stage
+                    self._slabs.pop(unit.microbatch, None)
+                    del self._backwards[unit.microbatch]
 
     def recorded(self, layer_id: int) -> KVSlab:
         """The slab that ``layer_id`` wrote in the forward of the unit in backward."""
@@ -214,6 +219,7 @@ class KVContext:
         """Forget every microbatch (end of step)."""
         self.unit = self.backward_unit = None
         self._slabs.clear()
+        self._backwards.clear()
 
     def held_storages(self) -> dict[int, int]:
         """The storages of the K/V the context keeps alive (its slabs): data_ptr -> bytes."""

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.10  # issue #15: every schedule's predicted peak within 10% of the measured one
 # Recorded CPU runs of the debug model, pp=2, 4 microbatches (benchmarks/README.md), by AC mode.
 RECORDED = {
-    "none": ["all_schedules/bench.json", "acceptance/bench.json", "memory/chimera/bench.json"],
+    "none": ["all_schedules/bench.json", "acceptance/bench.json", "memory/chimera/bench.json", "slab/bench.json"],
     "full": ["memory/ac_full/bench.json", "memory/chimera_ac_full/bench.json"],
 }
 SCHEDULES = {"1F1B", "Interleaved1F1B", "GPipe", "Seq1F1B", "InterleavedSeq1F1B", "TeraPipe", "BSIPipe", "Chimera"}
