@@ -64,7 +64,7 @@ class _Chunk:
         self.model, args = _stage_model(flavor, seq_len, num_chunks, chunk)
         self.model.to(dev)
         self.first, self.last = chunk == 0, chunk == num_chunks - 1
-        self.context = KVContext()
+        self.context = KVContext(lengths)
         if units:
             bind_kv_context(self.model, self.context, select_kernel(dev))
         self.seq_len, self.lengths, self.units, self.dev = seq_len, lengths, units, dev

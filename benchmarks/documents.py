@@ -93,10 +93,10 @@ def run_step(tokens: torch.Tensor, documents: list[Documents] | None, ac: bool, 
     if ac:
         for name, layer in model.layers.named_children():
             model.layers.register_module(name, checkpoint_wrapper(layer, preserve_rng_state=False))
-    context, kernel = KVContext(copy_tails=ac), CountingKernel()
+    lengths = partition_sequence(args.seq_len, args.subsequences, "even")
+    context, kernel = KVContext(lengths), CountingKernel()
     bind_kv_context(model, context, kernel)
     context.documents = documents
-    lengths = partition_sequence(args.seq_len, args.subsequences, "even")
     offsets = [sum(lengths[:j]) for j in range(len(lengths))]
     memory = ActivationMemory()
     outputs, kv_held, total_peak = {}, [], 0

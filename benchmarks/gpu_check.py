@@ -156,7 +156,7 @@ def _reference(q, k, v, dout, ids: torch.Tensor | None) -> dict[str, torch.Tenso
 def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths, ids) -> dict[str, torch.Tensor]:
     """The sequence cut into ``lengths`` units, run as a pipeline stage runs them."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    context = KVContext()
+    context = KVContext(lengths)
     context.documents = None if ids is None else [Documents.from_ids(ids)]
     attention = SequenceAttention(layer_id=0)
     attention.bind(context, kernel)
@@ -422,6 +422,7 @@ def measure_overhead(
         configs += [("units", seq, context, partition_sequence(seq_len, k, "even")) for k in sizes.ks]
         base = None
         for path, model, ctx, lengths in configs:
+            context.lengths = lengths  # they size the K/V slabs
             run = {"seq_len": seq_len, "path": path, "k": len(lengths), "lengths": lengths}
             runs.append(run)
             try:

@@ -41,6 +41,7 @@ MEASURED = [
     ("memory/ac_full/bench.json", "full"),
     ("memory/chimera/bench.json", "none"),
     ("memory/chimera_ac_full/bench.json", "full"),
+    ("slab/bench.json", "none"),
 ]
 
 

@@ -245,7 +245,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
     stages = [
         SequencePipelineStage(
             chunk, index, v.pp * v.stages_per_rank, torch.device("cpu"), lengths=lengths,
-            chain_length=chain, recomputes=v.ac != "none", group=pp_mesh.get_group(),
+            chain_length=chain, group=pp_mesh.get_group(),
         )
         for index, chain, chunk in chunks
     ]

@@ -28,15 +28,15 @@ class MutationContext:
 
 
 def _prefix_grads(keep_k: bool, keep_v: bool) -> list:
-    """Later units' dK or dV never reach the prefix blocks they read."""
-    from torchtitan_seq.kv_context import KVBlock
+    """Later units' dK or dV never reach the prefix they read."""
+    from torchtitan_seq.kv_context import KVSlab
 
-    accumulate = KVBlock.accumulate
+    accumulate = KVSlab.accumulate
 
-    def dropped(self, grad_k, grad_v, where=()):
+    def dropped(self, grad_k, grad_v, rows, start):
         accumulate(self, grad_k if keep_k else torch.zeros_like(grad_k),
-                   grad_v if keep_v else torch.zeros_like(grad_v), where)
-    return [mock.patch.object(KVBlock, "accumulate", dropped)]
+                   grad_v if keep_v else torch.zeros_like(grad_v), rows, start)
+    return [mock.patch.object(KVSlab, "accumulate", dropped)]
 
 
 def _prefix_dq(ctx: MutationContext) -> list:
@@ -102,17 +102,27 @@ def _unit_mean_loss(ctx: MutationContext) -> list:
 
 
 def _recompute_without_prefix(ctx: MutationContext) -> list:
-    """Recomputation under activation checkpointing attends to no prefix."""
-    from torchtitan_seq.kv_context import KVContext
+    """Recomputation under activation checkpointing attends to no prefix: its calls over the
+    prefix (unmasked: torch's CPU kernel aligns causal masks top-left) are dropped."""
+    import sys
 
-    recorded = KVContext.recorded
-    return [mock.patch.object(KVContext, "recorded", lambda self, layer: ([], recorded(self, layer)[1]))]
+    from torchtitan_seq import attention
+
+    calls = attention._calls
+
+    def without_prefix(documents, offset, length, bottom_right):
+        causal, prefix = calls(documents, offset, length, bottom_right)
+        caller = sys._getframe(1)  # the forward op recomputes when it reads a slab outside a forward
+        recomputing = (caller.f_code.co_name == "_unit_attention" and caller.f_locals.get("slab") is not None
+                       and caller.f_locals["context"].unit is None)
+        return causal, [] if recomputing else prefix
+    return [mock.patch.object(attention, "_calls", without_prefix)]
 
 
 def _split_w_without_kv_grad(ctx: MutationContext) -> list:
     """With split backward, the input pass does not hand a unit the K/V gradient of later
     units, so its weight pass computes wk/wv gradients without it."""
-    from torchtitan_seq.kv_context import KVGrads
+    from torchtitan_seq.kv_context import KVSlab
     from torchtitan_seq.stage import SequencePipelineStage
 
     backward_one_chunk = SequencePipelineStage.backward_one_chunk
@@ -120,27 +130,41 @@ def _split_w_without_kv_grad(ctx: MutationContext) -> list:
     def input_pass_drops_side_buffers(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         if full_backward:
             return backward_one_chunk(self, bwd_chunk_id, loss, full_backward, last_backward)
-        with mock.patch.object(KVGrads, "take", lambda grads: (None, None)):
+        with mock.patch.object(KVSlab, "take", lambda slab, offset, length: (None, None)):
             return backward_one_chunk(self, bwd_chunk_id, loss, full_backward, last_backward)
     return [mock.patch.object(SequencePipelineStage, "backward_one_chunk", input_pass_drops_side_buffers)]
 
 
 def _tp_wrong_shard(ctx: MutationContext) -> list:
     """Under tensor parallelism each rank's KV context keeps its TP neighbour's K/V heads."""
-    from torchtitan_seq.kv_context import KVBlock
+    from torchtitan_seq.kv_context import KVSlab
 
-    init = KVBlock.__init__
+    write = KVSlab.write
     group = ctx.tp_group
 
-    def neighbours(self, k, v, *rest):
+    def neighbours(self, offset, k, v, capacity=0):
         size, me = dist.get_world_size(group), dist.get_rank(group)
         shards = []
         for t in (k.detach().contiguous(), v.detach().contiguous()):
             gathered = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(gathered, t, group=group)
             shards.append(gathered[(me + 1) % size])
-        init(self, *shards, *rest)
-    return [mock.patch.object(KVBlock, "__init__", neighbours)]
+        write(self, offset, *shards, capacity)
+    return [mock.patch.object(KVSlab, "write", neighbours)]
+
+
+def _slab_offset(ctx: MutationContext) -> list:
+    """Every unit after the first writes its K/V into the slab one position early (its last
+    key written twice, so no position is left unwritten)."""
+    from torchtitan_seq.kv_context import KVSlab
+
+    write = KVSlab.write
+
+    def one_early(self, offset, k, v, capacity=0):
+        write(self, max(offset - 1, 0), k, v, capacity)
+        if offset:
+            write(self, offset + k.shape[2] - 1, k[:, :, -1:], v[:, :, -1:], capacity)
+    return [mock.patch.object(KVSlab, "write", one_early)]
 
 
 def _pairs_not_combined(ctx: MutationContext) -> list:
@@ -177,6 +201,7 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "pairs_not_combined": _pairs_not_combined,
     "copies_not_synced": _copies_not_synced,
     "across_documents": _across_documents,
+    "slab_offset": _slab_offset,
 }
 
 

@@ -1,18 +1,21 @@
 """Chunk-aware causal attention for one unit of a subsequence pipeline.
 
 A unit's queries cover positions [s, s+L) of the sequence; its keys are the
-prefix [0, s) held by the :class:`~torchtitan_seq.kv_context.KVContext` plus its
-own [s, s+L). The prefix is read block by block where it lies (one unmasked kernel
-call per earlier unit) and the diagonal block causally (it is square, so top-left
-and bottom-right alignment agree); the partial results are merged by log-sum-exp.
-Backward calls the kernel's backward per block with the *merged* output and
-log-sum-exp, which is exact (the ring-attention identity), so the unit saves only
-references and the log-sum-exp: no concatenated K/V and no mask are ever built.
+prefix [0, s) and its own [s, s+L), all in its microbatch's K/V slab (written by the
+:class:`~torchtitan_seq.kv_context.KVContext`, the unit's own first), read as views.
+A kernel that aligns causal masks at the bottom right reads slab[0 : s+L] in one causal
+call; torch's kernels align them top-left, so they get two: the prefix unmasked and the
+square diagonal causally, merged once by log-sum-exp. Backward makes the same calls with
+the *merged* output and log-sum-exp, which is exact (the ring-attention identity): dq
+once (one add of two calls), dK/dV of the prefix added in place into the slab's gradient,
+which the earlier units' backward reads. The unit saves only views of the slab, q, its
+output and the log-sum-exp: no concatenated K/V and no mask are ever built.
 
 Packed documents (block-causal attention, :mod:`torchtitan_seq.documents`) keep
 this shape: per batch row, each piece of a document within the unit is a causal
 diagonal block, and only the queries of the document that continues into the
-unit read the prefix, from that document's first key on.
+unit read the prefix, from that document's first key on, in one call (or in the
+piece's own call, bottom-right aligned).
 
 The unit's attention is the custom op ``torchtitan_seq::unit_attention`` with a
 backward op of its own: torch.compile keeps it out of the compiled graph, so the KV
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .documents import Documents
-from .kv_context import KVBlock, KVContext, Unit
+from .kv_context import KVContext, KVSlab
 
 __all__ = ["AttentionBackend", "AttentionKernel", "select_kernel", "SequenceAttention", "bind_kv_context"]
 
@@ -44,7 +47,14 @@ AttentionBackend = Literal["auto", "flash", "sdpa"]
 class AttentionKernel(Protocol):
     """Block attention with log-sum-exp in torch's SDPA layout: q (B, Hq, Lq, D); k, v
     (B, Hkv, Lk, D) with Hq a multiple of Hkv. ``forward`` returns out (B, Hq, Lq, D) and
-    lse (B, Hq, Lq) in float32; ``backward`` returns dq, dk, dv shaped like q, k, v."""
+    lse (B, Hq, Lq) in float32; ``backward`` returns dq, dk, dv shaped like q, k, v.
+
+    ``bottom_right``: a causal call with Lq < Lk aligns its mask at the bottom right (query i
+    attends keys up to i + Lk - Lq), so a unit reads its prefix and its own keys in one call.
+    A kernel that aligns top-left (torch's) gets square causal calls only, and the prefix in
+    an unmasked call of its own: two calls per unit, merged once."""
+
+    bottom_right: bool
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]: ...
 
@@ -54,7 +64,9 @@ class AttentionKernel(Protocol):
 
 
 class CpuSdpaKernel:
-    """torch's flash-attention kernel for the CPU (handles GQA natively)."""
+    """torch's flash-attention kernel for the CPU (handles GQA natively; causal masks top-left)."""
+
+    bottom_right = False
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -78,7 +90,10 @@ def _reduce(t: Tensor, n_rep: int) -> Tensor:
 
 class CudaSdpaKernel:
     """torch's own CUDA flash-attention kernel (fp16/bf16), used without flash-attn. It
-    has no GQA support: grouped K/V heads are expanded per call, their gradients summed back."""
+    has no GQA support: grouped K/V heads are expanded per call, their gradients summed back.
+    Causal masks align top-left."""
+
+    bottom_right = False
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         n_rep = q.shape[1] // k.shape[1]
@@ -103,7 +118,10 @@ class CudaSdpaKernel:
 class CudnnSdpaKernel:
     """torch's cuDNN attention kernel (fp16/bf16), the one torch's SDPA picks on Hopper:
     1.75x the flash kernel's speed forward + backward on an H200 at 32K tokens
-    (``benchmarks/gpu/2026-11-30``). Grouped K/V heads are expanded as for the flash kernel."""
+    (``benchmarks/gpu/2026-11-30``). Grouped K/V heads are expanded as for the flash kernel;
+    the aten op takes no mask alignment (top-left)."""
+
+    bottom_right = False
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         n_rep = q.shape[1] // k.shape[1]
@@ -126,7 +144,10 @@ class CudnnSdpaKernel:
 
 
 class FlashAttnKernel:
-    """flash-attn 2 (CUDA). Its layout is (B, L, H, D); GQA is native."""
+    """flash-attn 2 (CUDA). Its layout is (B, L, H, D); GQA is native; causal masks align at
+    the bottom right when Lq < Lk (flash-attn >= 2.1)."""
+
+    bottom_right = True
 
     def __init__(self) -> None:
         self._fa = importlib.import_module("flash_attn.flash_attn_interface")
@@ -209,59 +230,127 @@ def _bound(ids: Tensor) -> tuple[KVContext, AttentionKernel, int]:
     return binding.context, binding.kernel, layer_id
 
 
-_Index = tuple[slice, slice, slice]
-"""(batch rows, heads, positions): an index of q, k, v, out and lse."""
-_Rectangle = tuple[_Index, KVBlock, _Index]
-"""(queries, block, keys): the unit's queries q[queries] attend to the block's keys block.k[keys]."""
+_EVERY = slice(None)
 
 
-def _reads(
-    documents: Documents | None, unit: Unit | None, length: int, prefix: list[KVBlock]
-) -> tuple[list[_Index], list[_Rectangle]]:
-    """What ``length`` queries attend to: the diagonal pieces, each causal (a query attends to
-    the keys at its own index), and the prefix rectangles; those of ``unit`` (None: a whole
-    sequence) under ``documents`` (None: causal attention)."""
-    every = slice(None)
-    if documents is None:
-        whole = (every, every, every)
-        return [whole], [(whole, p, whole) for p in prefix]
-    offset = unit.offset if unit is not None else 0
-    diagonal: list[_Index] = []
-    rectangles: list[_Rectangle] = []
-    for b in range(len(documents.starts)):
-        rows = slice(b, b + 1)
-        pieces = documents.pieces(b, offset, offset + length)
-        diagonal += [(rows, every, slice(start, stop)) for start, stop in pieces]
-        first = documents.start_of(b, offset)
-        rectangles += [
-            ((rows, every, slice(pieces[0][1])), p, (rows, every, slice(max(first - p.offset, 0), p.k.shape[2])))
-            for p in prefix if p.end > first
+@dataclass(frozen=True)
+class _Call:
+    """One kernel call of a unit: the queries q[rows, :, queries] (positions within the unit)
+    attend to the keys [keys.start, keys.stop) of the sequence, causally (the mask aligned at
+    the bottom right: the last query sees the last key) or not."""
+
+    rows: slice
+    queries: slice
+    keys: slice
+    causal: bool
+
+    @property
+    def index(self) -> tuple[slice, slice, slice]:
+        """The index of q, out and lse (B, H, L[, D]) this call reads and writes."""
+        return self.rows, _EVERY, self.queries
+
+
+def _calls(
+    documents: Documents | None, offset: int, length: int, bottom_right: bool
+) -> tuple[list[_Call], list[_Call]]:
+    """The kernel calls of ``length`` queries at ``offset`` under ``documents`` (None: causal):
+    causal calls whose queries cover the unit once, and unmasked prefix calls over queries
+    already covered, merged by log-sum-exp. Per batch row (every row at once without documents)
+    each document piece inside the unit is a causal call over its own keys; the piece of the
+    document continuing into the unit reads that document's prefix too: in the same call where
+    the kernel aligns causal masks at the bottom right, else in one unmasked call of its own."""
+    rows_pieces = (
+        [(_EVERY, [(0, length)], 0)] if documents is None else
+        [(slice(b, b + 1), documents.pieces(b, offset, offset + length), documents.start_of(b, offset))
+         for b in range(len(documents.starts))]
+    )
+    causal: list[_Call] = []
+    prefix: list[_Call] = []
+    for rows, pieces, first in rows_pieces:
+        whole = documents is None
+        calls = [
+            _Call(rows, _EVERY if whole else slice(a, b), slice(offset + a, offset + b), True) for a, b in pieces
         ]
-    return diagonal, rectangles
+        if first < offset:  # the continuing document's prefix [first, offset)
+            head = calls[0]
+            if bottom_right:
+                calls[0] = _Call(rows, head.queries, slice(first, head.keys.stop), True)
+            else:
+                prefix.append(_Call(rows, head.queries, slice(first, offset), False))
+        causal += calls
+    return causal, prefix
 
 
-def _diagonal_forward(
-    kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, diagonal: list[_Index], scale: float
+@dataclass(frozen=True)
+class _Keys:
+    """Where a unit's keys lie: those before ``offset`` in ``slab``, the unit's own, (B, Hkv, L, D)
+    from ``offset`` on, in the slab where it holds them (written there), else in ``own``."""
+
+    own: tuple[Tensor, Tensor]
+    offset: int
+    slab: KVSlab | None
+
+    def __call__(self, c: _Call) -> tuple[Tensor, Tensor]:
+        """K and V of call ``c``'s keys, views."""
+        if self.slab is None or not self.slab.holds(c.keys.stop):
+            start, stop = c.keys.start - self.offset, c.keys.stop - self.offset
+            return self.own[0][c.rows, :, start:stop], self.own[1][c.rows, :, start:stop]
+        return self.slab.keys(c.keys.start, c.keys.stop, c.rows)
+
+
+def _attention_forward(
+    kernel: AttentionKernel, q: Tensor, keys: _Keys, causal: list[_Call], prefix: list[_Call], scale: float
 ) -> tuple[Tensor, Tensor]:
-    """out (B, Hq, L, D) and lse (B, Hq, L) of the causal ``diagonal`` pieces, which cover the unit."""
-    if len(diagonal) == 1:
-        return kernel.forward(q, k, v, True, scale)
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-    for piece in diagonal:
-        out[piece], lse[piece] = kernel.forward(q[piece], k[piece], v[piece], True, scale)
+    """out (B, Hq, L, D) and lse (B, Hq, L) float32 of the ``causal`` and ``prefix`` calls."""
+    whole = (_EVERY, _EVERY, _EVERY)
+    if len(causal) == 1 and causal[0].index == whole:
+        out, lse = kernel.forward(q, *keys(causal[0]), True, scale)
+    else:
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        for c in causal:
+            out[c.index], lse[c.index] = kernel.forward(q[c.index], *keys(c), True, scale)
+    for c in prefix:
+        out_i, lse_i = kernel.forward(q[c.index], *keys(c), False, scale)
+        merged, lse_m = _merge(out[c.index].float(), lse[c.index], out_i.float(), lse_i)
+        if c.index == whole:
+            out, lse = merged.to(q.dtype), lse_m
+        else:
+            out[c.index], lse[c.index] = merged.to(q.dtype), lse_m
     return out, lse
 
 
-def _diagonal_backward(
-    kernel: AttentionKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    diagonal: list[_Index], scale: float,
+def _attention_backward(
+    kernel: AttentionKernel, dout: Tensor, q: Tensor, keys: _Keys, out: Tensor, lse: Tensor,
+    causal: list[_Call], prefix: list[_Call], scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of the causal ``diagonal`` pieces, given the unit's merged ``out`` and ``lse``."""
-    if len(diagonal) == 1:
-        return kernel.backward(dout, q, k, v, out, lse, True, scale)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for piece in diagonal:
-        dq[piece], dk[piece], dv[piece] = kernel.backward(*(t[piece] for t in (dout, q, k, v, out, lse)), True, scale)
+    """dq, and dk, dv of the unit's own keys, of :func:`_attention_forward` given its merged
+    ``out`` and ``lse``; the gradient of earlier keys goes to the slab."""
+    offset, slab = keys.offset, keys.slab
+    length = q.shape[2]
+    whole = len(causal) == 1 and causal[0].index == (_EVERY, _EVERY, _EVERY)
+    if not whole:
+        dq = torch.empty_like(q)
+        dk, dv = (torch.empty_like(t) for t in keys.own)
+    for c in causal:
+        dq_i, dk_i, dv_i = kernel.backward(dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], True, scale)
+        cut = max(offset - c.keys.start, 0)  # keys before the unit: a bottom-right call's prefix
+        if cut:
+            slab.accumulate(dk_i[:, :, :cut], dv_i[:, :, :cut], c.rows, c.keys.start)
+        own = slice(c.keys.start + cut - offset, c.keys.stop - offset)
+        if whole:
+            dq, dk, dv = dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:]
+        else:
+            dq[c.index], dk[c.rows, :, own], dv[c.rows, :, own] = dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:]
+    for c in prefix:
+        dq_i, dk_i, dv_i = kernel.backward(dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], False, scale)
+        dq[c.index] += dq_i
+        slab.accumulate(dk_i, dv_i, c.rows, c.keys.start)
+    later_k, later_v = slab.take(offset, length) if slab is not None else (None, None)
+    if later_k is not None:
+        n = later_k.shape[2]
+        dk, dv = dk.contiguous(), dv.contiguous()
+        dk[:, :, :n] += later_k
+        dv[:, :, :n] += later_v
     return dq, dk, dv
 
 
@@ -272,34 +361,34 @@ def _heads_inner(out: Tensor) -> Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _whole_sequence(q: Tensor, documents: Tensor | None) -> tuple[AttentionKernel, Documents | None]:
+    """The kernel and packed documents of an unbound call (``documents`` (B, L) ids)."""
+    return select_kernel(q.device), Documents.from_ids(documents)
+
+
 @torch.library.custom_op("torchtitan_seq::unit_attention", mutates_args=())
 def _unit_attention(
     q: Tensor, k: Tensor, v: Tensor, ids: Tensor | None, documents: Tensor | None, scale: float, compiled: bool
 ) -> tuple[Tensor, Tensor]:
-    """Attention of the current unit over what :func:`_reads` names; outside a unit (and a
-    recomputation), causal attention over ``q``'s sequence. Unbound (``ids`` None): block-causal
-    attention of whole packed sequences, ``documents`` (B, L) their ids, read only then.
+    """Attention of the current unit over its microbatch's slab (its K/V written there first,
+    except in a recomputation); outside a unit, causal attention over ``q``'s sequence. Unbound
+    (``ids`` None): block-causal attention of whole packed sequences, ``documents`` (B, L) their
+    ids, read only then. ``compiled``: called from a compiled graph (see :func:`_setup_context`).
     Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
+    slab, offset = None, 0
     if ids is None:
-        kernel, unit, prefix, packed = select_kernel(q.device), None, [], Documents.from_ids(documents)
+        kernel, packed = _whole_sequence(q, documents)
     else:
         context, kernel, layer_id = _bound(ids)
         unit = context.unit or context.backward_unit
-        if unit is None:
-            prefix = []
-        elif context.unit is None:  # a recomputation inside the unit's backward
-            prefix, _ = context.recorded(layer_id)
-        else:
-            prefix, _ = context.append(layer_id, k, v, copy=compiled)
+        if context.unit is not None:
+            slab = context.append(layer_id, k, v, with_own=kernel.bottom_right)
+        elif unit is not None:  # a recomputation inside the unit's backward
+            slab = context.recorded(layer_id)
+        offset = unit.offset if unit is not None else 0
         packed = context.documents_of(unit)
-    diagonal, rectangles = _reads(packed, unit, q.shape[2], prefix)
-    out, lse = _diagonal_forward(kernel, q, k, v, diagonal, scale)
-    if rectangles:
-        out = out.float()
-        for queries, p, keys in rectangles:
-            out_i, lse_i = kernel.forward(q[queries], p.k[keys], p.v[keys], False, scale)
-            out[queries], lse[queries] = _merge(out[queries], lse[queries], out_i.float(), lse_i)
-        out = out.to(q.dtype)
+    causal, prefix = _calls(packed, offset, q.shape[2], kernel.bottom_right)
+    out, lse = _attention_forward(kernel, q, _Keys((k, v), offset, slab), causal, prefix, scale)
     return _heads_inner(out), lse.contiguous()
 
 
@@ -308,27 +397,21 @@ def _unit_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ids: Tensor | None,
     documents: Tensor | None, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of :func:`_unit_attention`; sends dK/dV to the prefix blocks the unit read,
-    and adds those the later units (run backward first) sent the unit's own block."""
+    """dq, dk, dv of :func:`_unit_attention`; sends the dK/dV of the prefix the unit read to its
+    slab's gradient, and adds what the later units (run backward first) sent the unit's own keys."""
+    slab, offset = None, 0
     if ids is None:
-        kernel, unit, prefix, grads, packed = select_kernel(q.device), None, [], None, Documents.from_ids(documents)
+        kernel, packed = _whole_sequence(q, documents)
     else:
         context, kernel, layer_id = _bound(ids)
         unit = context.backward_unit
-        prefix, grads = context.recorded(layer_id) if unit is not None else ([], None)
+        if unit is not None:
+            slab, offset = context.recorded(layer_id), unit.offset
         packed = context.documents_of(unit)
-    dout = dout.contiguous()
-    diagonal, rectangles = _reads(packed, unit, q.shape[2], prefix)
-    dq, dk, dv = _diagonal_backward(kernel, dout, q, k, v, out, lse, diagonal, scale)
-    for queries, p, keys in rectangles:
-        dq_i, dk_i, dv_i = kernel.backward(
-            dout[queries], q[queries], p.k[keys], p.v[keys], out[queries], lse[queries], False, scale
-        )
-        dq[queries] += dq_i
-        p.accumulate(dk_i, dv_i, () if dk_i.shape == p.k.shape else keys)
-    later_k, later_v = grads.take() if grads is not None else (None, None)
-    if later_k is not None:
-        dk, dv = dk + later_k, dv + later_v
+    causal, prefix = _calls(packed, offset, q.shape[2], kernel.bottom_right)
+    dq, dk, dv = _attention_backward(
+        kernel, dout.contiguous(), q, _Keys((k, v), offset, slab), out, lse, causal, prefix, scale
+    )
     # A custom op's outputs must have the strides of its fake implementation.
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -345,7 +428,13 @@ def _fake_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *_) -> tuple[
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, ids, documents, ctx.scale, _ = inputs
+    """Saves q, the output and log-sum-exp, and the unit's K/V: in eager mode the slab's views
+    where they lie (the slab is then the one copy of K/V, and the saved-tensor count sees it);
+    a compiled graph saves its own k, v (the op's Python state is not traced)."""
+    q, k, v, ids, documents, ctx.scale, compiled = inputs
+    if ids is not None and not compiled:
+        context, _, layer_id = _bound(ids)
+        k, v = context.own(layer_id) or (k, v)
     ctx.save_for_backward(q, k, v, *output, ids, documents)
 
 

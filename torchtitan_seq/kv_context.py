@@ -2,32 +2,38 @@
 
 A pipeline stage runs a microbatch as k units (subsequences) in order; unit j attends to its
 own K/V and to those of units 0..j-1 of its microbatch on the stage. The context keeps, per
-microbatch and layer, one :class:`KVBlock` per finished unit.
+microbatch and layer, one :class:`KVSlab`: K and V of the microbatch's keys that later units
+read, each unit's written at its offset as it runs forward (one copy of the unit's own K/V,
+never of the prefix), so a unit reads its whole prefix, or prefix and own keys together, as
+one view. The last unit's keys are read by no later unit: it writes them only where its
+kernel reads prefix and own keys in one call (``with_own``).
 
-Gradients flow backwards through the blocks without joining the units' autograd graphs
+Gradients flow backwards through the slab without joining the units' autograd graphs
 (joining them would let the backward of unit j walk into, and free, the graph of unit j-1):
-a block stores its K/V *detached*; a later unit's attention backward adds dL/dK and dL/dV of
-every block it read into that block's side buffers (:class:`KVGrads`); the block's own
-unit's attention backward adds them to the gradient of its own K/V, once. This is exact
-when, per microbatch and stage, backwards run last unit first (``torchtitan_seq.ordering``),
-for full and split input/weight backward alike: the side buffers are filled and consumed
-inside the attention's own backward, in the input-gradient pass.
+the slab holds K/V *detached*; a later unit's attention backward adds dL/dK and dL/dV of the
+prefix it read into the slab's gradient slab (allocated once per microbatch and layer, added
+to in place); a unit's own attention backward adds the part at its own positions to the
+gradient of its own K/V, once. This is exact when, per microbatch and stage, backwards run
+last unit first (``torchtitan_seq.ordering``), for full and split input/weight backward
+alike: the gradient slab is filled and read inside the attention's own backward, in the
+input-gradient pass.
 
-Lifetime: the context forgets a microbatch once its last unit has run forward on the stage;
-from then on the records of the units that read a block keep it alive, until their backward.
-A unit's own record keeps only its side buffers: its backward recomputes or has saved its
-K/V. :meth:`KVContext.clear` ends a step.
+Lifetime: a microbatch's slabs live from its first unit's forward until the last of its
+units' backwards has ended on the stage (its first unit's, in the order that is exact); the
+attention of a unit whose K/V are in the slab saves views of the slab for its backward (not
+K/V of its own), so the slab is the one copy of K/V, counted once by
+:class:`~torchtitan_seq.memory.ActivationMemory`.
+A slab is allocated whole by the first unit, so until the later units have run it holds
+room for their K/V (the cost of reading the prefix as one view). :meth:`KVContext.clear`
+ends a step.
 
-Packed documents (:attr:`KVContext.documents`): a unit reads only the prefix blocks holding
-keys of the document continuing into it, and the context lets go of the K/V of documents
-that ended: whole blocks, and a block's ended head, keeping a copy of its tail, where the
-context's reference is what keeps the K/V alive (``copy_tails``: under activation
-checkpointing and compile; otherwise autograd keeps them for the backward).
+Packed documents (:attr:`KVContext.documents`): a unit reads only the keys of the document
+continuing into it; the K/V of documents that ended stay in the slab until it goes.
 
 Activation checkpointing re-runs a unit's forward inside its backward
-(:meth:`KVContext.backward`); the attention then reads the blocks the unit's first forward
-used (:meth:`KVContext.recorded`) instead of appending again, so recomputation reproduces
-the same tensors and never touches the context's state.
+(:meth:`KVContext.backward`); the attention then reads the slab the unit's first forward
+wrote (:meth:`KVContext.recorded`) and writes nothing, so recomputation reproduces the same
+tensors and never touches the context's state.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import torch
 
 from .documents import Documents
 
-__all__ = ["Unit", "KVGrads", "KVBlock", "KVContext"]
+__all__ = ["Unit", "KVSlab", "KVContext"]
 
 
 @dataclass(frozen=True)
@@ -58,88 +64,85 @@ class Unit:
         return self.index == self.num_subsequences - 1
 
 
-class KVGrads:
-    """dL/dK and dL/dV that later units send one unit's block, until the unit's backward."""
+class KVSlab:
+    """K/V of one microbatch in one layer, and the gradient later units send earlier positions.
 
-    __slots__ = ("k", "v", "_shape")
-
-    def __init__(self, shape: torch.Size) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self._shape = shape  # the unit's K (and V) shape, not K: the buffers must not keep K alive
-
-    def add(self, grad_k: torch.Tensor, grad_v: torch.Tensor, where: tuple[slice, ...] = ()) -> None:
-        """Add the gradient of the whole block, or of the part ``where`` (an index of K)."""
-        if where:
-            if self.k is None:
-                self.k, self.v = grad_k.new_zeros(self._shape), grad_v.new_zeros(self._shape)
-            self.k[where] += grad_k
-            self.v[where] += grad_v
-        else:
-            self.k, self.v = (grad_k, grad_v) if self.k is None else (self.k + grad_k, self.v + grad_v)
-
-    def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Hand over (and forget) everything later units sent; ``(None, None)`` if nothing."""
-        grads, self.k, self.v = (self.k, self.v), None, None
-        return grads
-
-
-class KVBlock:
-    """K/V of one unit in one layer, with the gradient later units send it.
-
-    ``k`` and ``v`` are detached, shaped (batch, kv_heads, length, head_dim);
-    ``offset`` is the position of the block's first key in the sequence. A
-    block cut to its tail (:meth:`tail`) keeps its unit's ``grads``; ``start``
-    is where its keys begin among the unit's.
+    ``k`` and ``v``: (batch, kv_heads, capacity, head_dim), allocated by the first write,
+    positions [0, ``filled``) written so far (units 0..j in order); ``grad_k`` and ``grad_v``:
+    dL/dK and dL/dV of positions [0, n) sent by later units' backward, None until the first is
+    sent.
     """
 
-    __slots__ = ("k", "v", "offset", "grads", "start")
+    __slots__ = ("k", "v", "filled", "grad_k", "grad_v")
 
-    def __init__(
-        self, k: torch.Tensor, v: torch.Tensor, offset: int = 0, grads: KVGrads | None = None, start: int = 0
-    ):
-        self.k, self.v, self.offset, self.start = k.detach(), v.detach(), offset, start
-        self.grads = grads or KVGrads(self.k.shape)
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.filled = 0
+        self.grad_k: torch.Tensor | None = None
+        self.grad_v: torch.Tensor | None = None
 
-    @property
-    def end(self) -> int:
-        """Position after the block's last key."""
-        return self.offset + self.k.shape[2]
+    def write(self, offset: int, k: torch.Tensor, v: torch.Tensor, capacity: int = 0) -> None:
+        """Write a unit's K/V (B, Hkv, L, D) at positions [offset, offset + L), into a slab of
+        ``capacity`` positions where this write allocates it."""
+        stop = offset + k.shape[2]
+        if self.k is None or stop > self.k.shape[2]:  # a context told no lengths grows (copies the prefix)
+            b, h, _, d = k.shape
+            grown = [k.new_empty(b, h, max(capacity, stop), d) for _ in range(2)]
+            if self.k is not None:
+                grown[0][:, :, :self.filled], grown[1][:, :, :self.filled] = self.keys(0, self.filled)
+            self.k, self.v = grown
+        self.k[:, :, offset:stop] = k.detach()
+        self.v[:, :, offset:stop] = v.detach()
+        self.filled = stop
 
-    def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, where: tuple[slice, ...] = ()) -> None:
-        """Add the gradient that a later unit's attention sends into this block, or into
-        the part ``where`` (an index of k) of it."""
-        if self.start:
-            rows, heads, keys = where or (slice(None), slice(None), slice(0, self.k.shape[2]))
-            where = (rows, heads, slice(keys.start + self.start, keys.stop + self.start))
-        self.grads.add(grad_k, grad_v, where)
+    def holds(self, stop: int) -> bool:
+        """Whether the slab holds the keys before position ``stop``."""
+        return self.filled >= stop
 
-    def tail(self, first: int) -> KVBlock:
-        """A copy of the keys from position ``first`` on, sending its gradient to this block's unit."""
-        cut = first - self.offset
-        return KVBlock(self.k[:, :, cut:].clone(), self.v[:, :, cut:].clone(), first, self.grads, self.start + cut)
+    def keys(self, start: int, stop: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, stop) of batch rows ``rows``, views."""
+        return self.k[rows, :, start:stop], self.v[rows, :, start:stop]
+
+    def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, rows: slice, start: int) -> None:
+        """Add the gradient a later unit's attention sends the keys [start, start + n) of batch
+        rows ``rows`` (grad_k, grad_v: (rows, Hkv, n, D)), in place."""
+        stop = start + grad_k.shape[2]
+        if self.grad_k is None or self.grad_k.shape[2] < stop:
+            # Once per microbatch and layer when backwards run last unit first (the first sends most).
+            old = self.grad_k.shape[2] if self.grad_k is not None else 0
+            grad_k_new, grad_v_new = (self.k.new_zeros(*self.k.shape[:2], stop, self.k.shape[3]) for _ in range(2))
+            if old:
+                grad_k_new[:, :, :old], grad_v_new[:, :, :old] = self.grad_k, self.grad_v
+            self.grad_k, self.grad_v = grad_k_new, grad_v_new
+        self.grad_k[rows, :, start:stop] += grad_k
+        self.grad_v[rows, :, start:stop] += grad_v
+
+    def take(self, offset: int, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What later units sent positions [offset, offset + length), views; ``(None, None)`` if nothing."""
+        if self.grad_k is None or self.grad_k.shape[2] <= offset:
+            return None, None
+        stop = min(offset + length, self.grad_k.shape[2])
+        return self.grad_k[:, :, offset:stop], self.grad_v[:, :, offset:stop]
 
 
 class KVContext:
     """Per-stage K/V state of the microbatches in flight. The stage (model chunk) binds it to
     the chunk's attention layers and announces each unit with :meth:`running`; outside a
-    unit the layers compute plain full-sequence causal attention."""
+    unit the layers compute plain full-sequence causal attention. ``lengths``: the units'
+    lengths [L_0, ..., L_{k-1}] of every microbatch, which size the slabs; without them a slab
+    grows, a copy of its prefix, as units reach past its end."""
 
-    def __init__(self, copy_tails: bool = False) -> None:
-        self.copy_tails = copy_tails
-        """Cut blocks to the tail later units read, copied (see the module docstring)."""
+    def __init__(self, lengths: list[int] | None = None) -> None:
+        self.lengths = lengths
         self.unit: Unit | None = None
         """The unit being run forward (:meth:`running`; not a recomputation), or None."""
         self.backward_unit: Unit | None = None
         """The unit whose backward (:meth:`backward`), with any recomputation, is running, or None."""
         self.documents: list[Documents] | None = None
         """Per microbatch, its packed documents (block-causal attention); None: causal."""
-        # microbatch -> layer id -> blocks of units 0..j-1, in order; None for a
-        # block no later unit reads
-        self._blocks: dict[int, dict[int, list[KVBlock | None]]] = {}
-        # (microbatch, subsequence) -> layer id -> (prefix read, own side buffers) of its
-        # forward, kept until the unit's backward is over, for recomputation
-        self._records: dict[tuple[int, int], dict[int, tuple[list[KVBlock], KVGrads]]] = {}
+        self._slabs: dict[int, dict[int, KVSlab]] = {}  # microbatch -> layer id -> slab
+        self._backwards: dict[int, int] = {}  # microbatch -> units whose backward has ended
 
     def documents_of(self, unit: Unit | None) -> Documents | None:
         """The packed documents of ``unit``'s microbatch; None under causal attention or outside a unit."""
@@ -155,8 +158,6 @@ class KVContext:
             yield
         finally:
             self.unit = None
-            if unit.is_last:
-                self._blocks.pop(unit.microbatch, None)
 
     @contextlib.contextmanager
     def backward(self, unit: Unit, last_pass: bool = True) -> Iterator[None]:
@@ -167,64 +168,68 @@ class KVContext:
         finally:
             self.backward_unit = None
             if last_pass:
-                self._records.pop((unit.microbatch, unit.index), None)
+                done = self._backwards[unit.microbatch] = self._backwards.get(unit.microbatch, 0) + 1
+                if done == unit.num_subsequences:  # the microbatch's last backward on the stage
+                    self._slabs.pop(unit.microbatch, None)
+                    del self._backwards[unit.microbatch]
 
-    def recorded(self, layer_id: int) -> tuple[list[KVBlock], KVGrads]:
-        """The prefix that ``layer_id`` read in the forward of the unit in backward, and the
-        side buffers of the unit's own block."""
+    def recorded(self, layer_id: int) -> KVSlab:
+        """The slab that ``layer_id`` wrote in the forward of the unit in backward."""
         unit = self.backward_unit
-        try:
-            return self._records[(unit.microbatch, unit.index)][layer_id]
-        except (KeyError, TypeError):
-            raise RuntimeError(f"layer {layer_id} recomputed outside the backward of a unit it ran forward") from None
+        slab = self._slabs.get(unit.microbatch, {}).get(layer_id) if unit is not None else None
+        if slab is None or not slab.holds(unit.offset):
+            raise RuntimeError(f"layer {layer_id} recomputed outside the backward of a unit it ran forward")
+        return slab
 
-    def append(
-        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, copy: bool = False
-    ) -> tuple[list[KVBlock], KVGrads]:
-        """Record the current unit's K/V for ``layer_id``, copied if ``copy`` (a compiled graph may
-        reuse its intermediates' buffers once the attention returns), cut blocks then copied too.
-        Returns the earlier units' blocks the unit reads (with packed documents, those holding
-        keys of the document continuing into it) and the side buffers of the unit's new block."""
+    def own(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views of ``layer_id``'s slab at the positions of the unit running forward (or
+        recomputed), where its K/V lie; None outside a unit or where the slab holds none of them."""
+        unit = self.unit or self.backward_unit
+        slab = self._slabs[unit.microbatch][layer_id] if unit is not None else None
+        if slab is None or not slab.holds(unit.offset + unit.length):
+            return None
+        # Aliases with a version counter of their own: later units write other positions of the
+        # slab, which autograd would otherwise take for a change of what the unit saved.
+        return tuple(t.data for t in slab.keys(unit.offset, unit.offset + unit.length))
+
+    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False) -> KVSlab:
+        """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
+        unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
+        kernel reads them apart from the prefix). The first unit allocates the slab: room for the
+        keys later units read, the last unit's too if ``with_own``. Returns the slab."""
         unit = self.unit
         if unit is None:
             raise RuntimeError("KVContext.append called outside a unit")
-        blocks = self._blocks.setdefault(unit.microbatch, {}).setdefault(layer_id, [])
-        if len(blocks) != unit.index:
+        layers = self._slabs.setdefault(unit.microbatch, {})
+        slab = layers.get(layer_id)
+        if (slab.filled if slab is not None else 0) != unit.offset or (slab is None) != (unit.index == 0):
             raise RuntimeError(
                 f"layer {layer_id}: subsequence {unit.index} of microbatch {unit.microbatch} "
-                f"ran forward after {len(blocks)} subsequences; forwards must run in "
+                f"ran forward after {slab.filled if slab is not None else 0} positions; forwards must run in "
                 "subsequence order, each once"
             )
-        documents = self.documents_of(unit)
-        first = documents.first_needed(unit.offset) if documents is not None else 0
-        for i, b in enumerate(blocks):
-            if b is not None and b.end <= first:
-                blocks[i] = None
-            elif b is not None and b.offset < first and (copy or self.copy_tails):
-                blocks[i] = b.tail(first)
-        prefix = [b for b in blocks if b is not None]
-        block = KVBlock(k.clone() if copy else k, v.clone() if copy else v, unit.offset)
-        if not unit.is_last:
-            blocks.append(block)
-        self._records.setdefault((unit.microbatch, unit.index), {})[layer_id] = (prefix, block.grads)
-        return prefix, block.grads
+        if slab is None:
+            slab = layers[layer_id] = KVSlab()
+        if not unit.is_last or with_own:
+            capacity = sum(self.lengths[:None if with_own else -1]) if self.lengths else 0
+            slab.write(unit.offset, k, v, capacity)
+        return slab
 
     def clear(self) -> None:
         """Forget every microbatch (end of step)."""
         self.unit = self.backward_unit = None
-        self._blocks.clear()
-        self._records.clear()
+        self._slabs.clear()
+        self._backwards.clear()
 
     def held_storages(self) -> dict[int, int]:
-        """The storages of the K/V the context keeps alive (blocks and records): data_ptr -> bytes."""
-        blocks = [b for layers in self._blocks.values() for bs in layers.values() for b in bs if b is not None]
-        blocks += [b for rec in self._records.values() for prefix, _ in rec.values() for b in prefix]
-        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in blocks for t in (b.k, b.v)}
+        """The storages of the K/V the context keeps alive (its slabs): data_ptr -> bytes."""
+        tensors = [t for layers in self._slabs.values() for s in layers.values() for t in (s.k, s.v) if t is not None]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
     def held_bytes(self) -> int:
         """Bytes of K/V the context keeps alive, each storage once."""
         return sum(self.held_storages().values())
 
     def __len__(self) -> int:
-        """Number of microbatches and units whose K/V the context still holds."""
-        return len(self._blocks) + len(self._records)
+        """Number of microbatches whose K/V the context still holds."""
+        return len(self._slabs)

@@ -115,13 +115,12 @@ def pipeline_sequence_llm(
     options = cls.options_from_config(cfg)
     pp_mesh = parallel_dims.get_mesh("pp")
     kernel = select_kernel(torch.device(device), cfg.attention_backend)
-    recomputes = job_config.activation_checkpoint.mode != "none"
     stages, model_parts = [], []
     for index, chain_length, chunk in split_model(model, pp_mesh, name, device, names, **options):
         model_parts.append(parallelize_fn(chunk, parallel_dims, job_config))
         stages.append(SequencePipelineStage(
             model_parts[-1], index, num_stages, device, lengths=lengths, kernel=kernel,
-            chain_length=chain_length, recomputes=recomputes, group=pp_mesh.get_group("pp"),
+            chain_length=chain_length, group=pp_mesh.get_group("pp"),
         ))
     schedule = cls(stages, n_microbatches, loss_fn, split_backward=cfg.split_backward, **options)
     if (layout := schedule.describe()) is not None:

@@ -30,21 +30,19 @@ class SequencePipelineStage(PipelineStage):
     layers; ``lengths`` are the subsequence lengths [L_0, ..., L_{k-1}] of every microbatch;
     ``kernel`` is the block attention kernel, chosen for ``device`` when omitted. Where the
     stages form several chains (BSIPipe's and Chimera's two), stage s is first of its chain when
-    s % ``chain_length`` == 0 (one chain by default). ``recomputes``: the chunk runs under
-    activation checkpointing, so the KV context alone keeps K/V alive between a unit's forward
-    and backward (``KVContext.copy_tails``). The other arguments are ``PipelineStage``'s.
+    s % ``chain_length`` == 0 (one chain by default). The other arguments are ``PipelineStage``'s.
     """
 
     def __init__(
         self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device, *, lengths: list[int],
-        kernel: AttentionKernel | None = None, chain_length: int | None = None, recomputes: bool = False, **kwargs: Any,
+        kernel: AttentionKernel | None = None, chain_length: int | None = None, **kwargs: Any,
     ) -> None:
         self.chain_length = chain_length or num_stages
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)
         if not lengths or min(lengths) < 1:
             raise ValueError(f"subsequence lengths must be positive, got {lengths}")
         self.lengths = list(lengths)
-        self.kv_context = KVContext(copy_tails=recomputes)
+        self.kv_context = KVContext(self.lengths)
         bind_kv_context(submodule, self.kv_context, kernel or select_kernel(torch.device(device)))
 
     @property

@@ -32,6 +32,7 @@ TWO_RANKS = [
     Variant("pairs_not_combined-chimera", schedule="Chimera", k=2, mutation="pairs_not_combined"),
     Variant("copies_not_synced-chimera", schedule="Chimera", k=2, optimizer_steps=3, mutation="copies_not_synced"),
     Variant("across_documents", k=4, documents=True, mutation="across_documents"),
+    Variant("slab_offset", k=4, partition="compute", mutation="slab_offset"),
 ]
 FOUR_RANKS = [
     Variant("tp_wrong_shard", k=4, tp=2, seq_len=64, mutation="tp_wrong_shard"),
@@ -107,3 +108,8 @@ def test_mirror_copies_not_resynchronised_after_the_optimizer_step(results, sche
 def test_unit_attending_across_a_document_boundary(results):
     """Packed documents: queries read the whole prefix, earlier documents included."""
     _check(results, "across_documents")
+
+
+def test_unit_writing_its_kv_at_the_wrong_slab_offset(results):
+    """Units after the first write their K/V into the slab one position early."""
+    _check(results, "slab_offset")

@@ -142,17 +142,154 @@ def test_bf16_bound_catches_the_attention_mutations(mutation):
     assert units > 5 * BF16_BOUND * whole, (mutation, units, whole)
 
 
-def test_side_buffers_do_not_keep_their_units_kv():
-    """A unit's own record keeps its gradient side buffers, not its K/V: once the last unit
-    that read block 0 ran backward, block 0's K (a copy, as under compile) is freed, though
-    unit 0's backward is still to come."""
-    context = KVContext()
-    units = [Unit(0, j, 4 * j, 4, 2) for j in range(2)]
+class BottomRightKernel:
+    """Attention by its definition in float32, causal masks aligned at the bottom right (query i
+    attends keys up to i + Lk - Lq), GQA by expansion: the one-call path of a bottom-right
+    kernel (flash-attn's), exercised on the CPU."""
+
+    bottom_right = True
+
+    @staticmethod
+    def _probabilities(q, k, causal, scale, lse=None):
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1).float()
+        scores = q.float() @ k.transpose(-1, -2) * scale
+        if causal:
+            lq, lk = scores.shape[-2:]
+            scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
+        lse = scores.logsumexp(-1) if lse is None else lse
+        return (scores - lse.unsqueeze(-1)).exp(), lse, k
+
+    def forward(self, q, k, v, causal, scale):
+        p, lse, _ = self._probabilities(q, k, causal, scale)
+        return (p @ v.repeat_interleave(q.shape[1] // v.shape[1], 1).float()).to(q.dtype), lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        n_rep = q.shape[1] // k.shape[1]
+        p, _, k_full = self._probabilities(q, k, causal, scale, lse)
+        dout = dout.float()
+        dv = p.transpose(-1, -2) @ dout
+        dp = dout @ v.repeat_interleave(n_rep, 1).float().transpose(-1, -2)
+        ds = p * (dp - (dout * out.float()).sum(-1, keepdim=True))
+        dq, dk = ds @ k_full * scale, ds.transpose(-1, -2) @ q.float() * scale
+        grouped = [t.unflatten(1, (-1, n_rep)).sum(2) for t in (dk, dv)]
+        return dq.to(q.dtype), *(t.to(k.dtype) for t in grouped)
+
+
+class CountingKernel:
+    """A kernel that counts its forward and backward calls per unit (``unit``: set by the test)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.bottom_right = kernel, kernel.bottom_right
+        self.unit: int | None = None
+        self.calls: dict[tuple[str, int], int] = {}
+
+    def _count(self, kind: str) -> None:
+        self.calls[kind, self.unit] = self.calls.get((kind, self.unit), 0) + 1
+
+    def forward(self, *args):
+        self._count("forward")
+        return self.kernel.forward(*args)
+
+    def backward(self, *args):
+        self._count("backward")
+        return self.kernel.backward(*args)
+
+
+def _units_of_one_layer(kernel, lengths: list[int], ids: torch.Tensor | None):
+    """One attention layer run as units over a (5, 4 heads, S, 8) q and (5, 2, S, 8) k, v
+    (GQA), through a KV context, against SDPA over the whole sequence with the dense
+    (document) mask: the largest relative error of the output and of dq, dk, dv."""
+    import torch.nn.functional as F
+
+    from torchtitan_seq.attention import SequenceAttention
+    from torchtitan_seq.documents import Documents, document_mask
+
+    seq_len = sum(lengths)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, h, seq_len, 8, generator=g, dtype=torch.float64).float().requires_grad_()
+               for h in (4, 2, 2))
+    weight = torch.randn(5, 4, seq_len, 8, generator=g)
+    mask = document_mask(ids) if ids is not None else None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+
+    context = KVContext(lengths)
+    context.documents = [Documents.from_ids(ids)] if ids is not None else None
+    layer = SequenceAttention(0)
+    layer.bind(context, kernel)
+    units = [Unit(0, j, sum(lengths[:j]), n, len(lengths)) for j, n in enumerate(lengths)]
+    outs = {}
     for u in units:
+        kernel.unit = u.index
+        part = slice(u.offset, u.offset + u.length)
         with context.running(u):
-            prefix, _ = context.append(0, torch.randn(1, 1, 4, 2), torch.randn(1, 1, 4, 2), copy=True)
-    kept = weakref.ref(prefix[0].k)
-    del prefix
-    with context.backward(units[1]):
-        pass
-    assert kept() is None
+            outs[u.index] = layer(q[:, :, part], k[:, :, part], v[:, :, part], enable_gqa=True)
+    for u in reversed(units):
+        kernel.unit = u.index
+        with context.backward(u):
+            (outs[u.index] * weight[:, :, u.offset:u.offset + u.length]).sum().backward()
+    assert len(context) == 0
+    out = torch.cat([outs[u.index] for u in units], 2)
+    return max(_relative(a, b) for a, b in zip((out, q.grad, k.grad, v.grad), (ref, *ref_grads)))
+
+
+KERNELS = {"top-left": lambda: select_kernel(torch.device("cpu")), "bottom-right": BottomRightKernel}
+
+
+@pytest.mark.parametrize("aligned", list(KERNELS))
+@pytest.mark.parametrize("lengths", [[8, 8, 8, 8], [11, 7, 9, 5]])
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "block-causal"])
+def test_kernel_calls_per_unit(aligned, lengths, packed):
+    """Exact against the whole sequence, in the calls of the issue: per unit j, without
+    documents, one call forward and one backward with a bottom-right kernel, with a top-left
+    one two for j > 0 (prefix unmasked, diagonal causal) and one for j = 0. With documents, per
+    batch row: one causal call per document piece in the unit, plus (top-left) one unmasked
+    call where the document continuing into the unit started before it."""
+    from exactness import EOS, packed_tokens
+
+    from torchtitan_seq.documents import Documents, document_ids
+
+    ids = document_ids(packed_tokens(5, 32, torch.Generator().manual_seed(0)), EOS) if packed else None
+    kernel = CountingKernel(KERNELS[aligned]())
+    assert _units_of_one_layer(kernel, lengths, ids) <= TOL
+    top_left = aligned == "top-left"
+    docs = Documents.from_ids(ids) if packed else None
+    for j, n in enumerate(lengths):
+        s = sum(lengths[:j])
+        if docs is None:
+            expected = 1 + (top_left and j > 0)
+        else:
+            expected = sum(len(docs.pieces(b, s, s + n)) + (top_left and docs.start_of(b, s) < s) for b in range(5))
+        assert kernel.calls["forward", j] == kernel.calls["backward", j] == expected, (j, kernel.calls)
+
+
+def test_a_slab_is_the_one_copy_of_kv_and_lives_until_the_first_units_backward():
+    """Units write their K/V into one slab per (microbatch, layer), with room for the keys later
+    units read (all but the last unit's); their attention saves views of it (no K/V of its own;
+    the last unit's are its own), and the slab goes with the microbatch's last backward on the
+    stage (its first unit's)."""
+    from torchtitan_seq.attention import SequenceAttention
+
+    context, layer = KVContext([4, 4, 4]), SequenceAttention(0)
+    layer.bind(context, select_kernel(torch.device("cpu")))
+    units = [Unit(0, j, 4 * j, 4, 3) for j in range(3)]
+    q = [torch.randn(1, 2, 4, 2, requires_grad=True) for _ in units]
+    k, v = ([torch.randn(1, 1, 4, 2, requires_grad=True) for _ in units] for _ in range(2))
+    outs, saved = [], []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        for u in units:
+            with context.running(u):
+                outs.append(layer(q[u.index], k[u.index], v[u.index], enable_gqa=True))
+    slab = context._slabs[0][0]
+    assert slab.k.shape == (1, 1, 8, 2) and torch.equal(slab.k, torch.cat([t.detach() for t in k[:2]], 2))
+    storages = {t.untyped_storage().data_ptr() for t in saved}
+    assert slab.k.untyped_storage().data_ptr() in storages and slab.v.untyped_storage().data_ptr() in storages
+    mine = {t.untyped_storage().data_ptr() for t in k + v}
+    assert mine & storages == {k[2].untyped_storage().data_ptr(), v[2].untyped_storage().data_ptr()}
+    kept = weakref.ref(slab.k)
+    del slab, saved
+    for u in reversed(units):
+        assert len(context) == 1 and kept() is not None
+        with context.backward(u):
+            outs.pop().sum().backward()
+    assert len(context) == 0 and kept() is None

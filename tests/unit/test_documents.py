@@ -1,5 +1,5 @@
 """Packed documents: numbering as torchtitan's document mask, the layout unit attention
-reads, and what the KV context releases."""
+reads, and what the KV context keeps."""
 
 import dataclasses
 
@@ -60,35 +60,37 @@ def test_layout_of_a_packed_microbatch():
     assert Documents.from_ids(document_ids(_tokens()[[0, 3]], EOS)).first_needed(16) == 1
 
 
-@pytest.mark.parametrize("copy_tails", [False, True])
-def test_context_releases_the_kv_of_ended_documents(copy_tails):
-    """A unit reads only the keys of its continuing document, and the context lets go of
-    K/V of documents that ended before it: whole blocks, and with ``copy_tails`` the ended
-    head of a block, whose copied tail sends its gradient to the right keys of its unit."""
+def test_a_unit_reads_only_its_continuing_documents_keys():
+    """Per row, a unit's prefix call reads the keys of the document continuing into it, from
+    that document's first key, in one call; the K/V of documents that ended stay in the slab
+    (one per microbatch and layer, room for the keys of every unit but the last) until the
+    microbatch's backward is over."""
+    from torchtitan_seq.attention import CpuSdpaKernel, SequenceAttention
+
+    class Recording(CpuSdpaKernel):
+        def __init__(self):
+            self.prefix_keys: list[list[float]] = []
+
+        def forward(self, q, k, v, causal, scale):
+            if not causal:
+                self.prefix_keys.append(k[0, 0, :, 0].tolist())
+            return super().forward(q, k, v, causal, scale)
+
     ids = torch.tensor([[0] * 6 + [1] * 10])  # a document starts at 6, in unit 1 of 4 units of 4
-    context = KVContext(copy_tails=copy_tails)
+    context, kernel, layer = KVContext([4] * 4), Recording(), SequenceAttention(0)
     context.documents = [Documents.from_ids(ids)]
-    prefixes, held, grads = [], [], []
+    layer.bind(context, kernel)
+    held, reads = [], []
     for j in range(4):
         kv = torch.arange(4.0 * j, 4.0 * j + 4).view(1, 1, 4, 1).expand(1, 1, 4, 2)  # key p holds p
         with context.running(Unit(0, j, 4 * j, 4, 4)):
-            prefix, own = context.append(0, kv.clone(), kv.clone())
-        prefixes.append([p.k[0, 0, :, 0].tolist() for p in prefix])
+            layer(torch.randn(1, 1, 4, 2), kv.clone(), kv.clone())
+        reads.append(kernel.prefix_keys)
+        kernel.prefix_keys = []
         held.append(context.held_bytes())
-        grads.append(own)
-    block = 2 * 32  # K and V of 4 keys x 2 dims, fp32
-    if copy_tails:  # unit 2 let block 0 go and kept keys 6 and 7 of block 1
-        assert prefixes == [[], [[0, 1, 2, 3]], [[6, 7]], [[6, 7], [8, 9, 10, 11]]]
-        # block 0 until unit 1 (its reader) runs backward; block 1's tail; block 2
-        assert held == [block, 2 * block, 2 * block + block // 2, 2 * block + block // 2]
-    else:  # unit 2 let block 0 go; block 1 stays whole, read from key 6 on
-        assert prefixes == [[], [[0, 1, 2, 3]], [[4, 5, 6, 7]], [[4, 5, 6, 7], [8, 9, 10, 11]]]
-        assert held == [block, 2 * block, 3 * block, 3 * block]
-    read = context._records[(0, 3)][0][0][0]  # unit 3 reads keys 6 and 7 of block 1
-    cut = 6 - read.offset
-    read.accumulate(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), (slice(0, 1), slice(None), slice(cut, cut + 2)))
-    grad_k, _ = grads[1].take()
-    assert grad_k[0, 0, :, 0].tolist() == [0.0, 0.0, 1.0, 1.0]  # keys 6 and 7 of unit 1's four
+    assert reads == [[], [[0, 1, 2, 3]], [[6, 7]], [[6, 7, 8, 9, 10, 11]]]
+    # K and V of the 12 keys later units read, x 2 dims, fp32, from the first unit on
+    assert held == [2 * 12 * 2 * 4] * 4
     context.clear()
     assert context.held_bytes() == 0
 

@@ -48,18 +48,20 @@ gathered output (aD, the output projection's input) and the loss's log-softmax i
 float32 with the labels (4V/t + 8). A unit of stage s holds b L_j times its chunk's
 per-token bytes from its forward until its backward (B, or W where backward is split).
 
-**KV context** (:mod:`torchtitan_seq.kv_context`), per stage and microbatch, 2 Hkv hd a / t
-bytes per token and recomputed layer:
+**KV context** (:mod:`torchtitan_seq.kv_context`): per stage, microbatch and layer one K/V
+slab of the keys later units read, S - L_{k-1} tokens at 2 Hkv hd a / t bytes each (torch's
+kernels, which align causal masks top-left: the last unit keeps its own K/V), allocated
+whole by the microbatch's first forward F(m, 0) and kept to the end of its first unit's
+backward (B(m, 0), or W(m, 0) where backward is split), the last of its backwards on the stage:
 
+* without checkpointing the units' attention saves views of the slab, so it is among the
+  saved activations (the own K/V of units 0..k-2 then are not: their per-unit bytes above
+  less 2 Hkv hd a / t a layer);
 * under checkpointing (``full``, op-level ``selective``, and the checkpointed 1/n of
-  layer-level ``selective``) the context alone keeps K/V between a unit's forward and its
-  backward: blocks 0..j after F(m, j) (the last unit adds none), and after the
-  microbatch's last forward the records of the units not yet backward: blocks
-  0..i-2 once units i..k-1 have run backward. Without checkpointing these are the
-  tensors autograd saves anyway: no extra.
-* in every mode, the gradient side buffers (:class:`~torchtitan_seq.kv_context.KVGrads`):
-  once units j..k-1 of a microbatch ran backward, blocks 0..j-1 hold dK/dV until their
-  own backward.
+  layer-level ``selective``) the context alone keeps it;
+* in every mode, the slab's gradient (:meth:`~torchtitan_seq.kv_context.KVSlab.accumulate`):
+  the keys before the last unit, S - L_{k-1} tokens, from the microbatch's first backward
+  (its input-gradient pass) to the slab's end.
 
 ``kv_context`` is what these add to the peak: the largest activations + context over the
 rank's actions, less the activation peak (so activations + kv_context is that sum's peak).
@@ -345,14 +347,16 @@ def _plan(schedule: str, p: int, n: int, k: int, v: int | None, split_backward: 
 
 
 class _StageBytes(NamedTuple):
-    """What a stage's units weigh, per unit j (bytes)."""
+    """What a stage's units and microbatches weigh (bytes)."""
 
     saved: list[float]
-    """Saved activations, from the unit's forward to its backward."""
-    held: list[float]
-    """K/V the context keeps for the unit under recomputation."""
-    side: list[float]
-    """dK/dV side buffers of the unit's block."""
+    """Per unit j, saved activations from the unit's forward to its backward, the slab apart."""
+    slab: float = 0.0
+    """A microbatch's K/V slab where autograd saves it (layers not recomputed)."""
+    held: float = 0.0
+    """A microbatch's K/V slab where the context alone keeps it (recomputed layers)."""
+    grad: float = 0.0
+    """A microbatch's slab gradient."""
     constant: float = 0.0
     """Saved once while any unit of the stage is (the RoPE table)."""
 
@@ -362,13 +366,18 @@ def _stage_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tup
     """What units of ``tokens`` tokens weigh on a stage running ``chunk``."""
     layers, first, last = chunk
     per_token = _saved_per_token(args, c, a, layers, first, last, is_sequence)
-    kv = 2 * _kv_width(args) / c.tp * a * layers
     recomputed = _recomputed_fraction(c)
     # The whole RoPE table (complex64, seq_len x hd / 2) is saved once per stage where layers
     # get it whole: torch's schedules slice it, checkpointed blocks take it as an input.
     table = 4 * c.seq_len * (args.dim // args.n_heads) if layers and (not is_sequence or recomputed) else 0
+    if not is_sequence:  # torch's schedules: K/V are the unit's own, no context
+        return _StageBytes([n * per_token for n in tokens], constant=table)
+    kv = 2 * _kv_width(args) / c.tp * a * layers  # K and V, a token
+    slab = (sum(tokens) - tokens[-1]) * kv  # the keys later units read
+    saved_kv = kv * (1 - recomputed)  # in the per-token bytes: where the slab holds them, its views
     return _StageBytes(
-        [n * per_token for n in tokens], [n * kv * recomputed for n in tokens], [n * kv for n in tokens], table
+        [n * (per_token - saved_kv) for n in tokens[:-1]] + [tokens[-1] * per_token],
+        slab * (1 - recomputed), slab * recomputed, slab, table,
     )
 
 
@@ -381,47 +390,39 @@ class _Events(NamedTuple):
     """+1: the unit's activations are saved (F); -1: freed (B, or W)."""
     constant: np.ndarray
     """+1 / -1: the stage's first unit in flight starts / its last ends."""
-    kept: np.ndarray
-    """(before, after): context blocks kept, an index into the held prefix sums."""
-    side: np.ndarray
-    """(before, after): side buffers, an index into the side prefix sums."""
+    slab: np.ndarray
+    """+1 / -1: a microbatch's slab is allocated (F of its unit 0) / goes (B or W of its unit 0)."""
+    grad: np.ndarray
+    """+1 / -1: a microbatch's slab gradient is allocated (its first B or I of a unit j > 0) / goes."""
 
 
 def _events(actions: tuple, k: int) -> _Events:
-    """The bookkeeping of :func:`_walks`, independent of bytes. Per (stage, microbatch) the
-    context keeps blocks 0..c-1 with c = min(forwards run, k - 1, lowest unit backward - 1),
-    and side buffers for blocks below the lowest unit whose input-gradient pass has run."""
-    forwards: dict[tuple[int, int], int] = {}
-    backward_low: dict[tuple[int, int], int] = {}  # lowest unit whose backward ended
-    input_low: dict[tuple[int, int], int] = {}  # lowest unit whose input gradients ran
+    """The bookkeeping of :func:`_walks`, independent of bytes (see the module docstring)."""
     live: dict[int, int] = {}  # units in flight per stage
-
-    def state(key: tuple[int, int]) -> tuple[int, int]:
-        low = input_low.get(key, k)
-        return max(min(forwards.get(key, 0), k - 1, backward_low.get(key, k) - 1), 0), low if low < k else 0
-
+    grads: set[tuple[int, int]] = set()  # (stage, microbatch) with a slab gradient
     rows = []
     for a in actions:
         stage, kind = a.stage_index, a.computation_type
         m, j = divmod(a.microbatch_index, k)
-        key = (stage, m)
-        before = state(key)
-        saved = constant = 0
+        saved = constant = slab = grad = 0
         if kind == F:
-            forwards[key] = j + 1
-            saved, constant = 1, int(live.get(stage, 0) == 0)
+            saved, constant, slab = 1, int(live.get(stage, 0) == 0), int(j == 0)
             live[stage] = live.get(stage, 0) + 1
         else:
-            if kind in (B, I):
-                input_low[key] = j
+            if kind in (B, I) and j > 0 and (stage, m) not in grads:
+                grads.add((stage, m))
+                grad = 1
             if kind == B or kind == W:
-                backward_low[key] = j
                 live[stage] -= 1
                 saved, constant = -1, -int(live[stage] == 0)
-        after = state(key)
-        rows.append((stage, j, saved, constant, before[0], after[0], before[1], after[1]))
-    table = np.array(rows, dtype=np.int64).reshape(-1, 8)
-    return _Events(table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4:6], table[:, 6:8])
+                if j == 0:
+                    slab = -1
+                    if (stage, m) in grads:
+                        grads.discard((stage, m))
+                        grad = -1
+        rows.append((stage, j, saved, constant, slab, grad))
+    table = np.array(rows, dtype=np.int64).reshape(-1, 6)
+    return _Events(*(table[:, i] for i in range(6)))
 
 
 def _walks(plan: _Plan, weights: dict[int, _StageBytes], k: int, n: int) -> list[tuple[float, float]]:
@@ -429,15 +430,13 @@ def _walks(plan: _Plan, weights: dict[int, _StageBytes], k: int, n: int) -> list
     (bookkeeping in :func:`_events`, built once per plan; all ranks in one pass)."""
     e, starts = plan.merged_events(k)
     stages = np.array(list(weights))
-    saved, held, side = (np.zeros((stages.max() + 1, k + 1)) for _ in range(3))
-    constant = np.zeros(stages.max() + 1)
-    saved[stages, :k] = [w.saved for w in weights.values()]
-    held[stages, 1:] = np.cumsum([w.held for w in weights.values()], axis=1)
-    side[stages, 1:] = np.cumsum([w.side for w in weights.values()], axis=1)
-    constant[stages] = [w.constant for w in weights.values()]
-    act = e.saved * saved[e.stage, e.unit] + e.constant * constant[e.stage]
-    kv = (held[e.stage, e.kept[:, 1]] - held[e.stage, e.kept[:, 0]]
-          + side[e.stage, e.side[:, 1]] - side[e.stage, e.side[:, 0]])
+    saved = np.zeros((stages.max() + 1, k))
+    slab, held, grad, constant = (np.zeros(stages.max() + 1) for _ in range(4))
+    saved[stages] = [w.saved for w in weights.values()]
+    for table, name in ((slab, "slab"), (held, "held"), (grad, "grad"), (constant, "constant")):
+        table[stages] = [getattr(w, name) for w in weights.values()]
+    act = e.saved * saved[e.stage, e.unit] + e.slab * slab[e.stage] + e.constant * constant[e.stage]
+    kv = e.slab * held[e.stage] + e.grad * grad[e.stage]
     peaks = []
     for deltas in (act, act + kv):
         running = np.cumsum(deltas)
