@@ -259,7 +259,8 @@ def job_shape(config: SimConfig) -> JobShape:
     ``config.network``); torch's schedules run whole sequences."""
     cost = _model_cost(config) if config.partition != "even" else None
     return JobShape(
-        config.seq_len, config.subsequences, config.partition, cost, config.length_multiple, config.network.tensor_parallel, config.microbatches, config.stages_per_rank,
+        config.seq_len, config.subsequences, config.partition, cost, config.length_multiple,
+        config.network.tensor_parallel, config.microbatches, config.stages_per_rank,
         whole=config.schedule not in SEQUENCE_SCHEDULES,
     )
 
