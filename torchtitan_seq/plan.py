@@ -42,13 +42,15 @@ ranking and peaks beside a measured benchmark.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
 import sys
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import get_args
+from typing import Iterator, get_args
 
 from .flavors import flavor_shape, flavor_shapes
 from .partition import Partition, UnitCost
@@ -391,10 +393,11 @@ def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> 
     if pp * choice.stages_per_rank // choice.parameter_copies > n_layers:
         return False  # a chunk without a layer
     try:
-        if choice.schedule in SEQUENCE_SCHEDULES:
+        if choice.parameter_copies > 1:  # the two-chain schedules check a shape without building its lists
             SEQUENCE_SCHEDULES[choice.schedule].check_shape(pp, microbatches, choice.num_subsequences)
-        else:
-            build(SimConfig(choice.schedule, pp, microbatches, stages_per_rank=choice.stages_per_rank))
+        else:  # the lists, built once: the simulation and the memory model take them again at N <= 2p
+            build(SimConfig(choice.schedule, pp, microbatches, choice.num_subsequences,
+                            stages_per_rank=choice.stages_per_rank))
     except ValueError:
         return False
     return True
@@ -466,6 +469,21 @@ def _candidates(choice: ScheduleChoice, by_pp: dict[int, list[tuple[int, int]]],
     return out
 
 
+@contextlib.contextmanager
+def _without_cycle_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a while (as it was after). The search makes
+    millions of small acyclic objects (actions, steps, tuples), which reference counting frees;
+    each of the collections they would set off walks every live object, torch's own included,
+    which took a third of the planner's time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
     """The ``top`` fastest configurations that fit, best first, followed by the three
     configurations closest to fitting when fewer fit.
@@ -473,6 +491,12 @@ def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
     Raises ValueError, naming the setting, for an unknown flavor, GPU counts no
     degrees divide, or a memory budget nothing fits.
     """
+    with _without_cycle_collection():
+        return _search(job, cluster, top)
+
+
+def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
+    """:func:`plan`'s search (see the module docstring)."""
     if (args := flavor_shape(job.flavor)) is None:
         raise ValueError(f"--flavor {job.flavor!r} does not exist: use one of {sorted(flavor_shapes)}")
     if min(job.seq_len - 1, job.local_batch_size, job.length_multiple, cluster.gpu_memory_gib) <= 0:
