@@ -4,9 +4,11 @@
         --local-batch-size 16 [--tp 8] [--gpus-per-node 8] [--cost FILE] [--json]
 
 The search covers the pipeline, tensor- and data-parallel (FSDP) degrees, the
-schedule (torch's and the sequence schedules), k, the partition, the stages
-per rank and the activation checkpointing mode (:data:`CHOICES` on every
-split of the GPUs). Memory is the memory model's
+schedule (torch's and the sequence schedules), k, the partition and the
+activation checkpointing mode (:data:`CHOICES` on every split of the GPUs); the
+stages per rank are each schedule's own, not searched. Every configuration is cut
+as the runtime cuts it (:class:`~torchtitan_seq.shape.JobShape`, ``--length-multiple``),
+and a plan carries its lengths and sets ``length_multiple``. Memory is the memory model's
 (:mod:`torchtitan_seq.simulate.memory`, the fullest rank's total); time is the
 simulator's (:mod:`torchtitan_seq.simulate`) with the network's transfers and
 the recomputation of the AC mode, plus TP's collectives, which torchtitan does
@@ -46,6 +48,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
@@ -613,4 +616,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Out without the interpreter's teardown, which frees the search's cached action lists one object at
+    # a time (1-2 s after the answer); the planner holds nothing else to release.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
