@@ -549,8 +549,8 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
         )
     over = [
         Plan(c.choice.schedule, c.pp, c.tp, c.dp, c.choice.num_subsequences, c.choice.partition,
-             c.choice.stages_per_rank, c.ac, math.nan, need, math.nan, False, tuple(job.shape(c.choice, c.tp).lengths),
-             job.length_multiple)
+             c.choice.stages_per_rank, c.ac, math.nan, need, math.nan, False,
+             tuple(job.shape(c.choice, c.tp).lengths), job.length_multiple)
         for need, c in closest
     ] if len(fitting) < top else []
     return fitting[:top] + over
