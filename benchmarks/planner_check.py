@@ -54,7 +54,8 @@ def compare(folder: Path) -> list[Row]:
         name, k = r["schedule"], r["num_subsequences"]
         v = build(SimConfig(name, r["pp"], r["microbatches"], k)).stages_per_rank  # the schedule's own
         choice = ScheduleChoice(name, k, r["partition"] or "even", v)
-        job = Job("debugmodel", seq_len, r["microbatches"], 1, costs)
+        # The benchmark's runs cut as train_configs/debug_model.toml does: length_multiple 64.
+        job = Job("debugmodel", seq_len, r["microbatches"], 1, costs, length_multiple=64)
         cluster = Cluster(r["pp"], 1e9, device="cpu")
         predicted = evaluate(job, cluster, choice, r["pp"])
         ranks = memory(job, cluster, choice, r["pp"], 1, "none").ranks

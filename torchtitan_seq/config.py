@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .attention import AttentionBackend
 from .partition import Partition
 from .schedules.bidirectional import Placement
+from .shape import LENGTH_MULTIPLE
 
 __all__ = ["SequencePipeline", "JobConfig"]
 
@@ -31,8 +32,9 @@ class SequencePipeline:
     'compute' and 'latency' partitions cost attention by (a query reaches back about that many
     keys); 0 costs attention as causal, as if a sequence were one document."""
 
-    length_multiple: int = 1
-    """Every subsequence length is a multiple of this and of the TP degree."""
+    length_multiple: int = LENGTH_MULTIPLE
+    """Every subsequence length is a multiple of this and of the TP degree (default 1: any length;
+    GPU kernels prefer multiples of 64 or 128, which the shipped configs set)."""
 
     split_backward: bool = False
     """Run each unit's backward as separate input- and weight-gradient passes."""

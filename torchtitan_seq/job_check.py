@@ -14,7 +14,7 @@ import torch
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
-from .pipeline import pipeline_sequence_llm, sequence_lengths, stages_per_rank
+from .pipeline import job_shape, pipeline_sequence_llm
 from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES
 
 __all__ = ["check_job"]
@@ -41,7 +41,7 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
         _check_validation(job_config, n_microbatches)
         _check_activation_checkpointing(job_config)
         _check_documents(job_config, spec)
-        _check_shape(job_config, spec, n_microbatches)
+        _check_shape(job_config, spec)
 
 
 def _check_degrees(job_config: JobConfig, world_size: int) -> None:
@@ -186,15 +186,15 @@ def _check_documents(job_config: JobConfig, spec: TrainSpec) -> None:
         )
 
 
-def _check_shape(job_config: JobConfig, spec: TrainSpec, n_microbatches: int) -> None:
-    """The schedule runs the job's shape: the sequence cut (k lengths), v chunks per rank, N, p."""
+def _check_shape(job_config: JobConfig, spec: TrainSpec) -> None:
+    """The schedule runs the job's shape (:func:`~torchtitan_seq.pipeline.job_shape`): the sequence
+    cut (k lengths), v chunks per rank, N, p."""
     par, seq = job_config.parallelism, job_config.sequence_pipeline
     model_args = spec.model_args[job_config.model.flavor]
-    v = stages_per_rank(job_config, model_args, par.pipeline_parallel_degree)
-    k = len(sequence_lengths(job_config, model_args, par.tensor_parallel_degree))
+    shape = job_shape(job_config, model_args, par.tensor_parallel_degree, par.pipeline_parallel_degree)
     cls = SEQUENCE_SCHEDULES[par.pipeline_parallel_schedule]
     cls.check_torch()
     cls.check_shape(
-        par.pipeline_parallel_degree, n_microbatches, k, split_backward=seq.split_backward, stages_per_rank=v,
-        **cls.options_from_config(seq),
+        par.pipeline_parallel_degree, shape.microbatches, len(shape.lengths), split_backward=seq.split_backward,
+        stages_per_rank=shape.stages_per_rank, **cls.options_from_config(seq),
     )

@@ -36,22 +36,20 @@ def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences
             if kind not in (F, B, I, W):
                 continue
             m, j = divmod(uid, k)
-            where = f"rank {rank} step {t}: {a} (microbatch {m}, subsequence {j}) on stage {stage}"
             if kind == F and j > 0 and (stage, F, uid - 1) not in done:
-                raise ScheduleOrderError(
-                    f"rule 1 (forward in subsequence order): {where} runs before subsequence {j - 1}"
-                )
-            if kind != F and (stage, F, m * k + k - 1) not in done:
-                raise ScheduleOrderError(
-                    f"rule 2 (backward after the microbatch's forwards): {where} runs "
-                    f"before the forward of subsequence {k - 1}"
-                )
-            if kind != F and j < k - 1 and (stage, kind, uid + 1) not in done:
-                raise ScheduleOrderError(
-                    f"rule 2 (backward last-subsequence-first): {where} runs before "
-                    f"its {kind.value} of subsequence {j + 1}"
-                )
-            done.add((stage, kind, uid))
+                broken = f"rule 1 (forward in subsequence order): {{}} runs before subsequence {j - 1}"
+            elif kind != F and (stage, F, m * k + k - 1) not in done:
+                broken = ("rule 2 (backward after the microbatch's forwards): {} runs before the forward of "
+                          f"subsequence {k - 1}")
+            elif kind != F and j < k - 1 and (stage, kind, uid + 1) not in done:
+                broken = ("rule 2 (backward last-subsequence-first): {} runs before its "
+                          f"{kind.value} of subsequence {j + 1}")
+            else:
+                done.add((stage, kind, uid))
+                continue
+            # The action is named only when a rule is broken: formatting it costs more than checking it.
+            where = f"rank {rank} step {t}: {a} (microbatch {m}, subsequence {j}) on stage {stage}"
+            raise ScheduleOrderError(broken.format(where))
 
 
 # Stages form chains of ``chain_length`` consecutive indices (one chain of all stages, or BSIPipe's and

@@ -1,8 +1,8 @@
 """Building a sequence pipeline inside torchtitan (the ``pipelining_fn`` of our train spec).
 
 For a sequence schedule it splits the model with torchtitan's own ``pipeline_module_split``
-(:func:`split_model`), applies torchtitan's SPMD parallelisms per chunk, cuts the sequence
-(:func:`~torchtitan_seq.partition.partition_sequence`) and wraps each chunk in a
+(:func:`split_model`), applies torchtitan's SPMD parallelisms per chunk, cuts the sequence as the
+job's :class:`~torchtitan_seq.shape.JobShape` says (:func:`job_shape`) and wraps each chunk in a
 :class:`~torchtitan_seq.stage.SequencePipelineStage`; any other schedule goes to ``pipeline_llm``.
 """
 
@@ -21,20 +21,22 @@ from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.tools.logging import logger
 
 from .attention import select_kernel
-from .partition import UnitCost, partition_sequence
 from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
+from .shape import JobShape
 from .stage import SequencePipelineStage
 
-__all__ = ["sequence_lengths", "stages_per_rank", "split_model", "pipeline_sequence_llm"]
+__all__ = ["job_shape", "stages_per_rank", "split_model", "pipeline_sequence_llm"]
 
 
-def sequence_lengths(job_config: JobConfig, model_args: TransformerModelArgs, tp_degree: int) -> list[int]:
-    """Subsequence lengths for the job: ``[sequence_pipeline]`` over ``training.seq_len``."""
-    cfg = job_config.sequence_pipeline
-    return partition_sequence(
-        job_config.training.seq_len, cfg.num_subsequences, cfg.partition,
-        multiple=math.lcm(cfg.length_multiple, tp_degree),
-        cost=UnitCost.from_model_args(model_args, cfg.expected_document_length or None),
+def job_shape(job_config: JobConfig, model_args: TransformerModelArgs, tp_degree: int, pp_degree: int) -> JobShape:
+    """The job's :class:`~torchtitan_seq.shape.JobShape`: ``[sequence_pipeline]`` over ``training.seq_len``,
+    N = local batch / microbatch size and v (:func:`stages_per_rank`) of a sequence schedule."""
+    cfg, par = job_config.sequence_pipeline, job_config.parallelism
+    return JobShape.of_model(
+        model_args, job_config.training.seq_len, cfg.num_subsequences, cfg.partition,
+        document_length=cfg.expected_document_length, length_multiple=cfg.length_multiple, tp=tp_degree,
+        microbatches=job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size,
+        stages_per_rank=stages_per_rank(job_config, model_args, pp_degree),
     )
 
 
@@ -101,13 +103,13 @@ def pipeline_sequence_llm(
     if name not in SEQUENCE_SCHEDULES:
         return titan_pp.pipeline_llm(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn)
     cls = SEQUENCE_SCHEDULES[name]
-    n_microbatches = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
-    lengths = sequence_lengths(job_config, model_args, parallel_dims.tp)
+    shape = job_shape(job_config, model_args, parallel_dims.tp, parallel_dims.pp)
+    lengths = shape.lengths
     logger.info(
-        f"Sequence pipeline {name}: {n_microbatches} microbatches x {len(lengths)} "
+        f"Sequence pipeline {name}: {shape.microbatches} microbatches x {len(lengths)} "
         f"subsequences, '{cfg.partition}' partition, lengths {lengths}"
     )
-    num_stages = parallel_dims.pp * stages_per_rank(job_config, model_args, parallel_dims.pp)
+    num_stages = parallel_dims.pp * shape.stages_per_rank
     names = par.module_fqns_per_model_part or titan_pp.generate_llm_fqn_per_model_part(
         num_stages // cls.parameter_copies, model_args.n_layers,
         par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
@@ -122,7 +124,7 @@ def pipeline_sequence_llm(
             model_parts[-1], index, num_stages, device, lengths=lengths, kernel=kernel,
             chain_length=chain_length, group=pp_mesh.get_group("pp"),
         ))
-    schedule = cls(stages, n_microbatches, loss_fn, split_backward=cfg.split_backward, **options)
+    schedule = cls(stages, shape.microbatches, loss_fn, split_backward=cfg.split_backward, **options)
     if (layout := schedule.describe()) is not None:
         logger.info(layout)
     return schedule, model_parts, any(s.is_first for s in stages), any(s.is_last for s in stages)

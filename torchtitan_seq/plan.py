@@ -4,9 +4,11 @@
         --local-batch-size 16 [--tp 8] [--gpus-per-node 8] [--cost FILE] [--json]
 
 The search covers the pipeline, tensor- and data-parallel (FSDP) degrees, the
-schedule (torch's and the sequence schedules), k, the partition, the stages
-per rank and the activation checkpointing mode (:data:`CHOICES` on every
-split of the GPUs). Memory is the memory model's
+schedule (torch's and the sequence schedules), k, the partition and the
+activation checkpointing mode (:data:`CHOICES` on every split of the GPUs); the
+stages per rank are each schedule's own, not searched. Every configuration is cut
+as the runtime cuts it (:class:`~torchtitan_seq.shape.JobShape`, ``--length-multiple``),
+and a plan carries its lengths and sets ``length_multiple``. Memory is the memory model's
 (:mod:`torchtitan_seq.simulate.memory`, the fullest rank's total); time is the
 simulator's (:mod:`torchtitan_seq.simulate`) with the network's transfers and
 the recomputation of the AC mode, plus TP's collectives, which torchtitan does
@@ -42,18 +44,22 @@ ranking and peaks beside a measured benchmark.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import get_args
+from typing import Iterator, get_args
 
 from .flavors import flavor_shape, flavor_shapes
-from .partition import Partition, UnitCost, partition_sequence
+from .partition import Partition, UnitCost
 from .render import busy_and_end
 from .schedules import SEQUENCE_SCHEDULES
+from .shape import LENGTH_MULTIPLE, JobShape
 from .simulate.build import SimConfig, build
 from .simulate.costs import fit_cost_files, seconds_per_time_unit, subsequence_lengths
 from .simulate.engine import simulate
@@ -135,6 +141,10 @@ class Plan:
     bubble_ratio: float
     """Idle share of the busiest rank's step."""
     fits: bool
+    lengths: tuple[int, ...] = ()
+    """The subsequence lengths evaluated, which the runtime cuts with :meth:`overrides`."""
+    length_multiple: int = LENGTH_MULTIPLE
+    """``sequence_pipeline.length_multiple`` of the job (the lengths are multiples of it and of tp)."""
 
     def overrides(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
         """The configuration as ``./run_train.sh`` arguments."""
@@ -152,6 +162,7 @@ class Plan:
         if self.schedule in SEQUENCE_SCHEDULES:
             args["sequence_pipeline.num_subsequences"] = self.num_subsequences
             args["sequence_pipeline.partition"] = self.partition
+            args["sequence_pipeline.length_multiple"] = self.length_multiple
         return " ".join(f"--{k} {v}" for k, v in args.items())
 
     def toml(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
@@ -198,6 +209,16 @@ class Job:
     """A fixed TP degree; None searches 1, 2, 4, 8 within a node."""
     costs: tuple[Path, ...] = ()
     """Calibration files (``bench.py --calibrate``) of this flavor and sequence length."""
+    length_multiple: int = LENGTH_MULTIPLE
+    """``sequence_pipeline.length_multiple``: every subsequence length a multiple of it and of tp."""
+
+    def shape(self, choice: ScheduleChoice, tp: int) -> JobShape:
+        """The cut and microbatches of ``choice`` at TP ``tp``, as the runtime derives them."""
+        return JobShape.of_model(
+            flavor_shape(self.flavor), self.seq_len, choice.num_subsequences, choice.partition,
+            length_multiple=self.length_multiple, tp=tp, microbatches=self.local_batch_size,
+            stages_per_rank=choice.stages_per_rank, whole=choice.schedule not in SEQUENCE_SCHEDULES,
+        )
 
 
 @dataclass(frozen=True)
@@ -347,6 +368,7 @@ def _simulated_step(choice: ScheduleChoice, pp: int, tp: int, dp: int, ac: ACMod
         choice.schedule, pp, microbatches, choice.num_subsequences, stages_per_rank=choice.stages_per_rank,
         flavor=job.flavor, seq_len=job.seq_len, partition=choice.partition, network=network,
         recompute=_RECOMPUTE[ac], torch_lowering=False, unit_overhead=costs.unit_overhead_s,
+        length_multiple=job.length_multiple,
     )
     config = replace(config, cost=costs.cost_for(choice, pp, subsequence_lengths(config)))
     unit = seconds_per_time_unit(config)
@@ -374,10 +396,11 @@ def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> 
     if pp * choice.stages_per_rank // choice.parameter_copies > n_layers:
         return False  # a chunk without a layer
     try:
-        if choice.schedule in SEQUENCE_SCHEDULES:
+        if choice.parameter_copies > 1:  # the two-chain schedules check a shape without building its lists
             SEQUENCE_SCHEDULES[choice.schedule].check_shape(pp, microbatches, choice.num_subsequences)
-        else:
-            build(SimConfig(choice.schedule, pp, microbatches, stages_per_rank=choice.stages_per_rank))
+        else:  # the lists, built once: the simulation and the memory model take them again at N <= 2p
+            build(SimConfig(choice.schedule, pp, microbatches, choice.num_subsequences,
+                            stages_per_rank=choice.stages_per_rank))
     except ValueError:
         return False
     return True
@@ -390,7 +413,7 @@ def memory(
     return predict_memory(MemoryConfig(
         job.flavor, job.seq_len, choice.schedule, pp, job.local_batch_size, choice.num_subsequences,
         choice.partition, choice.stages_per_rank, tp=tp, dp_shard=cluster.gpus // (pp * tp),
-        activation_checkpoint=ac, device=cluster.device,
+        activation_checkpoint=ac, device=cluster.device, length_multiple=job.length_multiple,
     ))
 
 
@@ -411,7 +434,57 @@ def _measure(c: _Candidate, job: Job, cluster: Cluster, costs: _Costs, args, pea
     step = _simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs)
     seconds = step.seconds + n * _tp_seconds(args, job.seq_len, c.pp, c.tp, _RECOMPUTE[c.ac], cluster)
     return Plan(c.choice.schedule, c.pp, c.tp, c.dp, c.choice.num_subsequences, c.choice.partition,
-                c.choice.stages_per_rank, c.ac, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits)
+                c.choice.stages_per_rank, c.ac, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits,
+                tuple(job.shape(c.choice, c.tp).lengths), job.length_multiple)
+
+
+def _lengths(job: Job, choice: ScheduleChoice, tp: int) -> list[int] | None:
+    """The cut of ``choice`` at TP ``tp``, None where there is none (seq_len not a multiple of
+    lcm(length_multiple, tp), or fewer pieces than k)."""
+    try:
+        return job.shape(choice, tp).lengths
+    except ValueError:
+        return None
+
+
+def _candidates(choice: ScheduleChoice, by_pp: dict[int, list[tuple[int, int]]], job: Job, cluster: Cluster,
+                costs: _Costs, args, cost: UnitCost) -> list[_Candidate]:
+    """``choice`` on every mesh and AC mode that can run it (and cut the sequence), with its bound."""
+    n, out = job.local_batch_size, []
+    tps = {tp for splits in by_pp.values() for tp, _ in splits}
+    cuts = {tp: lengths for tp in tps if (lengths := _lengths(job, choice, tp)) is not None}
+    for pp, splits in by_pp.items():
+        if not cuts or not _runs(choice, pp, n, args.n_layers):
+            continue
+        for ac in AC_MODES:
+            r = _RECOMPUTE[ac]
+            for tp, dp in splits:
+                if tp not in cuts:
+                    continue
+                lengths = cuts[tp]
+                flops = n * _step_flops(cost, args.n_layers, lengths, pp, r) + _fill_flops(
+                    choice, cost, args.n_layers, lengths, pp, r)
+                # Every rank runs N k units on its n_layers / pp layers, each at the fixed cost.
+                fixed = n * len(lengths) * args.n_layers / pp * costs.unit_overhead_s
+                seconds = flops / (tp * costs.flops_per_gpu) + fixed + n * _tp_seconds(
+                    args, job.seq_len, pp, tp, r, cluster)
+                out.append(_Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds))
+    return out
+
+
+@contextlib.contextmanager
+def _without_cycle_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a while (as it was after). The search makes
+    millions of small acyclic objects (actions, steps, tuples), which reference counting frees;
+    each of the collections they would set off walks every live object, torch's own included,
+    which took a third of the planner's time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
@@ -421,35 +494,23 @@ def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
     Raises ValueError, naming the setting, for an unknown flavor, GPU counts no
     degrees divide, or a memory budget nothing fits.
     """
+    with _without_cycle_collection():
+        return _search(job, cluster, top)
+
+
+def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
+    """:func:`plan`'s search (see the module docstring)."""
     if (args := flavor_shape(job.flavor)) is None:
         raise ValueError(f"--flavor {job.flavor!r} does not exist: use one of {sorted(flavor_shapes)}")
-    if job.seq_len < 2 or job.local_batch_size < 1 or cluster.gpu_memory_gib <= 0:
-        raise ValueError("--seq-len, --local-batch-size and --gpu-memory-gib must be positive (seq-len at least 2)")
+    if min(job.seq_len - 1, job.local_batch_size, job.length_multiple, cluster.gpu_memory_gib) <= 0:
+        raise ValueError("--seq-len, --local-batch-size, --length-multiple and --gpu-memory-gib must be positive "
+                         "(seq-len at least 2)")
     costs = _Costs.load(job, cluster, args)
     cost = UnitCost.from_model_args(args)
-    n = job.local_batch_size
     by_pp: dict[int, list[tuple[int, int]]] = {}
     for pp, tp, dp in _meshes(job, cluster, args):
         by_pp.setdefault(pp, []).append((tp, dp))
-    candidates: list[_Candidate] = []
-    for choice in CHOICES:
-        if choice.num_subsequences > job.seq_len:
-            continue
-        lengths = [job.seq_len] if choice.schedule not in SEQUENCE_SCHEDULES else partition_sequence(
-            job.seq_len, choice.num_subsequences, choice.partition, cost=cost)
-        for pp, splits in by_pp.items():
-            if not _runs(choice, pp, n, args.n_layers):
-                continue
-            for ac in AC_MODES:
-                r = _RECOMPUTE[ac]
-                flops = n * _step_flops(cost, args.n_layers, lengths, pp, r) + _fill_flops(
-                    choice, cost, args.n_layers, lengths, pp, r)
-                # Every rank runs N k units on its n_layers / pp layers, each at the fixed cost.
-                fixed = n * len(lengths) * args.n_layers / pp * costs.unit_overhead_s
-                for tp, dp in splits:
-                    seconds = flops / (tp * costs.flops_per_gpu) + fixed + n * _tp_seconds(
-                        args, job.seq_len, pp, tp, r, cluster)
-                    candidates.append(_Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds))
+    candidates = [c for choice in CHOICES for c in _candidates(choice, by_pp, job, cluster, costs, args, cost)]
     # Best bound first. A configuration is slower than one with no more TP and no more
     # recomputation (its bound is lower, so that one comes first): once one fits, the
     # heavier ones of its schedule and pp are skipped. Memory is only asked of what is visited.
@@ -465,7 +526,7 @@ def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
         if any(t <= c.tp and a <= level for t, a in kept.get(key, [])):
             continue
         if key not in lightest:  # the most TP with full AC: if that does not fit, nothing of key does
-            tp, dp = by_pp[c.pp][-1]
+            tp, dp = [(t, d) for t, d in by_pp[c.pp] if _lengths(job, c.choice, t) is not None][-1]
             need = gib(memory(job, cluster, c.choice, c.pp, tp, "full").total)
             lightest[key] = need <= cluster.gpu_memory_gib
             if not lightest[key]:
@@ -488,7 +549,8 @@ def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
         )
     over = [
         Plan(c.choice.schedule, c.pp, c.tp, c.dp, c.choice.num_subsequences, c.choice.partition,
-             c.choice.stages_per_rank, c.ac, math.nan, need, math.nan, False)
+             c.choice.stages_per_rank, c.ac, math.nan, need, math.nan, False,
+             tuple(job.shape(c.choice, c.tp).lengths), job.length_multiple)
         for need, c in closest
     ] if len(fitting) < top else []
     return fitting[:top] + over
@@ -516,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="sequences per data-parallel rank and step (one per microbatch)")
     parser.add_argument("--tp", type=int, help="fix the TP degree (default: search 1, 2, 4, 8)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--length-multiple", type=int, default=LENGTH_MULTIPLE,
+                        help="sequence_pipeline.length_multiple: every subsequence length a multiple of it and of "
+                        "the TP degree (default %(default)s)")
     parser.add_argument("--tflops", type=float, default=Cluster.flops_per_gpu / 1e12,
                         help="achieved TFLOP/s per GPU of the cost model (default %(default)g)")
     parser.add_argument("--unit-overhead-ms", type=float, default=Cluster.unit_overhead_s * 1e3,
@@ -527,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object: plans and overrides")
     a = parser.parse_args(argv)
     costs = tuple(f for path in a.cost for f in (sorted(path.glob("cost_*.json")) if path.is_dir() else [path]))
-    job = Job(a.flavor, a.seq_len, a.local_batch_size, a.tp, costs)
+    job = Job(a.flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple)
     cluster = Cluster(a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12,
                       unit_overhead_s=a.unit_overhead_ms / 1e3)
     try:
@@ -551,4 +616,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Out without the interpreter's teardown, which frees the search's cached action lists one object at
+    # a time (1-2 s after the answer); the planner holds nothing else to release.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -12,7 +12,8 @@ import torchtitan_seq
 
 PACKAGE = Path(torchtitan_seq.__file__).parent
 RUNTIME = ["stage", "schedules", "trainer", "metrics", "pipeline", "kv_context", "attention", "timeline"]
-CORE = ["kv_context", "attention", "partition", "stage", "schedules", "loss", "ordering", "memory", "timeline", "render"]
+CORE = ["kv_context", "attention", "partition", "shape", "stage", "schedules", "loss", "ordering", "memory", "timeline",
+        "render"]
 
 
 def _modules() -> list[str]:

@@ -41,7 +41,7 @@ def _config(row: dict, mode: str) -> mm.MemoryConfig:
     return mm.MemoryConfig(
         "debugmodel", row["seq_len"], row["schedule"], pp=row["pp"], microbatches=row["microbatches"],
         subsequences=row["num_subsequences"], partition=row["partition"] or "even", device="cpu",
-        activation_checkpoint=mode,
+        activation_checkpoint=mode, length_multiple=64,  # the runs' train_configs/debug_model.toml
     )
 
 

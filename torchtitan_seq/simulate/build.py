@@ -38,6 +38,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from ..ordering import B, F, feeds, validate_unit_order
 from ..partition import Partition
 from ..schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ActionLists, BidirectionalLayout, Placement, lower_chains
+from ..shape import LENGTH_MULTIPLE
 from .network import Network
 
 __all__ = ["SimConfig", "MockStage", "Built", "build", "lower", "compute_leaves",
@@ -75,6 +76,9 @@ class SimConfig:
     document_length: float = 0.0
     """Packed documents (block-causal attention): expected tokens per document, for the
     'transformer' cost and the partitions; 0: causal."""
+    length_multiple: int = LENGTH_MULTIPLE
+    """Every subsequence length is a multiple of this and of ``network.tensor_parallel``, as
+    ``sequence_pipeline.length_multiple`` makes the runtime cut (:class:`~torchtitan_seq.shape.JobShape`)."""
     recompute: float = 0.0
     """Forwards recomputed per backward under activation checkpointing: 1 for ``full``,
     1/n for torchtitan's layer-level ``selective`` (every n-th block); added to B and I."""

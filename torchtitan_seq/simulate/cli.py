@@ -26,6 +26,7 @@ from pathlib import Path
 from ..partition import PARTITIONS
 from ..render import chrome_trace, compute_csv, render_svg
 from ..schedules import PLACEMENTS, SEQUENCE_SCHEDULES, TORCH_SCHEDULES
+from ..shape import LENGTH_MULTIPLE
 from .build import SimConfig
 from .engine import simulate
 from .network import Link, Network
@@ -49,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--flavor", default="debugmodel", help="model flavor (transformer cost, compute partition)")
     ap.add_argument("--seq-len", type=int, default=2048, help="S, tokens per sequence")
     ap.add_argument("--partition", default="even", choices=PARTITIONS)
+    ap.add_argument("--length-multiple", type=int, default=LENGTH_MULTIPLE,
+                    help="every length a multiple of this and of --tensor-parallel (default %(default)s)")
     ap.add_argument("--document-length", type=float, default=0.0,
                     help="packed documents: expected tokens per document (block-causal attention); 0: causal")
     ap.add_argument("--recompute", type=float, default=0.0,

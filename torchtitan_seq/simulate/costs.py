@@ -45,14 +45,17 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import numpy as np
 
 from ..flavors import ModelShape, flavor_shape, flavor_shapes
-from ..partition import UnitCost, partition_sequence
+from ..partition import UnitCost
+from ..schedules import SEQUENCE_SCHEDULES
+from ..shape import JobShape
 from .build import SimConfig
 
 if TYPE_CHECKING:
     from torchtitan.models.llama3 import TransformerModelArgs
 
 __all__ = [
-    "UnitTimes", "ChunkTimes", "unit_times", "unit_and_chunk_times", "transformer_times", "subsequence_lengths", "model_args",
+    "UnitTimes", "ChunkTimes", "unit_times", "unit_and_chunk_times", "transformer_times", "job_shape",
+    "subsequence_lengths", "model_args",
     "seconds_per_time_unit", "UnitCostFit", "fit_unit_costs", "fit_cost_files",
 ]
 
@@ -251,7 +254,17 @@ def seconds_per_time_unit(config: SimConfig) -> float:
     return 1.0
 
 
-def subsequence_lengths(config: SimConfig) -> list[int]:
-    """Lengths of ``config``'s k subsequences under its partition."""
+def job_shape(config: SimConfig) -> JobShape:
+    """``config``'s :class:`~torchtitan_seq.shape.JobShape`: its cut as the runtime makes it (TP from
+    ``config.network``); torch's schedules run whole sequences."""
     cost = _model_cost(config) if config.partition != "even" else None
-    return partition_sequence(config.seq_len, config.subsequences, config.partition, cost=cost)
+    return JobShape(
+        config.seq_len, config.subsequences, config.partition, cost, config.length_multiple,
+        config.network.tensor_parallel, config.microbatches, config.stages_per_rank,
+        whole=config.schedule not in SEQUENCE_SCHEDULES,
+    )
+
+
+def subsequence_lengths(config: SimConfig) -> list[int]:
+    """Lengths of ``config``'s k subsequences under its partition (:func:`job_shape`)."""
+    return job_shape(config).lengths

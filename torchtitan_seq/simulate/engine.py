@@ -126,7 +126,7 @@ _SUMMARY = (
 )
 
 Transfer = Callable[[int, int, int], float]
-"""(source rank, destination rank, unit id) -> time from a SEND to its data on the destination."""
+"""(source rank, destination rank, subsequence j) -> time from a SEND to its data on the destination."""
 
 Key = tuple[int, Any, int]
 """An action as (stage, computation type, unit): a plain tuple, quicker to make than an ``_Action``
@@ -213,10 +213,11 @@ def _prepare(
     ids: dict[Key, int] = {}
 
     def step(i: int, leaf: _Action) -> _Step:
-        needs = tuple(
-            (tuple(ids.setdefault(o, len(ids)) for o in opts), src, dst)
+        # Lists, not generators, inside: the planner's shapes make hundreds of thousands of steps.
+        needs = tuple([
+            (tuple([ids.setdefault(o, len(ids)) for o in opts]), src, dst)
             for opts, src, dst in _needs(leaf, stage_to_rank, chain_length)
-        )
+        ])
         return _Step(i, leaf, ids.setdefault(leaf[:3], len(ids)), leaf.is_compute_op, needs)
 
     # An OVERLAP_F_B runs its sub-actions in sequence, each waiting for its inputs.
@@ -226,9 +227,9 @@ def _prepare(
 
 
 def _run(
-    prepared: _Prepared, duration: Callable[[_Action], float], transfer: Transfer
+    prepared: _Prepared, duration: Callable[[_Action], float], transfer: Transfer, k: int
 ) -> tuple[dict[int, list[Interval]], Deadlock | None]:
-    """Run every rank's list in order; the times are final once known, so
+    """Run every rank's list in order (units of k subsequences); the times are final once known, so
     advancing ranks round-robin as far as their inputs allow is exact."""
     flat = prepared.steps
     finished: list[float | None] = [None] * len(prepared.keys)
@@ -243,11 +244,18 @@ def _run(
                 _, a, ident, compute, needs = acts[pos[r]]
                 start = clock[r]
                 for opts, src, dst in needs:
-                    done = [t for t in map(finished.__getitem__, opts) if t is not None]
-                    if not done:
+                    ready = None  # the first of ``opts`` to finish
+                    for o in opts:
+                        t = finished[o]
+                        if t is not None and (ready is None or t < ready):
+                            ready = t
+                    if ready is None:
                         waiting[r] = opts
                         break
-                    start = max(start, min(done) + (transfer(src, dst, a.microbatch_index) if src >= 0 else 0.0))
+                    if src >= 0:
+                        ready += transfer(src, dst, a.microbatch_index % k)
+                    if ready > start:
+                        start = ready
                 else:
                     end = start + duration(a) if compute else start
                     if compute:
@@ -358,11 +366,11 @@ def simulate_order(
     def duration(a: _Action) -> float:
         return per_stage[a.stage_index][a.computation_type][a.microbatch_index % k]
 
-    @functools.cache  # asked for every SEND; a few rank pairs and units
-    def transfer(src: int, dst: int, unit: int) -> float:
-        return comm_latency + (transfers.send(src, dst, unit % k) if transfers else 0.0)
+    @functools.cache  # asked for every SEND; a few rank pairs and subsequences
+    def transfer(src: int, dst: int, j: int) -> float:
+        return comm_latency + (transfers.send(src, dst, j) if transfers else 0.0)
 
-    timeline, deadlock = _run(prepared, duration, transfer)
+    timeline, deadlock = _run(prepared, duration, transfer, k)
     copies_synced = (
         _sync_copies(timeline, stage_to_rank, chain_length, parameter_copies, transfers)
         if parameter_copies > 1

@@ -102,7 +102,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
@@ -110,8 +109,9 @@ import numpy as np
 
 from ..flavors import ModelShape, chunk_split, flavor_shape, flavor_shapes
 from ..ordering import B, F, I, W
-from ..partition import Partition, UnitCost, ffn_hidden_dim, partition_sequence
+from ..partition import Partition, ffn_hidden_dim
 from ..schedules import SEQUENCE_SCHEDULES
+from ..shape import LENGTH_MULTIPLE, JobShape
 from .build import SimConfig, build, compute_leaves
 from .network import chunk_parameters
 
@@ -183,7 +183,7 @@ class MemoryConfig:
     """States per parameter (AdamW: 2)."""
     optimizer_dtype: DType = "float32"
     """dtype of the optimizer states."""
-    length_multiple: int = 64
+    length_multiple: int = LENGTH_MULTIPLE
     """``sequence_pipeline.length_multiple`` (lengths are multiples of it and of tp)."""
 
     def __post_init__(self) -> None:
@@ -210,6 +210,15 @@ class MemoryConfig:
         if (shape := flavor_shape(self.model)) is None:
             raise ValueError(f"model = {self.model!r}: use one of {sorted(flavor_shapes)} or TransformerModelArgs")
         return shape
+
+    @property
+    def shape(self) -> JobShape:
+        """The job's cut and microbatches, as the runtime derives them (:class:`~torchtitan_seq.shape.JobShape`)."""
+        return JobShape.of_model(
+            self.model_args, self.seq_len, self.subsequences, self.partition, length_multiple=self.length_multiple,
+            tp=self.tp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank,
+            whole=self.schedule not in SEQUENCE_SCHEDULES,
+        )
 
     @property
     def fsdp(self) -> bool:
@@ -261,7 +270,7 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
     """Peak bytes per rank of ``config``'s job; the fullest rank's fields at the top level."""
     args, c = config.model_args, config
     a = _bytes(c.activation_dtype, "compute_dtype")
-    lengths = _lengths(c, args)
+    lengths = c.shape.lengths
     plan = _plan(c.schedule, c.pp, c.microbatches, c.subsequences, c.stages_per_rank, c.split_backward)
     chunks = _chunk_split(args.n_layers, plan.chain_length)
     tokens = [length * c.microbatch_size for length in lengths]
@@ -466,16 +475,6 @@ def _bytes(dtype: str, name: str) -> int:
 def _kv_width(args: TransformerModelArgs) -> int:
     """Hkv hd: K (or V) values per token and layer."""
     return (args.n_kv_heads or args.n_heads) * (args.dim // args.n_heads)
-
-
-def _lengths(c: MemoryConfig, args: TransformerModelArgs) -> list[int]:
-    """Unit lengths, as the runtime cuts them (``pipeline.sequence_lengths``)."""
-    if c.schedule not in SEQUENCE_SCHEDULES:
-        return [c.seq_len]
-    cost = UnitCost.from_model_args(args) if c.partition != "even" else None
-    return partition_sequence(
-        c.seq_len, c.subsequences, c.partition, multiple=math.lcm(c.length_multiple, c.tp), cost=cost
-    )
 
 
 @functools.lru_cache(maxsize=256)
