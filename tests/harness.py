@@ -210,7 +210,7 @@ class Batch:
     documents: torch.Tensor | None = None
 
 
-def _models(v: Variant):
+def _models(v: Variant) -> tuple[object, torch.nn.Module, torch.nn.Module]:
     """``(args, whole, reference)``: the tiny model with the test weights, and its copy whose
     attention is SDPA over the whole sequence (with the dense document mask)."""
     import copy
