@@ -43,7 +43,7 @@ FULL_STEP = StepSizes(
     model=dict(dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, multiple_of=256, rope_theta=500000, vocab_size=2048),
     seq_len=8192, k=4, microbatches=2, dtype=torch.bfloat16, weight_std=None,
 )
-# tests/exactness.py's model and weights: every gradient far above fp32 round-off
+# tests/harness.py's model and weights: every gradient far above fp32 round-off
 TINY_STEP = StepSizes(
     model=dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=16, rope_theta=10000, vocab_size=64),
     seq_len=64, k=4, microbatches=2, dtype=torch.float32, weight_std=0.1,

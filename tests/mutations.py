@@ -1,7 +1,7 @@
 """Mutations: each breaks one mechanism of exactness on purpose.
 
 A mutation is a set of ``unittest.mock`` patches applied on every rank while
-the exactness harness (:mod:`exactness`) runs a schedule; ``test_mutations.py``
+the exactness harness (:mod:`harness`) runs a schedule; ``test_mutations.py``
 asserts that each one misses the full-sequence reference by a wide margin.
 A mechanism whose mutation passes is not guarded by the exactness tests.
 """

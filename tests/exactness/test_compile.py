@@ -7,7 +7,7 @@ graphs these variants share. The eager exactness tests hold the wider matrix.
 """
 
 import pytest
-from exactness import TOL, Variant, assert_breaks_exactness, assert_exact, run_variants
+from harness import TOL, Variant, assert_breaks_exactness, assert_exact, run_variants
 
 pytestmark = pytest.mark.slow
 

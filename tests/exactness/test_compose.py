@@ -1,7 +1,7 @@
 """Sequence schedules composed with torchtitan's activation checkpointing, FSDP2, TP and DCP."""
 
 import pytest
-from exactness import Variant, assert_exact, run_variants
+from harness import Variant, assert_exact, run_variants
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 import itertools
 
 import pytest
-from exactness import Variant, assert_exact, run_variants
+from harness import Variant, assert_exact, run_variants
 
 
 EXACT = [

@@ -11,7 +11,7 @@ the mutation alone.
 """
 
 import pytest
-from exactness import TOL, Variant, assert_breaks_exactness, run_variants
+from harness import TOL, Variant, assert_breaks_exactness, run_variants
 from mutations import MUTATIONS
 
 pytestmark = pytest.mark.slow

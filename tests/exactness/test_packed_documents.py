@@ -1,14 +1,14 @@
 """Packed documents (block-causal attention) through every sequence schedule, against the
 single-process whole-sequence reference with a dense document mask, on gloo ranks.
 
-The layouts (``exactness.DOCUMENT_LAYOUTS``) hold a document that spans several units,
+The layouts (``harness.DOCUMENT_LAYOUTS``) hold a document that spans several units,
 one that ends exactly at a unit boundary, a unit holding several whole documents,
 one-token documents, a sequence that is one document and a sequence with no EOS.
 The mutation of a unit attending across a document boundary is in test_mutations.py.
 """
 
 import pytest
-from exactness import Variant, assert_exact, run_variants
+from harness import Variant, assert_exact, run_variants
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ import weakref
 
 import pytest
 import torch
-from exactness import TOL, init_test_weights, model_args
+from harness import TOL, init_test_weights, model_args
 from mutations import MutationContext, patches
 from torchtitan.models.llama3 import Transformer
 
@@ -245,7 +245,7 @@ def test_kernel_calls_per_unit(aligned, lengths, packed):
     one two for j > 0 (prefix unmasked, diagonal causal) and one for j = 0. With documents, per
     batch row: one causal call per document piece in the unit, plus (top-left) one unmasked
     call where the document continuing into the unit started before it."""
-    from exactness import EOS, packed_tokens
+    from harness import EOS, packed_tokens
 
     from torchtitan_seq.documents import Documents, document_ids
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from exactness import EOS, init_test_weights, model_args, packed_tokens
+from harness import EOS, init_test_weights, model_args, packed_tokens
 
 from torchtitan_seq.documents import Documents, document_ids, document_mask
 from torchtitan_seq.kv_context import KVContext, Unit

@@ -1,4 +1,4 @@
-"""Multi-process exactness harness: a sequence schedule against the full-sequence reference.
+"""The exactness harness: a sequence schedule on gloo ranks against the full-sequence reference.
 
 Each variant builds a tiny Llama 3 (GQA, fp32), computes the reference loss and
 gradients on the whole sequence in one process, then trains the same weights
@@ -10,16 +10,25 @@ error over the reference loss. With ``optimizer_steps`` both sides first take
 that many SGD steps, so the compared step also checks what happens between
 steps (BSIPipe's and Chimera's copies). A ``mutation`` (:mod:`mutations`) breaks one
 mechanism on purpose.
+
+A variant runs in named steps (:func:`_run_variant`): the models, the batches, this rank's
+parallelised chunks and stages, the mutation's patches, the training of both sides, the
+report; :func:`run_variants` spawns the ranks and merges their reports. The tests using it
+are in ``tests/exactness/``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import multiprocessing.forkserver
 import os
 import socket
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -47,6 +56,8 @@ class Variant:
     tp: int = 1  # tensor-parallel degree, likewise
     compile: str | None = None  # torch.compile backend of torchtitan's per-block compile, e.g. "inductor"
     documents: bool = False  # packed documents (block-causal attention), laid out by packed_tokens
+    optimizer_steps: int = 0  # SGD steps (and BSIPipe/Chimera copy syncs) on both sides before the compared step
+    mutation: str | None = None  # a mechanism broken on purpose: a key of mutations.MUTATIONS
 
     @property
     def world(self) -> int:
@@ -57,8 +68,11 @@ class Variant:
         from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 
         return SEQUENCE_SCHEDULES[self.schedule].stages_per_rank
-    optimizer_steps: int = 0  # SGD steps (and BSIPipe/Chimera copy syncs) on both sides before the compared step
-    mutation: str | None = None  # a mechanism broken on purpose: a key of mutations.MUTATIONS
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of a step's batch over all data-parallel ranks: two per microbatch."""
+        return 2 * self.microbatches
 
 
 def model_args(seq_len: int, n_layers: int = 4):
@@ -187,19 +201,21 @@ def _relative_errors(chunks, ref_grads: dict) -> dict[str, float]:
     return errors
 
 
-def _run_variant(v: Variant, rank: int) -> dict:
+@dataclass
+class Batch:
+    """One step's data, (batch, seq_len) each: token ids, labels, and document ids (None: causal)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    documents: torch.Tensor | None = None
+
+
+def _models(v: Variant) -> tuple[object, torch.nn.Module, torch.nn.Module]:
+    """``(args, whole, reference)``: the tiny model with the test weights, and its copy whose
+    attention is SDPA over the whole sequence (with the dense document mask)."""
     import copy
 
-    from mutations import MutationContext, patches
-    from torch._dynamo.utils import counters
-    from torchtitan.components.loss import cross_entropy_loss
-
-    from torchtitan_seq import schedules
-    from torchtitan_seq.loss import TokenNormalizedLoss
-    from torchtitan_seq.memory import ActivationMemory
     from torchtitan_seq.models.llama3_seq import SeqTransformer
-    from torchtitan_seq.partition import UnitCost, partition_sequence
-    from torchtitan_seq.stage import SequencePipelineStage
 
     args = model_args(v.seq_len, v.layers)
     torch.manual_seed(0)
@@ -208,125 +224,192 @@ def _run_variant(v: Variant, rank: int) -> dict:
     reference = copy.deepcopy(whole)
     for layer in reference.layers.values():
         layer.attention.inner_attention = DenseDocumentAttention()
-    reference_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    batch = 2 * v.microbatches
+    return args, whole, reference
+
+
+def _batches(v: Variant, vocab_size: int) -> list[Batch]:
+    """One batch per step, ``optimizer_steps + 1`` of them: the compared (last) step's gradients are
+    not those of a batch the optimizer steps already fitted (small gradients, all cancellation)."""
     g = torch.Generator().manual_seed(1)
-    # One batch per step: the compared step's gradients are not those of a batch the
-    # optimizer steps already fitted (small gradients, all cancellation).
-    batches = [
-        tuple(torch.randint(0, args.vocab_size, (batch, v.seq_len), generator=g) for _ in range(2))
+    pairs = [
+        tuple(torch.randint(0, vocab_size, (v.batch_size, v.seq_len), generator=g) for _ in range(2))
         for _ in range(v.optimizer_steps + 1)
     ]
-    if v.documents:
-        from torchtitan_seq.documents import document_ids
+    if not v.documents:
+        return [Batch(tokens, labels) for tokens, labels in pairs]
+    from torchtitan_seq.documents import document_ids
 
-        # the compared (last) batch has DOCUMENT_LAYOUTS' first rows; earlier ones others
-        batches = [(packed_tokens(batch, v.seq_len, g, shift=len(batches) - 1 - i), labels)
-                   for i, (_, labels) in enumerate(batches)]
-    masks = {id(tokens): document_ids(tokens, EOS) if v.documents else None for tokens, _ in batches}
-    # Each data-parallel rank trains on its slice of the batch and reports its share of the loss.
-    local = slice(None)
-    if v.dp_shard > 1:
-        n = batch // v.dp_shard
-        local = slice(dp_rank_of(rank, v) * n, (dp_rank_of(rank, v) + 1) * n)
+    # the compared (last) batch has DOCUMENT_LAYOUTS' first rows; earlier ones others
+    tokens = [packed_tokens(v.batch_size, v.seq_len, g, shift=len(pairs) - 1 - i) for i in range(len(pairs))]
+    return [Batch(t, labels, document_ids(t, EOS)) for t, (_, labels) in zip(tokens, pairs)]
 
-    def reference_step(tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, dict]:
-        reference.zero_grad(set_to_none=True)
-        logits = reference(tokens, masks[id(tokens)])
-        (cross_entropy_loss(logits, labels) / labels.numel()).backward()
-        loss = float(cross_entropy_loss(logits[local], labels[local]) / labels.numel())
-        return loss, {n: p.grad.clone() for n, p in reference.named_parameters()}
 
-    chunks, pp_mesh, dims = _pipeline_chunks(whole, args, v)
+def _data_parallel_rows(v: Variant, rank: int) -> slice:
+    """The batch rows ``rank`` trains on: its data-parallel slice of the batch."""
+    if v.dp_shard == 1:
+        return slice(None)
+    n = v.batch_size // v.dp_shard
+    return slice(dp_rank_of(rank, v) * n, (dp_rank_of(rank, v) + 1) * n)
+
+
+class _Reference:
+    """The whole model in one process, stepped by SGD as the pipeline's chunks are."""
+
+    def __init__(self, model: torch.nn.Module, rows: slice) -> None:
+        self.model, self.rows = model, rows
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step(self, b: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+        """The gradients of the whole batch's loss, and this rank's rows' share of that loss."""
+        from torchtitan.components.loss import cross_entropy_loss
+
+        self.model.zero_grad(set_to_none=True)
+        logits = self.model(b.tokens, b.documents)  # (batch, seq_len, vocab)
+        (cross_entropy_loss(logits, b.labels) / b.labels.numel()).backward()
+        loss = float(cross_entropy_loss(logits[self.rows], b.labels[self.rows]) / b.labels.numel())
+        return loss, {n: p.grad.clone() for n, p in self.model.named_parameters()}
+
+
+def _stages(v: Variant, args, chunks, pp_mesh) -> list:
+    """This rank's pipeline stages over ``chunks``, cut into the variant's units."""
+    from torchtitan_seq.partition import UnitCost, partition_sequence
+    from torchtitan_seq.stage import SequencePipelineStage
+
     # Sequence parallelism shards every unit evenly over the TP ranks.
-    lengths = partition_sequence(
-        v.seq_len, v.k, v.partition, multiple=v.tp, cost=UnitCost.from_model_args(args)
-    )
-    stages = [
+    lengths = partition_sequence(v.seq_len, v.k, v.partition, multiple=v.tp, cost=UnitCost.from_model_args(args))
+    return [
         SequencePipelineStage(
             chunk, index, v.pp * v.stages_per_rank, torch.device("cpu"), lengths=lengths,
             chain_length=chain, group=pp_mesh.get_group(),
         )
         for index, chain, chunk in chunks
     ]
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    loss_fn = TokenNormalizedLoss(cross_entropy_loss)
-    loss_fn.denominator = batch * v.seq_len
-    params = [p for _, _, chunk in chunks for p in chunk.parameters()]
-    opt = torch.optim.SGD(params, lr=LR)
+
+
+@contextlib.contextmanager
+def _mutated(v: Variant, dims) -> Iterator[None]:
+    """The variant's mutation (none without one) applied while the context is open."""
+    from mutations import MutationContext, patches
+
     context = MutationContext(
         schedule=v.schedule,
         units_per_step=v.microbatches * v.k * v.dp_shard,
         tp_group=dims.get_mesh("tp").get_group() if v.tp > 1 else None,
     )
-    mutation = patches(v.mutation, context)
-    for p in mutation:
-        p.start()
-    memory = ActivationMemory()
-    activations_left, peaks, copies_diff, graphs = [], [], [], []
-    torch._dynamo.reset()  # graphs and counters of this variant alone
-    counters.clear()
-    try:
-        sched = schedules.SEQUENCE_SCHEDULES[v.schedule](
-            stages, v.microbatches, loss_fn, split_backward=v.split_backward
-        )
+    with contextlib.ExitStack() as stack:
+        for patch in patches(v.mutation, context):
+            stack.enter_context(patch)
+        yield
 
-        def step(tokens: torch.Tensor, labels: torch.Tensor, repeats: int = 1) -> list | None:
-            for _ in range(repeats):
-                opt.zero_grad(set_to_none=True)
-                losses = [] if last else None
-                with memory.track():
-                    ids = masks[id(tokens)]
-                    sched.step(*((tokens[local],) if first else ()),
-                               target=labels[local] if last else None, losses=losses,
-                               attention_masks=ids[local] if ids is not None else None)
-                activations_left.append(memory.current)
-                peaks.append(memory.peak)
-                graphs.append(counters["stats"]["unique_graphs"])
-            return losses
 
-        for tokens, labels in batches[:-1]:
-            step(tokens, labels)
-            reference_step(tokens, labels)
-            opt.step()
-            reference_opt.step()
-            sched.after_optimizer_step()  # as the trainer's optimizer hook does
-            if hasattr(sched, "copies"):  # BSIPipe, Chimera
-                copies_diff.append(sched.copies.max_difference())
-        losses = step(*batches[-1], repeats=v.steps)
-        ref_loss, ref_grads = reference_step(*batches[-1])
-    finally:
-        for p in mutation:
-            p.stop()
+class _PipelineRun:
+    """This rank's stages under the variant's schedule and an SGD optimizer, and what each step
+    leaves behind: saved activations, their peak, compiled graphs, the copies' difference."""
+
+    def __init__(self, v: Variant, chunks, stages: list, rows: slice) -> None:
+        from torch._dynamo.utils import counters
+        from torchtitan.components.loss import cross_entropy_loss
+
+        from torchtitan_seq.loss import TokenNormalizedLoss
+        from torchtitan_seq.memory import ActivationMemory
+        from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+
+        self.rows = rows
+        self.first, self.last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+        loss_fn = TokenNormalizedLoss(cross_entropy_loss)
+        loss_fn.denominator = v.batch_size * v.seq_len
+        self.optimizer = torch.optim.SGD([p for _, _, chunk in chunks for p in chunk.parameters()], lr=LR)
+        self.memory = ActivationMemory()
+        self.activations_left: list[int] = []
+        self.peaks: list[int] = []
+        self.graphs: list[int] = []  # compiled graphs so far, after each step
+        self.copies_diff: list[float] = []
+        torch._dynamo.reset()  # graphs and counters of this variant alone
+        counters.clear()
+        self.schedule = SEQUENCE_SCHEDULES[v.schedule](stages, v.microbatches, loss_fn,
+                                                       split_backward=v.split_backward)
+
+    def step(self, b: Batch, repeats: int = 1) -> list | None:
+        """``repeats`` schedule steps on ``b``; the last stage's unit losses of the last one."""
+        from torch._dynamo.utils import counters
+
+        rows = self.rows
+        for _ in range(repeats):
+            self.optimizer.zero_grad(set_to_none=True)
+            losses = [] if self.last else None
+            with self.memory.track():
+                self.schedule.step(*((b.tokens[rows],) if self.first else ()),
+                                   target=b.labels[rows] if self.last else None, losses=losses,
+                                   attention_masks=b.documents[rows] if b.documents is not None else None)
+            self.activations_left.append(self.memory.current)
+            self.peaks.append(self.memory.peak)
+            self.graphs.append(counters["stats"]["unique_graphs"])
+        return losses
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.schedule.after_optimizer_step()  # as the trainer's optimizer hook does
+        if hasattr(self.schedule, "copies"):  # BSIPipe, Chimera
+            self.copies_diff.append(self.schedule.copies.max_difference())
+
+
+def _report(run: _PipelineRun, chunks, stages: list, losses: list | None, compared: tuple[float, dict],
+            pp_group) -> dict:
+    """This rank's side of the comparison with the reference's ``compared`` loss and gradients
+    (:func:`run_variants` merges the ranks')."""
+    from torch._dynamo.utils import counters
+
+    ref_loss, ref_grads = compared
     errors = _relative_errors(chunks, ref_grads)
     worst = max(errors, key=errors.get)
-    mirror_grads = sum(p.grad is not None for index, chain, chunk in chunks if index >= chain
-                       for p in chunk.parameters())
     out = {
         "grad_rel": errors[worst],
         "worst_param": worst,
         "ref_grad_min": min(float(g.abs().max()) for g in ref_grads.values()),
         "kv_left": sum(len(s.kv_context) for s in stages),
-        "activations_left": max(activations_left),
-        "peaks": peaks,
-        "mirror_grads": mirror_grads,
-        "copies_diff": copies_diff,
-        "graphs": graphs,  # compiled graphs so far, after each step
+        "activations_left": max(run.activations_left),
+        "peaks": run.peaks,
+        "mirror_grads": sum(p.grad is not None for index, chain, chunk in chunks if index >= chain
+                            for p in chunk.parameters()),
+        "copies_diff": run.copies_diff,
+        "graphs": run.graphs,
         "graph_breaks": sum(counters["graph_break"].values()),
     }
     # Every last stage holds its units' losses (BSIPipe and Chimera have two); the pipeline's sum is the loss.
-    loss = torch.tensor(float(sum(losses)) if last else 0.0)
-    dist.all_reduce(loss, group=pp_mesh.get_group())
-    if last:
+    loss = torch.tensor(float(sum(losses)) if run.last else 0.0)
+    dist.all_reduce(loss, group=pp_group)
+    if run.last:
         out["loss_rel"] = abs(loss.item() - ref_loss) / abs(ref_loss)
         out["n_losses"] = len(losses)
     return out
 
 
+def _run_variant(v: Variant, rank: int) -> dict:
+    """Train the reference and the pipeline on the same batches; report the compared step."""
+    args, whole, model = _models(v)
+    batches = _batches(v, args.vocab_size)
+    rows = _data_parallel_rows(v, rank)
+    reference = _Reference(model, rows)
+    chunks, pp_mesh, dims = _pipeline_chunks(whole, args, v)
+    stages = _stages(v, args, chunks, pp_mesh)
+    with _mutated(v, dims):
+        run = _PipelineRun(v, chunks, stages, rows)
+        for b in batches[:-1]:
+            run.step(b)
+            reference.step(b)
+            run.optimizer_step()
+            reference.optimizer.step()
+        losses = run.step(batches[-1], repeats=v.steps)
+        compared = reference.step(batches[-1])
+    return _report(run, chunks, stages, losses, compared, pp_mesh.get_group())
+
+
 def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: str) -> None:
+    """One rank: every variant in turn in one gloo process group, the reports to ``out_dir``."""
     import json
 
     import torch._functorch.config
+    import torch._inductor.config
 
     from torchtitan_seq import cpu_compat
 
@@ -334,6 +417,8 @@ def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: 
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # The ranks fill the cores: inductor compiles in the rank, without a pool of workers to start.
+    torch._inductor.config.compile_threads = 1
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     results = []
     for v in variants:
@@ -353,35 +438,49 @@ def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: 
     dist.destroy_process_group()
 
 
+def _merge(name: str, recs: list[dict]) -> dict:
+    """One variant's report over all ranks, from each rank's (:func:`_report`, or its error)."""
+    errors = [r["error"] for r in recs if "error" in r]
+    return {
+        "name": name,
+        "error": errors[0] if errors else None,
+        "grad_rel": max((r.get("grad_rel", float("inf")) for r in recs), default=float("inf")),
+        "worst_param": max(recs, key=lambda r: r.get("grad_rel", float("inf"))).get("worst_param"),
+        "ref_grad_min": min((r.get("ref_grad_min", 0.0) for r in recs), default=0.0),
+        "loss_rel": max((r["loss_rel"] for r in recs if "loss_rel" in r), default=float("inf")),
+        "kv_left": sum(r.get("kv_left", 0) for r in recs),
+        "activations_left": max(r.get("activations_left", 0) for r in recs),
+        "peaks": [r.get("peaks") for r in recs],
+        "n_losses": next((r["n_losses"] for r in recs if "n_losses" in r), None),
+        "mirror_grads": sum(r.get("mirror_grads", 0) for r in recs),
+        "copies_diff": [max(d) for d in zip(*(r.get("copies_diff", []) for r in recs))],
+        "graphs": [r.get("graphs") for r in recs],
+        "graph_breaks": sum(r.get("graph_breaks", 0) for r in recs),
+    }
+
+
+def _start_fork_server() -> None:
+    """Start, once per process, the fork server the ranks are forked from, with :mod:`rank_imports`
+    imported: a process group of w ranks then starts in about a second, not w x 6 s of CPU."""
+    multiprocessing.set_forkserver_preload(["rank_imports"])
+    # The server imports it from PYTHONPATH: Python 3.11's server ignores the sys.path it is sent.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))):
+        multiprocessing.forkserver.ensure_running()
+
+
 def run_variants(variants: list[Variant], tmp_path) -> list[dict]:
-    """Run ``variants`` (all on the same number of ranks) and merge the per-rank reports."""
+    """Run ``variants`` (all on the same number of ranks) in one process group and merge the
+    per-rank reports."""
     import json
 
     world = variants[0].world
     assert all(v.world == world for v in variants)
-    mp.spawn(_worker, args=(world, _free_port(), variants, str(tmp_path)), nprocs=world, join=True)
+    _start_fork_server()
+    mp.start_processes(_worker, args=(world, _free_port(), variants, str(tmp_path)), nprocs=world, join=True,
+                       start_method="forkserver")
     per_rank = [json.load(open(os.path.join(tmp_path, f"rank{r}.json"))) for r in range(world)]
-    merged = []
-    for i, v in enumerate(variants):
-        recs = [per_rank[r][i] for r in range(world)]
-        errors = [r["error"] for r in recs if "error" in r]
-        merged.append({
-            "name": v.name,
-            "error": errors[0] if errors else None,
-            "grad_rel": max((r.get("grad_rel", float("inf")) for r in recs), default=float("inf")),
-            "worst_param": max(recs, key=lambda r: r.get("grad_rel", float("inf"))).get("worst_param"),
-            "ref_grad_min": min((r.get("ref_grad_min", 0.0) for r in recs), default=0.0),
-            "loss_rel": max((r["loss_rel"] for r in recs if "loss_rel" in r), default=float("inf")),
-            "kv_left": sum(r.get("kv_left", 0) for r in recs),
-            "activations_left": max(r.get("activations_left", 0) for r in recs),
-            "peaks": [r.get("peaks") for r in recs],
-            "n_losses": next((r["n_losses"] for r in recs if "n_losses" in r), None),
-            "mirror_grads": sum(r.get("mirror_grads", 0) for r in recs),
-            "copies_diff": [max(d) for d in zip(*(r.get("copies_diff", []) for r in recs))],
-            "graphs": [r.get("graphs") for r in recs],
-            "graph_breaks": sum(r.get("graph_breaks", 0) for r in recs),
-        })
-    return merged
+    return [_merge(v.name, [per_rank[r][i] for r in range(world)]) for i, v in enumerate(variants)]
 
 
 def assert_exact(r: dict, n_losses: int | None = None) -> None:
