@@ -8,7 +8,8 @@ from exactness import TOL, init_test_weights, model_args
 from mutations import MutationContext, patches
 from torchtitan.models.llama3 import Transformer
 
-from torchtitan_seq.attention import bind_kv_context, select_kernel
+from torchtitan_seq.attention import bind_kv_context
+from torchtitan_seq.kernels import select_kernel
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.models.llama3_seq import SeqTransformer
 
