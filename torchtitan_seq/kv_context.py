@@ -174,6 +174,7 @@ class KVContext:
 
     @contextlib.contextmanager
     def _running(self, unit: Unit, backward: bool) -> Iterator[None]:
+        """Run ``unit``, forward or ``backward``; one unit at a time."""
         if self.unit is not None:
             raise RuntimeError(f"KVContext: {unit} started while {self.unit} is running")
         self.unit, self._backward = unit, backward
@@ -190,15 +191,15 @@ class KVContext:
     def backward(self, unit: Unit, last_pass: bool = True) -> Iterator[None]:
         """Run a backward pass of ``unit`` (phase BACKWARD, its recomputations RECOMPUTE);
         ``last_pass``: the unit's backward ends with it."""
-        try:
-            with self._running(unit, backward=True):
+        with self._running(unit, backward=True):
+            try:
                 yield
-        finally:
-            if last_pass:
-                done = self._backwards[unit.microbatch] = self._backwards.get(unit.microbatch, 0) + 1
-                if done == unit.num_subsequences:  # the microbatch's last backward on the stage
-                    self._slabs.pop(unit.microbatch, None)
-                    del self._backwards[unit.microbatch]
+            finally:
+                if last_pass:
+                    done = self._backwards[unit.microbatch] = self._backwards.get(unit.microbatch, 0) + 1
+                    if done == unit.num_subsequences:  # the microbatch's last backward on the stage
+                        self._slabs.pop(unit.microbatch, None)
+                        del self._backwards[unit.microbatch]
 
     def recorded(self, layer_id: int) -> KVSlab:
         """The slab that ``layer_id`` wrote in the forward of the unit in backward (phases RECOMPUTE
