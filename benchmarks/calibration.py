@@ -14,7 +14,8 @@ from torch.distributed.pipelining._backward import stage_backward, stage_backwar
 from torchtitan.config import Parallelism
 from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
-from torchtitan_seq.attention import bind_kv_context, select_kernel
+from torchtitan_seq.attention import bind_kv_context
+from torchtitan_seq.kernels import select_kernel
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.memory import ActivationMemory
 from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_seq.attention import CpuSdpaKernel, bind_kv_context
+from torchtitan_seq.attention import bind_kv_context
 from torchtitan_seq.documents import Documents, document_ids
+from torchtitan_seq.kernels import CpuSdpaKernel
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.memory import ActivationMemory
 from torchtitan_seq.ordering import F

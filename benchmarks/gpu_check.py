@@ -43,17 +43,17 @@ import torch.nn.functional as F
 
 from gpu_pipeline import FULL_STEP, TINY_STEP, check_sequence_step
 from gpu_train import check_training
-from torchtitan_seq.attention import (
+from torchtitan_seq.attention import SequenceAttention
+from torchtitan_seq import cpu_compat
+from torchtitan_seq.documents import Documents, document_mask
+from torchtitan_seq.kernels import (
     AttentionKernel,
     CpuSdpaKernel,
     CudaSdpaKernel,
     CudnnSdpaKernel,
     FlashAttnKernel,
-    SequenceAttention,
     select_kernel,
 )
-from torchtitan_seq import cpu_compat
-from torchtitan_seq.documents import Documents, document_mask
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.partition import partition_sequence
 

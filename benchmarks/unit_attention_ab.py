@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from torchtitan_seq.attention import CpuSdpaKernel, SequenceAttention
+from torchtitan_seq.attention import SequenceAttention
+from torchtitan_seq.kernels import CpuSdpaKernel
 from torchtitan_seq.kv_context import KVContext, Unit
 
 

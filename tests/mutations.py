@@ -41,7 +41,7 @@ def _prefix_grads(keep_k: bool, keep_v: bool) -> list:
 
 def _prefix_dq(ctx: MutationContext) -> list:
     """The queries' gradient from the prefix blocks (the unmasked kernel calls) is dropped."""
-    from torchtitan_seq.attention import CpuSdpaKernel
+    from torchtitan_seq.kernels import CpuSdpaKernel
 
     backward = CpuSdpaKernel.backward
 
@@ -107,14 +107,14 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
     import sys
 
     from torchtitan_seq import attention
+    from torchtitan_seq.kv_context import Phase
 
     calls = attention._calls
 
     def without_prefix(documents, offset, length, bottom_right):
         causal, prefix = calls(documents, offset, length, bottom_right)
-        caller = sys._getframe(1)  # the forward op recomputes when it reads a slab outside a forward
-        recomputing = (caller.f_code.co_name == "_unit_attention" and caller.f_locals.get("slab") is not None
-                       and caller.f_locals["context"].unit is None)
+        caller = sys._getframe(1)  # the forward op, in the phase the KV context gave it
+        recomputing = caller.f_code.co_name == "_unit_attention" and caller.f_locals.get("phase") is Phase.RECOMPUTE
         return causal, [] if recomputing else prefix
     return [mock.patch.object(attention, "_calls", without_prefix)]
 

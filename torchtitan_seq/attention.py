@@ -1,4 +1,6 @@
-"""Chunk-aware causal attention for one unit of a subsequence pipeline.
+"""Chunk-aware causal attention for one unit of a subsequence pipeline: the attention op, its
+autograd, and its binding to a stage's KV context (the block kernels it calls are in
+:mod:`torchtitan_seq.kernels`).
 
 A unit's queries cover positions [s, s+L) of the sequence; its keys are the
 prefix [0, s) and its own [s, s+L), all in its microbatch's K/V slab (written by the
@@ -11,13 +13,21 @@ once (one add of two calls), dK/dV of the prefix added in place into the slab's 
 which the earlier units' backward reads. The unit saves only views of the slab, q, its
 output and the log-sum-exp: no concatenated K/V and no mask are ever built.
 
+What a call does is the context's phase (:class:`~torchtitan_seq.kv_context.Phase`), which the
+op asks for: FORWARD writes the unit's K/V into the slab and reads the prefix; RECOMPUTE (the
+forward again inside the unit's backward, under activation checkpointing) reads the slab and
+writes nothing; BACKWARD reads the slab and sends the prefix its dK/dV. Outside a unit a bound
+layer attends causally over the sequence it is given.
+
 Packed documents (block-causal attention, :mod:`torchtitan_seq.documents`) keep
 this shape: per batch row, each piece of a document within the unit is a causal
 diagonal block, and only the queries of the document that continues into the
 unit read the prefix, from that document's first key on, in one call (or in the
-piece's own call, bottom-right aligned).
+piece's own call, bottom-right aligned). An unbound layer (no pipeline, torch's schedules)
+attends over whole packed sequences with the same calls at offset 0
+(``torchtitan_seq::document_attention``), causal ones by torch's SDPA.
 
-The unit's attention is the custom op ``torchtitan_seq::unit_attention`` with a
+A bound layer's attention is the custom op ``torchtitan_seq::unit_attention`` with a
 backward op of its own: torch.compile keeps it out of the compiled graph, so the KV
 context (Python state) is read and changed when the op runs, never traced. A layer
 names its context by a small CPU tensor of ids, a graph input, so one compiled graph
@@ -26,176 +36,19 @@ serves every layer of a model.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .documents import Documents
-from .kv_context import KVContext, KVSlab
+from .kernels import AttentionKernel, select_kernel
+from .kv_context import KVContext, KVSlab, Phase
 
-__all__ = ["AttentionBackend", "AttentionKernel", "select_kernel", "SequenceAttention", "bind_kv_context"]
-
-AttentionBackend = Literal["auto", "flash", "sdpa"]
-
-
-class AttentionKernel(Protocol):
-    """Block attention with log-sum-exp in torch's SDPA layout: q (B, Hq, Lq, D); k, v
-    (B, Hkv, Lk, D) with Hq a multiple of Hkv. ``forward`` returns out (B, Hq, Lq, D) and
-    lse (B, Hq, Lq) in float32; ``backward`` returns dq, dk, dv shaped like q, k, v.
-
-    ``bottom_right``: a causal call with Lq < Lk aligns its mask at the bottom right (query i
-    attends keys up to i + Lk - Lq), so a unit reads its prefix and its own keys in one call.
-    A kernel that aligns top-left (torch's) gets square causal calls only, and the prefix in
-    an unmasked call of its own: two calls per unit, merged once."""
-
-    bottom_right: bool
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]: ...
-
-    def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]: ...
-
-
-class CpuSdpaKernel:
-    """torch's flash-attention kernel for the CPU (handles GQA natively; causal masks top-left)."""
-
-    bottom_right = False
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
-
-    def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
-
-
-def _expand(t: Tensor, n_rep: int) -> Tensor:
-    return t if n_rep == 1 else t.repeat_interleave(n_rep, dim=1)
-
-
-def _reduce(t: Tensor, n_rep: int) -> Tensor:
-    return t if n_rep == 1 else t.unflatten(1, (-1, n_rep)).sum(2)
-
-
-class CudaSdpaKernel:
-    """torch's own CUDA flash-attention kernel (fp16/bf16), used without flash-attn. It
-    has no GQA support: grouped K/V heads are expanded per call, their gradients summed back.
-    Causal masks align top-left."""
-
-    bottom_right = False
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        n_rep = q.shape[1] // k.shape[1]
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, _expand(k, n_rep), _expand(v, n_rep), 0.0, causal, scale=scale
-        )
-        return out, lse.float()
-
-    def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        n_rep = q.shape[1] // k.shape[1]
-        # None, as the forward returns them: defined sequence offsets select the varlen
-        # kernel, and without dropout the RNG state is never read.
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, _expand(k, n_rep), _expand(v, n_rep), out, lse,
-            None, None, q.shape[2], k.shape[2], 0.0, causal, None, None, scale=scale,
-        )
-        return dq, _reduce(dk, n_rep), _reduce(dv, n_rep)
-
-
-class CudnnSdpaKernel:
-    """torch's cuDNN attention kernel (fp16/bf16), the one torch's SDPA picks on Hopper:
-    1.75x the flash kernel's speed forward + backward on an H200 at 32K tokens
-    (``benchmarks/gpu/2026-11-30``). Grouped K/V heads are expanded as for the flash kernel;
-    the aten op takes no mask alignment (top-left)."""
-
-    bottom_right = False
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        n_rep = q.shape[1] // k.shape[1]
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, _expand(k, n_rep), _expand(v, n_rep), None, True, 0.0, causal, False, scale=scale
-        )
-        return out, lse.view(q.shape[:-1]).float()  # cuDNN's lse is (B, H, L, 1)
-
-    def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        n_rep = q.shape[1] // k.shape[1]
-        # Without dropout the RNG state is not read; no sequence offsets: not the varlen kernel.
-        rng = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, _expand(k, n_rep), _expand(v, n_rep), out.contiguous(), lse.unsqueeze(-1).contiguous(),
-            rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
-        )
-        return dq, _reduce(dk, n_rep), _reduce(dv, n_rep)
-
-
-class FlashAttnKernel:
-    """flash-attn 2 (CUDA). Its layout is (B, L, H, D); GQA is native; causal masks align at
-    the bottom right when Lq < Lk (flash-attn >= 2.1)."""
-
-    bottom_right = True
-
-    def __init__(self) -> None:
-        self._fa = importlib.import_module("flash_attn.flash_attn_interface")
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        out, lse, *_ = self._fa._flash_attn_forward(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
-        )
-        return out.transpose(1, 2), lse.float()
-
-    def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        t = lambda x: x.transpose(1, 2)  # noqa: E731
-        dq, dk, dv = torch.empty_like(t(q)), torch.empty_like(t(k)), torch.empty_like(t(v))
-        self._fa._flash_attn_backward(
-            t(dout).contiguous(), t(q), t(k), t(v), t(out).contiguous(), lse.contiguous(),
-            dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0,
-            alibi_slopes=None, deterministic=False, rng_state=None,
-        )
-        return t(dq), t(dk), t(dv)
-
-
-def select_kernel(device: torch.device, backend: AttentionBackend = "auto") -> AttentionKernel:
-    """The block kernel for ``device``. backend: ``"auto"`` (on CUDA: torch's cuDNN kernel on
-    Hopper and newer, else flash-attn when importable, else torch's flash kernel; on the CPU
-    torch's), ``"flash"`` (flash-attn, an error if absent) or ``"sdpa"`` (torch's kernels)."""
-    if backend not in get_args(AttentionBackend):
-        raise ValueError(f"sequence_pipeline.attention_backend = {backend!r}: use 'auto', 'flash' or 'sdpa'")
-    if device.type != "cuda":
-        if backend == "flash":
-            raise ValueError(
-                "sequence_pipeline.attention_backend = 'flash' needs a CUDA device; use 'sdpa' or 'auto' on the CPU"
-            )
-        return CpuSdpaKernel()
-    hopper = torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
-    if backend == "flash" or (backend == "auto" and not hopper):
-        try:
-            return FlashAttnKernel()
-        except ImportError:
-            if backend == "flash":
-                raise ValueError(
-                    "sequence_pipeline.attention_backend = 'flash' but flash-attn is not "
-                    "installed: `pip install 'torchtitan_seq[gpu]'`, or set it to 'sdpa'"
-                ) from None
-    return CudnnSdpaKernel() if hopper else CudaSdpaKernel()
+__all__ = ["SequenceAttention", "bind_kv_context"]
 
 
 def _merge(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> tuple[Tensor, Tensor]:
@@ -361,97 +214,156 @@ def _heads_inner(out: Tensor) -> Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _whole_sequence(q: Tensor, documents: Tensor | None) -> tuple[AttentionKernel, Documents | None]:
-    """The kernel and packed documents of an unbound call (``documents`` (B, L) ids)."""
-    return select_kernel(q.device), Documents.from_ids(documents)
+def _whole_sequence_forward(
+    kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, documents: Documents | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Causal attention over the whole sequence, block-causal given ``documents`` (one causal call
+    per document piece, no mask, nothing before position 0): q (B, Hq, L, D), k, v (B, Hkv, L, D).
+    Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
+    causal, prefix = _calls(documents, 0, q.shape[2], kernel.bottom_right)
+    return _attention_forward(kernel, q, _Keys((k, v), 0, None), causal, prefix, scale)
+
+
+def _whole_sequence_backward(
+    kernel: AttentionKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    documents: Documents | None, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv (shaped like q, k, v) of :func:`_whole_sequence_forward`, given its ``out`` and ``lse``."""
+    causal, prefix = _calls(documents, 0, q.shape[2], kernel.bottom_right)
+    return _attention_backward(kernel, dout, q, _Keys((k, v), 0, None), out, lse, causal, prefix, scale)
 
 
 @torch.library.custom_op("torchtitan_seq::unit_attention", mutates_args=())
 def _unit_attention(
-    q: Tensor, k: Tensor, v: Tensor, ids: Tensor | None, documents: Tensor | None, scale: float, compiled: bool
+    q: Tensor, k: Tensor, v: Tensor, ids: Tensor, scale: float, compiled: bool
 ) -> tuple[Tensor, Tensor]:
-    """Attention of the current unit over its microbatch's slab (its K/V written there first,
-    except in a recomputation); outside a unit, causal attention over ``q``'s sequence. Unbound
-    (``ids`` None): block-causal attention of whole packed sequences, ``documents`` (B, L) their
-    ids, read only then. ``compiled``: called from a compiled graph (see :func:`_setup_context`).
-    Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
-    slab, offset = None, 0
-    if ids is None:
-        kernel, packed = _whole_sequence(q, documents)
+    """A bound layer's attention (``ids``: its binding), in the KV context's phase: FORWARD, the
+    unit's K/V (B, Hkv, L, D) written into its microbatch's slab first, its queries q (B, Hq, L, D)
+    attend to the prefix and their own keys; RECOMPUTE, the same from the slab the unit's forward
+    wrote, nothing written; outside a unit, causal attention over ``q``'s sequence. ``compiled``:
+    called from a compiled graph (see :func:`_save_unit`). Returns out (B, Hq, L, D) and lse
+    (B, Hq, L) float32."""
+    context, kernel, layer_id = _bound(ids)
+    phase = context.phase(forward=True)
+    if phase is None:
+        out, lse = _whole_sequence_forward(kernel, q, k, v, None, scale)
     else:
-        context, kernel, layer_id = _bound(ids)
-        unit = context.unit or context.backward_unit
-        if context.unit is not None:
+        unit = context.unit
+        if phase is Phase.FORWARD:
             slab = context.append(layer_id, k, v, with_own=kernel.bottom_right)
-        elif unit is not None:  # a recomputation inside the unit's backward
+        else:
             slab = context.recorded(layer_id)
-        offset = unit.offset if unit is not None else 0
-        packed = context.documents_of(unit)
-    causal, prefix = _calls(packed, offset, q.shape[2], kernel.bottom_right)
-    out, lse = _attention_forward(kernel, q, _Keys((k, v), offset, slab), causal, prefix, scale)
+        causal, prefix = _calls(context.documents_of(unit), unit.offset, q.shape[2], kernel.bottom_right)
+        out, lse = _attention_forward(kernel, q, _Keys((k, v), unit.offset, slab), causal, prefix, scale)
     return _heads_inner(out), lse.contiguous()
 
 
 @torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())
 def _unit_attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ids: Tensor | None,
-    documents: Tensor | None, scale: float,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ids: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of :func:`_unit_attention`; sends the dK/dV of the prefix the unit read to its
-    slab's gradient, and adds what the later units (run backward first) sent the unit's own keys."""
-    slab, offset = None, 0
-    if ids is None:
-        kernel, packed = _whole_sequence(q, documents)
+    """dq, dk, dv (shaped like q, k, v) of :func:`_unit_attention`, given dout, its out and lse. In
+    phase BACKWARD it sends the dK/dV of the prefix the unit read to its slab's gradient, and adds
+    what the later units (run backward first) sent the unit's own keys; outside a unit, the
+    gradients of causal attention over the whole sequence."""
+    context, kernel, layer_id = _bound(ids)
+    dout = dout.contiguous()
+    if context.phase(forward=False) is None:
+        dq, dk, dv = _whole_sequence_backward(kernel, dout, q, k, v, out, lse, None, scale)
     else:
-        context, kernel, layer_id = _bound(ids)
-        unit = context.backward_unit
-        if unit is not None:
-            slab, offset = context.recorded(layer_id), unit.offset
-        packed = context.documents_of(unit)
-    causal, prefix = _calls(packed, offset, q.shape[2], kernel.bottom_right)
-    dq, dk, dv = _attention_backward(
-        kernel, dout.contiguous(), q, _Keys((k, v), offset, slab), out, lse, causal, prefix, scale
-    )
+        unit = context.unit
+        keys = _Keys((k, v), unit.offset, context.recorded(layer_id))
+        causal, prefix = _calls(context.documents_of(unit), unit.offset, q.shape[2], kernel.bottom_right)
+        dq, dk, dv = _attention_backward(kernel, dout, q, keys, out, lse, causal, prefix, scale)
     # A custom op's outputs must have the strides of its fake implementation.
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
-@_unit_attention.register_fake
+@torch.library.custom_op("torchtitan_seq::document_attention", mutates_args=())
+def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Block-causal attention of whole packed sequences, no unit: q (B, Hq, L, D), k, v
+    (B, Hkv, L, D), ``documents`` (B, L) their ids. Returns out (B, Hq, L, D) and lse (B, Hq, L)."""
+    out, lse = _whole_sequence_forward(select_kernel(q.device), q, k, v, Documents.from_ids(documents), scale)
+    return _heads_inner(out), lse.contiguous()
+
+
+@torch.library.custom_op("torchtitan_seq::document_attention_backward", mutates_args=())
+def _document_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, documents: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv (shaped like q, k, v) of :func:`_document_attention`, given dout, its out and lse."""
+    kernel, packed = select_kernel(q.device), Documents.from_ids(documents)
+    dq, dk, dv = _whole_sequence_backward(kernel, dout.contiguous(), q, k, v, out, lse, packed, scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
 def _fake_attention(q: Tensor, *_) -> tuple[Tensor, Tensor]:
+    """out (B, Hq, L, D) laid out as :func:`_heads_inner` lays it out, and lse (B, Hq, L) float32."""
     b, h, n, d = q.shape
     return q.new_empty(b, n, h, d).transpose(1, 2), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@_unit_attention_backward.register_fake
 def _fake_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *_) -> tuple[Tensor, ...]:
+    """dq, dk, dv: contiguous, shaped like q, k, v."""
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _save_unit(ctx, inputs, output) -> None:
     """Saves q, the output and log-sum-exp, and the unit's K/V: in eager mode the slab's views
     where they lie (the slab is then the one copy of K/V, and the saved-tensor count sees it);
     a compiled graph saves its own k, v (the op's Python state is not traced)."""
-    q, k, v, ids, documents, ctx.scale, compiled = inputs
-    if ids is not None and not compiled:
+    q, k, v, ids, ctx.scale, compiled = inputs
+    if not compiled:
         context, _, layer_id = _bound(ids)
         k, v = context.own(layer_id) or (k, v)
-    ctx.save_for_backward(q, k, v, *output, ids, documents)
+    ctx.save_for_backward(q, k, v, *output, ids)
 
 
-def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
-    """dq, dk, dv; no gradient for ids, documents, scale and compiled."""
-    return *_unit_attention_backward(dout, *ctx.saved_tensors, ctx.scale), None, None, None, None
+def _unit_backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    """dq, dk, dv; no gradient for ids, scale and compiled."""
+    return *_unit_attention_backward(dout, *ctx.saved_tensors, ctx.scale), None, None, None
 
 
-_unit_attention.register_autograd(_backward, setup_context=_setup_context)
+def _save_documents(ctx, inputs, output) -> None:
+    """Saves q, k, v, the output and log-sum-exp, and the document ids."""
+    q, k, v, documents, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, *output, documents)
+
+
+def _documents_backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    """dq, dk, dv; no gradient for documents and scale."""
+    return *_document_attention_backward(dout, *ctx.saved_tensors, ctx.scale), None, None
+
+
+_unit_attention.register_fake(_fake_attention)
+_document_attention.register_fake(_fake_attention)
+_unit_attention_backward.register_fake(_fake_gradients)
+_document_attention_backward.register_fake(_fake_gradients)
+_unit_attention.register_autograd(_unit_backward, setup_context=_save_unit)
+_document_attention.register_autograd(_documents_backward, setup_context=_save_documents)
+
+
+def _whole_sequence_attention(
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, scale: float | None, is_causal: bool, enable_gqa: bool
+) -> Tensor:
+    """Attention over whole sequences, no unit (torch's schedules, no pipeline): torchtitan's SDPA,
+    or, given ``documents`` (B, L) ids, block-causal attention by ``torchtitan_seq::document_attention``
+    (no mask built). q (B, Hq, L, D); k, v (B, Hkv, L, D). Returns (B, Hq, L, D)."""
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
+    if not is_causal:
+        raise ValueError("SequenceAttention runs packed documents block-causally only")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.torchtitan_seq.document_attention(q, k, v, documents, scale)[0]
 
 
 class SequenceAttention(nn.Module):
     """Drop-in for torchtitan's ``ScaledDotProductAttentionWrapper``. Unbound, it computes
     exactly what torchtitan's Llama 3 computes: causal SDPA over the whole sequence
-    (block-causal given documents, by ``torchtitan_seq::unit_attention`` without a unit).
+    (block-causal given documents, by ``torchtitan_seq::document_attention``).
     Bound to a stage's KV context (:meth:`bind`: after construction, as torchtitan deep-copies
-    the model per pipeline stage and each stage has its own context), it runs that op on units."""
+    the model per pipeline stage and each stage has its own context), it runs
+    ``torchtitan_seq::unit_attention`` on the units the context announces."""
 
     def __init__(self, layer_id: int) -> None:
         super().__init__()
@@ -472,13 +384,13 @@ class SequenceAttention(nn.Module):
         documents: (B, L) document ids of a packed batch (block-causal attention), read
         when unbound; a bound layer reads its unit's documents from the KV context.
         Returns (B, Hq, L, D)."""
-        if self.ids is None and documents is None:
-            return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
+        if self.ids is None:
+            return _whole_sequence_attention(q, k, v, documents, scale, is_causal, enable_gqa)
         if not is_causal:
             raise ValueError("SequenceAttention runs units of causal attention only")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         compiled = torch.compiler.is_compiling()
-        return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, documents, scale, compiled)[0]
+        return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, scale, compiled)[0]
 
 
 def bind_kv_context(model: nn.Module, context: KVContext, kernel: AttentionKernel) -> None:

@@ -7,7 +7,7 @@ field is settable from TOML and from the command line, e.g. ``--sequence_pipelin
 
 from dataclasses import dataclass, field
 
-from .attention import AttentionBackend
+from .kernels import AttentionBackend
 from .partition import Partition
 from .schedules.bidirectional import Placement
 from .shape import LENGTH_MULTIPLE

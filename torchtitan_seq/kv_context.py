@@ -30,15 +30,21 @@ ends a step.
 Packed documents (:attr:`KVContext.documents`): a unit reads only the keys of the document
 continuing into it; the K/V of documents that ended stay in the slab until it goes.
 
-Activation checkpointing re-runs a unit's forward inside its backward
-(:meth:`KVContext.backward`); the attention then reads the slab the unit's first forward
-wrote (:meth:`KVContext.recorded`) and writes nothing, so recomputation reproduces the same
-tensors and never touches the context's state.
+Phases (:class:`Phase`): the stage announces each unit it runs, forward with
+:meth:`KVContext.running`, backward with :meth:`KVContext.backward`, and the attention op asks
+:meth:`KVContext.phase` what its call is: the unit's FORWARD (it writes its K/V into the slab
+and reads the prefix), a RECOMPUTE (activation checkpointing re-runs the unit's forward inside
+its backward: the attention reads the slab the unit's first forward wrote,
+:meth:`KVContext.recorded`, and writes nothing, so recomputation reproduces the same tensors and
+never touches the context's state) or the unit's BACKWARD (it reads the slab and sends the
+prefix its dK/dV). Outside a unit there is no phase: attention is plain causal attention over
+the whole sequence it is given (torch's shape inference runs a stage so).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -46,7 +52,7 @@ import torch
 
 from .documents import Documents
 
-__all__ = ["Unit", "KVSlab", "KVContext"]
+__all__ = ["Unit", "Phase", "KVSlab", "KVContext"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,14 @@ class Unit:
     @property
     def is_last(self) -> bool:
         return self.index == self.num_subsequences - 1
+
+
+class Phase(enum.Enum):
+    """What an attention call does for the unit the stage runs (:meth:`KVContext.phase`)."""
+
+    FORWARD = "forward"  # the unit's forward: writes its K/V into the slab, reads the prefix
+    RECOMPUTE = "recompute"  # its forward again inside its backward (activation checkpointing): reads, writes nothing
+    BACKWARD = "backward"  # the unit's backward: reads the slab, sends the prefix's dK/dV to the gradient slab
 
 
 class KVSlab:
@@ -128,54 +142,69 @@ class KVSlab:
 
 class KVContext:
     """Per-stage K/V state of the microbatches in flight. The stage (model chunk) binds it to
-    the chunk's attention layers and announces each unit with :meth:`running`; outside a
-    unit the layers compute plain full-sequence causal attention. ``lengths``: the units'
-    lengths [L_0, ..., L_{k-1}] of every microbatch, which size the slabs; without them a slab
-    grows, a copy of its prefix, as units reach past its end."""
+    the chunk's attention layers and announces each unit it runs, forward (:meth:`running`) or
+    backward (:meth:`backward`); outside a unit the layers compute plain full-sequence causal
+    attention. ``lengths``: the units' lengths [L_0, ..., L_{k-1}] of every microbatch, which size
+    the slabs; without them a slab grows, a copy of its prefix, as units reach past its end."""
 
     def __init__(self, lengths: list[int] | None = None) -> None:
         self.lengths = lengths
         self.unit: Unit | None = None
-        """The unit being run forward (:meth:`running`; not a recomputation), or None."""
-        self.backward_unit: Unit | None = None
-        """The unit whose backward (:meth:`backward`), with any recomputation, is running, or None."""
+        """The unit being run, forward (:meth:`running`) or backward (:meth:`backward`), or None."""
         self.documents: list[Documents] | None = None
         """Per microbatch, its packed documents (block-causal attention); None: causal."""
+        self._backward = False  # whether ``unit`` runs backward
         self._slabs: dict[int, dict[int, KVSlab]] = {}  # microbatch -> layer id -> slab
         self._backwards: dict[int, int] = {}  # microbatch -> units whose backward has ended
 
-    def documents_of(self, unit: Unit | None) -> Documents | None:
-        """The packed documents of ``unit``'s microbatch; None under causal attention or outside a unit."""
-        return None if self.documents is None or unit is None else self.documents[unit.microbatch]
+    def phase(self, *, forward: bool) -> Phase | None:
+        """The phase of an attention op's call now, ``forward`` for the op's forward, else for its
+        backward: inside :meth:`running` FORWARD; inside :meth:`backward` the forward is a
+        RECOMPUTE (activation checkpointing) and the backward BACKWARD; None outside a unit (and for
+        a backward outside :meth:`backward`): attention over the whole sequence, causal."""
+        if self.unit is None:
+            return None
+        if not self._backward:
+            return Phase.FORWARD if forward else None
+        return Phase.RECOMPUTE if forward else Phase.BACKWARD
+
+    def documents_of(self, unit: Unit) -> Documents | None:
+        """The packed documents of ``unit``'s microbatch; None under causal attention."""
+        return None if self.documents is None else self.documents[unit.microbatch]
 
     @contextlib.contextmanager
-    def running(self, unit: Unit) -> Iterator[None]:
-        """Run the forward of ``unit`` inside this context."""
+    def _running(self, unit: Unit, backward: bool) -> Iterator[None]:
+        """Run ``unit``, forward or ``backward``; one unit at a time."""
         if self.unit is not None:
             raise RuntimeError(f"KVContext: {unit} started while {self.unit} is running")
-        self.unit = unit
+        self.unit, self._backward = unit, backward
         try:
             yield
         finally:
-            self.unit = None
+            self.unit, self._backward = None, False
+
+    def running(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
+        """Run the forward of ``unit`` inside this context (phase FORWARD)."""
+        return self._running(unit, backward=False)
 
     @contextlib.contextmanager
     def backward(self, unit: Unit, last_pass: bool = True) -> Iterator[None]:
-        """Run a backward pass of ``unit``; ``last_pass``: the unit's backward ends with it."""
-        self.backward_unit = unit
-        try:
-            yield
-        finally:
-            self.backward_unit = None
-            if last_pass:
-                done = self._backwards[unit.microbatch] = self._backwards.get(unit.microbatch, 0) + 1
-                if done == unit.num_subsequences:  # the microbatch's last backward on the stage
-                    self._slabs.pop(unit.microbatch, None)
-                    del self._backwards[unit.microbatch]
+        """Run a backward pass of ``unit`` (phase BACKWARD, its recomputations RECOMPUTE);
+        ``last_pass``: the unit's backward ends with it."""
+        with self._running(unit, backward=True):
+            try:
+                yield
+            finally:
+                if last_pass:
+                    done = self._backwards[unit.microbatch] = self._backwards.get(unit.microbatch, 0) + 1
+                    if done == unit.num_subsequences:  # the microbatch's last backward on the stage
+                        self._slabs.pop(unit.microbatch, None)
+                        del self._backwards[unit.microbatch]
 
     def recorded(self, layer_id: int) -> KVSlab:
-        """The slab that ``layer_id`` wrote in the forward of the unit in backward."""
-        unit = self.backward_unit
+        """The slab that ``layer_id`` wrote in the forward of the unit in backward (phases RECOMPUTE
+        and BACKWARD)."""
+        unit = self.unit if self._backward else None
         slab = self._slabs.get(unit.microbatch, {}).get(layer_id) if unit is not None else None
         if slab is None or not slab.holds(unit.offset):
             raise RuntimeError(f"layer {layer_id} recomputed outside the backward of a unit it ran forward")
@@ -184,7 +213,7 @@ class KVContext:
     def own(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Views of ``layer_id``'s slab at the positions of the unit running forward (or
         recomputed), where its K/V lie; None outside a unit or where the slab holds none of them."""
-        unit = self.unit or self.backward_unit
+        unit = self.unit
         slab = self._slabs[unit.microbatch][layer_id] if unit is not None else None
         if slab is None or not slab.holds(unit.offset + unit.length):
             return None
@@ -198,8 +227,8 @@ class KVContext:
         kernel reads them apart from the prefix). The first unit allocates the slab: room for the
         keys later units read, the last unit's too if ``with_own``. Returns the slab."""
         unit = self.unit
-        if unit is None:
-            raise RuntimeError("KVContext.append called outside a unit")
+        if unit is None or self._backward:
+            raise RuntimeError("KVContext.append called outside a unit's forward")
         layers = self._slabs.setdefault(unit.microbatch, {})
         slab = layers.get(layer_id)
         if (slab.filled if slab is not None else 0) != unit.offset or (slab is None) != (unit.index == 0):
@@ -217,7 +246,7 @@ class KVContext:
 
     def clear(self) -> None:
         """Forget every microbatch (end of step)."""
-        self.unit = self.backward_unit = None
+        self.unit, self._backward = None, False
         self._slabs.clear()
         self._backwards.clear()
 

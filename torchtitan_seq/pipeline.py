@@ -20,7 +20,7 @@ from torchtitan.distributed import pipeline_parallel as titan_pp
 from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.tools.logging import logger
 
-from .attention import select_kernel
+from .kernels import select_kernel
 from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 from .shape import JobShape
 from .stage import SequencePipelineStage

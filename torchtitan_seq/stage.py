@@ -15,7 +15,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.stage import _RecvInfo
 from torch.utils._pytree import tree_map_only
 
-from .attention import AttentionKernel, bind_kv_context, select_kernel
+from .attention import bind_kv_context
+from .kernels import AttentionKernel, select_kernel
 from .kv_context import KVContext, Unit
 from .ordering import B, F, I, W
 from .timeline import RECORDER

@@ -8,8 +8,9 @@ from harness import TOL, init_test_weights, model_args
 from mutations import MutationContext, patches
 from torchtitan.models.llama3 import Transformer
 
-from torchtitan_seq.attention import bind_kv_context, select_kernel
-from torchtitan_seq.kv_context import KVContext, Unit
+from torchtitan_seq.attention import bind_kv_context
+from torchtitan_seq.kernels import select_kernel
+from torchtitan_seq.kv_context import KVContext, Phase, Unit
 from torchtitan_seq.models.llama3_seq import SeqTransformer
 
 
@@ -72,6 +73,51 @@ def test_forward_out_of_order_is_refused():
     with pytest.raises(RuntimeError, match="subsequence order"):
         with context.running(Unit(0, 1, 8, 8, 3)):
             seq(tokens)
+
+
+def test_the_context_names_each_phase():
+    """FORWARD inside ``running``; inside ``backward`` a forward is a RECOMPUTE and the backward
+    BACKWARD; no phase outside a unit; one unit at a time, a refused one changing nothing."""
+    context, u = KVContext(), Unit(0, 0, 0, 4, 1)
+    assert context.phase(forward=True) is None and context.phase(forward=False) is None
+    with context.running(u):
+        assert context.unit == u and context.phase(forward=True) is Phase.FORWARD
+        with pytest.raises(RuntimeError, match="started while"):
+            with context.backward(u):
+                pass
+    with context.backward(u):
+        assert context.unit == u
+        assert context.phase(forward=True) is Phase.RECOMPUTE and context.phase(forward=False) is Phase.BACKWARD
+    assert context.unit is None and context.phase(forward=True) is None
+
+
+def test_attention_runs_in_the_phase_the_context_gives():
+    """Under activation checkpointing the op asks the context for its phase: each unit's forward,
+    then per unit, last first, the recomputation and the backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    from torchtitan_seq.attention import SequenceAttention
+
+    class Recording(KVContext):
+        def phase(self, *, forward: bool) -> Phase | None:
+            self.seen.append(super().phase(forward=forward))
+            return self.seen[-1]
+
+    context, layer = Recording([4, 4]), SequenceAttention(0)
+    context.seen = []
+    layer.bind(context, select_kernel(torch.device("cpu")))
+    units = [Unit(0, j, 4 * j, 4, 2) for j in range(2)]
+    q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
+    outs = []
+    for u in units:
+        part = slice(u.offset, u.offset + u.length)
+        with context.running(u):
+            outs.append(checkpoint(layer, q[:, :, part], k[:, :, part], v[:, :, part], use_reentrant=False))
+    for u in reversed(units):
+        with context.backward(u):
+            outs[u.index].sum().backward()
+    assert context.seen == [Phase.FORWARD] * 2 + [Phase.RECOMPUTE, Phase.BACKWARD] * 2
+    assert len(context) == 0
 
 
 def test_flash_backend_needs_cuda_and_flash_attn():

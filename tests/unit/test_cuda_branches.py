@@ -28,7 +28,7 @@ from torch.distributed.pipelining.schedules import _Action
 from torch.utils._pytree import tree_map_only
 
 from torchtitan_seq import cpu_compat
-from torchtitan_seq.attention import (
+from torchtitan_seq.kernels import (
     CpuSdpaKernel,
     CudaSdpaKernel,
     CudnnSdpaKernel,

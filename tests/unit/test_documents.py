@@ -65,7 +65,8 @@ def test_a_unit_reads_only_its_continuing_documents_keys():
     that document's first key, in one call; the K/V of documents that ended stay in the slab
     (one per microbatch and layer, room for the keys of every unit but the last) until the
     microbatch's backward is over."""
-    from torchtitan_seq.attention import CpuSdpaKernel, SequenceAttention
+    from torchtitan_seq.attention import SequenceAttention
+    from torchtitan_seq.kernels import CpuSdpaKernel
 
     class Recording(CpuSdpaKernel):
         def __init__(self):

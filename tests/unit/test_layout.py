@@ -11,9 +11,9 @@ from pathlib import Path
 import torchtitan_seq
 
 PACKAGE = Path(torchtitan_seq.__file__).parent
-RUNTIME = ["stage", "schedules", "trainer", "metrics", "pipeline", "kv_context", "attention", "timeline"]
-CORE = ["kv_context", "attention", "partition", "shape", "stage", "schedules", "loss", "ordering", "memory", "timeline",
-        "render"]
+RUNTIME = ["stage", "schedules", "trainer", "metrics", "pipeline", "kv_context", "attention", "kernels", "timeline"]
+CORE = ["kv_context", "attention", "kernels", "partition", "shape", "stage", "schedules", "loss", "ordering", "memory",
+        "timeline", "render"]
 
 
 def _modules() -> list[str]:

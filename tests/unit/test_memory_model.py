@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_seq.attention import bind_kv_context, select_kernel
+from torchtitan_seq.attention import bind_kv_context
+from torchtitan_seq.kernels import select_kernel
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.memory import ActivationMemory
 from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
