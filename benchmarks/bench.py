@@ -87,16 +87,27 @@ from pathlib import Path
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from calibration import calibrate, merge  # noqa: E402
-from training_run import ROOT, Run, run_train  # noqa: E402
-
 from torchtitan_seq.partition import PARTITIONS  # noqa: E402
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: E402
 from torchtitan_seq.simulate import SimConfig, simulate  # noqa: E402
 from torchtitan_seq.simulate.build import build, compute_leaves  # noqa: E402
 from torchtitan_seq.simulate.costs import fit_cost_files  # noqa: E402
+from training_run import ROOT, Run, run_train  # noqa: E402
 
-__all__ = ["Variant", "parse_variants", "Record", "measure", "calibrate", "merge", "chunks_of_ranks",
-           "predicted_step_time", "calibrate_run", "add_predictions", "add_unit_fit", "main"]
+__all__ = [
+    "Variant",
+    "parse_variants",
+    "Record",
+    "measure",
+    "calibrate",
+    "merge",
+    "chunks_of_ranks",
+    "predicted_step_time",
+    "calibrate_run",
+    "add_predictions",
+    "add_unit_fit",
+    "main",
+]
 
 BASELINE = "1F1B"
 
@@ -129,8 +140,10 @@ class Variant:
         out = ["--parallelism.pipeline_parallel_schedule", self.schedule]
         if self.is_sequence:
             out += [
-                "--sequence_pipeline.num_subsequences", str(self.num_subsequences),
-                "--sequence_pipeline.partition", str(self.partition),
+                "--sequence_pipeline.num_subsequences",
+                str(self.num_subsequences),
+                "--sequence_pipeline.partition",
+                str(self.partition),
             ]
         if self.compiled:
             out.append("--compile.enable")
@@ -141,8 +154,9 @@ class Variant:
         return out
 
 
-def parse_variants(spec: str, subsequences: int, partition: str, compile: str = "off",
-                   instrumentation: str = "on") -> list[Variant]:
+def parse_variants(
+    spec: str, subsequences: int, partition: str, compile: str = "off", instrumentation: str = "on"
+) -> list[Variant]:
     """``"1F1B,Seq1F1B,Seq1F1B:8:even"`` -> variants; k and partition default to the given ones.
     ``compile``: ``"off"``, ``"on"``, or ``"both"`` (each schedule eager, then compiled);
     ``instrumentation`` likewise (``"both"``: each instrumented, then not)."""
@@ -162,8 +176,12 @@ def parse_variants(spec: str, subsequences: int, partition: str, compile: str = 
             raise ValueError(f"{item!r}: partition {part!r} is not one of {PARTITIONS}")
         variants.append(Variant(name, k, part))
     modes = {"off": (False,), "on": (True,), "both": (False, True)}
-    return [dataclasses.replace(v, compiled=c, instrumented=i) for v in variants for c in modes[compile]
-            for i in reversed(modes[instrumentation])]
+    return [
+        dataclasses.replace(v, compiled=c, instrumented=i)
+        for v in variants
+        for c in modes[compile]
+        for i in reversed(modes[instrumentation])
+    ]
 
 
 @dataclass
@@ -219,12 +237,18 @@ class Record:
 def _job_overrides(variant: Variant, seq_len: int, args: argparse.Namespace) -> list[str]:
     return [
         *variant.overrides(),
-        "--training.seq_len", str(seq_len),
-        "--training.local_batch_size", str(args.microbatches),
-        "--parallelism.pipeline_parallel_microbatch_size", "1",
-        "--parallelism.pipeline_parallel_degree", str(args.pp),
-        "--training.steps", str(args.steps),
-        "--metrics.log_freq", "1",
+        "--training.seq_len",
+        str(seq_len),
+        "--training.local_batch_size",
+        str(args.microbatches),
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "1",
+        "--parallelism.pipeline_parallel_degree",
+        str(args.pp),
+        "--training.steps",
+        str(args.steps),
+        "--metrics.log_freq",
+        "1",
     ]
 
 
@@ -259,11 +283,13 @@ def measure(variants: list[Variant], args: argparse.Namespace) -> list[Record]:
                 (folder / "train.log").write_text(run.output)
                 _check_run(run, args.steps, what)
                 runs[v].append(run)
-                kept = run.step_times_s[args.warmup:]
+                kept = run.step_times_s[args.warmup :]
                 peaks = [b[0] for b in run.activation_bytes if b]
                 peak = f", peak rank 0 {max(peaks) / 2**20:.1f} MiB" if peaks else ""
-                print(f"{what}: median step {statistics.median(kept):.3f} s{peak} "
-                      f"({time.monotonic() - began:.0f} s)", flush=True)
+                print(
+                    f"{what}: median step {statistics.median(kept):.3f} s{peak} ({time.monotonic() - began:.0f} s)",
+                    flush=True,
+                )
                 if args.calibrate:
                     calibrate_run(v, seq_len, run.lengths or [seq_len], args, calibrations, r)
         mine = [_record(v, seq_len, runs[v], args) for v in variants]
@@ -351,15 +377,22 @@ def chunks_of_ranks(schedule: str, pp: int, microbatches: int, k: int) -> tuple[
     )
 
 
-def _cost_key(schedule: str, num_subsequences: int, seq_len: int, lengths: list[int],
-              args: argparse.Namespace) -> tuple:
+def _cost_key(
+    schedule: str, num_subsequences: int, seq_len: int, lengths: list[int], args: argparse.Namespace
+) -> tuple:
     """What a calibration depends on: length, cut, units or whole sequences, each rank's chunks."""
     chunks = chunks_of_ranks(schedule, args.pp, args.microbatches, num_subsequences)
     return seq_len, tuple(lengths), schedule in SEQUENCE_SCHEDULES, chunks
 
 
-def calibrate_run(variant: Variant, seq_len: int, lengths: list[int], args: argparse.Namespace,
-                  calibrations: dict[tuple, list[dict]], round_index: int) -> None:
+def calibrate_run(
+    variant: Variant,
+    seq_len: int,
+    lengths: list[int],
+    args: argparse.Namespace,
+    calibrations: dict[tuple, list[dict]],
+    round_index: int,
+) -> None:
     """Calibrate ``variant``'s units unless this round already did: once per round, right after
     a run, so that calibrations and runs sample the machine's drifting speed alike."""
     key = _cost_key(variant.schedule, variant.num_subsequences, seq_len, lengths, args)
@@ -367,15 +400,19 @@ def calibrate_run(variant: Variant, seq_len: int, lengths: list[int], args: argp
     if len(done) > round_index:
         return
     began = time.monotonic()
-    done.append(calibrate(seq_len, lengths, args.pp, units=key[2], chunks=[list(c) for c in key[3]],
-                          repeats=args.repeats))
+    done.append(
+        calibrate(seq_len, lengths, args.pp, units=key[2], chunks=[list(c) for c in key[3]], repeats=args.repeats)
+    )
     print(f"calibrated {_cost_name(key)} ({time.monotonic() - began:.0f} s)", flush=True)
 
 
 def _cost_name(key: tuple) -> str:
     seq_len, lengths, units, chunks = key
-    layout = "" if chunks == tuple((q,) for q in range(len(chunks))) else "_chunks-" + "-".join(
-        ".".join(map(str, c)) for c in chunks)
+    layout = (
+        ""
+        if chunks == tuple((q,) for q in range(len(chunks)))
+        else "_chunks-" + "-".join(".".join(map(str, c)) for c in chunks)
+    )
     return f"cost_s{seq_len}_{'units' if units else 'whole'}_{'-'.join(map(str, lengths))}{layout}.json"
 
 
@@ -498,12 +535,20 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1, help="first steps of each run left out (at least 1)")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each schedule per length")
     ap.add_argument("--config", default=str(ROOT / "train_configs" / "debug_model.toml"), help="job config")
-    ap.add_argument("--compile", choices=("off", "on", "both"), default="off",
-                    help="torchtitan's per-block torch.compile: off, on, or both (each schedule "
-                    "eager and compiled, each compared with 1F1B run alike)")
-    ap.add_argument("--instrumentation", choices=("off", "on", "both"), default="on",
-                    help="the trainer's activation meter and timeline on every step: on, off, or both "
-                    "(each schedule with and without, alternating: the instrumentation's cost)")
+    ap.add_argument(
+        "--compile",
+        choices=("off", "on", "both"),
+        default="off",
+        help="torchtitan's per-block torch.compile: off, on, or both (each schedule "
+        "eager and compiled, each compared with 1F1B run alike)",
+    )
+    ap.add_argument(
+        "--instrumentation",
+        choices=("off", "on", "both"),
+        default="on",
+        help="the trainer's activation meter and timeline on every step: on, off, or both "
+        "(each schedule with and without, alternating: the instrumentation's cost)",
+    )
     ap.add_argument("--calibrate", action="store_true", help="measure unit costs, compare the simulator")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per calibration")
     ap.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder")
@@ -518,8 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate and args.compile != "off":
         ap.error("--calibrate times eager units: use it with --compile off")
     try:
-        variants = parse_variants(args.schedules, args.subsequences, args.partition, args.compile,
-                                  args.instrumentation)
+        variants = parse_variants(args.schedules, args.subsequences, args.partition, args.compile, args.instrumentation)
     except ValueError as e:
         ap.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)

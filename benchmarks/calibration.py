@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
@@ -60,8 +60,9 @@ def _timed(fn: Callable[[], object], device: torch.device) -> tuple[float, objec
 class _Chunk:
     """One chunk of the model with its KV context, timing its passes of the units ``lengths``."""
 
-    def __init__(self, seq_len: int, lengths: list[int], num_chunks: int, chunk: int, units: bool, flavor: str,
-                 dev: torch.device) -> None:
+    def __init__(
+        self, seq_len: int, lengths: list[int], num_chunks: int, chunk: int, units: bool, flavor: str, dev: torch.device
+    ) -> None:
         self.model, args = _stage_model(flavor, seq_len, num_chunks, chunk)
         self.model.to(dev)
         self.first, self.last = chunk == 0, chunk == num_chunks - 1
@@ -224,16 +225,32 @@ def calibrate(
     ctx = torch.multiprocessing.get_context("spawn")
     with ctx.Manager() as manager, ctx.Pool(pp) as pool:
         barrier = manager.Barrier(pp)
-        work = [(seq_len, lengths, num_chunks, held, units, flavor, repeats, device, metered, barrier)
-                for held in chunks]
+        work = [
+            (seq_len, lengths, num_chunks, held, units, flavor, repeats, device, metered, barrier) for held in chunks
+        ]
         chunk_times = pool.starmap(_calibrate_rank, work)
-    meta = {"unit": "s", "seq_len": seq_len, "lengths": lengths, "flavor": flavor, "repeats": repeats,
-            "device": device, "metered": metered}
+    meta = {
+        "unit": "s",
+        "seq_len": seq_len,
+        "lengths": lengths,
+        "flavor": flavor,
+        "repeats": repeats,
+        "device": device,
+        "metered": metered,
+    }
     return _cost_file(chunks, chunk_times, meta)
 
 
-def meter_cost(seq_len: int, lengths: list[int], pp: int, *, chunk: int = 0, flavor: str = "debugmodel",
-               repeats: int = 6, device: str = "cpu") -> list[float]:
+def meter_cost(
+    seq_len: int,
+    lengths: list[int],
+    pp: int,
+    *,
+    chunk: int = 0,
+    flavor: str = "debugmodel",
+    repeats: int = 6,
+    device: str = "cpu",
+) -> list[float]:
     """What the activation meter costs a unit's passes, paired: this process (one thread on a
     CPU, as a training rank) runs rounds of chunk ``chunk`` of ``pp``'s units ``lengths``
     (:func:`_round`: every unit forward, backward, forward, input and weight gradients), with
@@ -273,8 +290,15 @@ def merge(costs: list[dict]) -> dict:
     unit on each chunk, then :func:`calibrate`'s derivation; ``rounds`` says how many."""
     first = costs[0]
     chunk_times = [
-        [{p: [statistics.median(c["chunk_times"][r][i][p][j] for c in costs) for j in range(len(first["lengths"]))]
-          for p in "FBIW"} for i in range(len(held))]
+        [
+            {
+                p: [
+                    statistics.median(c["chunk_times"][r][i][p][j] for c in costs) for j in range(len(first["lengths"]))
+                ]
+                for p in "FBIW"
+            }
+            for i in range(len(held))
+        ]
         for r, held in enumerate(first["chunks"])
     ]
     meta = {key: first[key] for key in ("unit", "seq_len", "lengths", "flavor", "repeats", "device", "metered")}

@@ -107,7 +107,7 @@ def run_step(tokens: torch.Tensor, documents: list[Documents] | None, ac: bool, 
             unit = Unit(m, j, offsets[j], lengths[j], args.subsequences)
             if action.computation_type == F:
                 with context.running(unit):
-                    outputs[unit] = model(tokens[m:m + 1, offsets[j]:offsets[j] + lengths[j]])
+                    outputs[unit] = model(tokens[m : m + 1, offsets[j] : offsets[j] + lengths[j]])
             else:
                 with context.backward(unit):
                     outputs.pop(unit).float().square().mean().backward()
@@ -135,11 +135,18 @@ def main() -> None:
     torch.set_num_threads(1)
     tokens, eos = packed_batch(args.seq_len, args.microbatches)
     ids = document_ids(tokens, eos)
-    documents = [Documents.from_ids(ids[m:m + 1]) for m in range(args.microbatches)]
+    documents = [Documents.from_ids(ids[m : m + 1]) for m in range(args.microbatches)]
     doc_lengths = [b - a for d in documents for a, b in zip(d.starts[0], d.starts[0][1:] + (args.seq_len,))]
-    results = {"seq_len": args.seq_len, "microbatches": args.microbatches, "subsequences": args.subsequences,
-               "pp": args.pp, "documents": len(doc_lengths), "document_length_mean": statistics.mean(doc_lengths),
-               "document_length_median": statistics.median(doc_lengths), "runs": {}}
+    results = {
+        "seq_len": args.seq_len,
+        "microbatches": args.microbatches,
+        "subsequences": args.subsequences,
+        "pp": args.pp,
+        "documents": len(doc_lengths),
+        "document_length_mean": statistics.mean(doc_lengths),
+        "document_length_median": statistics.median(doc_lengths),
+        "runs": {},
+    }
     for ac in (False, True):
         for mask, docs in (("causal", None), ("block_causal", documents)):
             name = f"{mask}{'-ac_full' if ac else ''}"
@@ -160,7 +167,8 @@ def table(results: dict) -> str:
         f"(mean {results['document_length_mean']:.0f}, median {results['document_length_median']:.0f} tokens).",
         "",
         "| run | KV context peak (MiB) | KV context mean (MiB) | saved activations peak (MiB) "
-        "| activations + KV at action ends, peak (MiB) | attention GFLOP diagonal | attention GFLOP prefix | attention GFLOP total |",
+        "| activations + KV at action ends, peak (MiB) | attention GFLOP diagonal | attention GFLOP prefix "
+        "| attention GFLOP total |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in runs.items():

@@ -34,17 +34,17 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
 from gpu_pipeline import FULL_STEP, TINY_STEP, check_sequence_step
 from gpu_train import check_training
-from torchtitan_seq.attention import SequenceAttention
+
 from torchtitan_seq import cpu_compat
+from torchtitan_seq.attention import SequenceAttention
 from torchtitan_seq.documents import Documents, document_mask
 from torchtitan_seq.kernels import (
     AttentionKernel,
@@ -106,8 +106,16 @@ FULL = Sizes(
     attn_shape=(1, 16, 8, 4096, 128),
     # odd lengths too: kernels pad partial tiles, a classic place for bugs
     attn_cuts=((4096,), (1024,) * 4, (1500, 1200, 900, 496)),
-    model=dict(dim=2048, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim_multiplier=1.5,
-               multiple_of=256, rope_theta=500000, vocab_size=2048),
+    model=dict(
+        dim=2048,
+        n_layers=4,
+        n_heads=16,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_theta=500000,
+        vocab_size=2048,
+    ),
     seq_lens=(8192, 16384, 32768, 65536),
     ks=(1, 2, 4, 8),
     dtype=torch.bfloat16,
@@ -168,7 +176,7 @@ def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths, ids) -> dic
             outs.append(attention(q[:, :, part], k[:, :, part], v[:, :, part]))
     for u in reversed(units):  # last unit first: unit j+1 sends gradient into the K/V of 0..j
         with context.backward(u):
-            outs[u.index].backward(dout[:, :, u.offset:u.offset + u.length])
+            outs[u.index].backward(dout[:, :, u.offset : u.offset + u.length])
     return {"out": torch.cat(outs, 2).detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
@@ -189,8 +197,10 @@ def _kernels(device: torch.device) -> dict[str, AttentionKernel | str]:
     """The kernels to check on ``device``; a string says why one is absent."""
     if device.type == "cpu":
         return {"CpuSdpaKernel": CpuSdpaKernel()}
-    kernels: dict[str, AttentionKernel | str] = {"CudaSdpaKernel": CudaSdpaKernel(),
-                                                 "CudnnSdpaKernel": CudnnSdpaKernel()}
+    kernels: dict[str, AttentionKernel | str] = {
+        "CudaSdpaKernel": CudaSdpaKernel(),
+        "CudnnSdpaKernel": CudnnSdpaKernel(),
+    }
     try:
         kernels["FlashAttnKernel"] = FlashAttnKernel()
     except ImportError as e:
@@ -203,9 +213,7 @@ def check_attention(sizes: Sizes, device: torch.device) -> list[dict]:
     b, hq, hkv, s, d = sizes.attn_shape
     gen = torch.Generator().manual_seed(0)
     # (batch, seq, heads, dim) transposed, as the model lays out q, k, v after RoPE
-    q, k, v, dout = (
-        torch.randn(b, s, h, d, generator=gen).transpose(1, 2) for h in (hq, hkv, hkv, hq)
-    )
+    q, k, v, dout = (torch.randn(b, s, h, d, generator=gen).transpose(1, 2) for h in (hq, hkv, hkv, hq))
     records = []
     for mask_name, documents in MASKS.items():
         ids = documents(s)
@@ -355,6 +363,7 @@ def time_kernels(sizes: Sizes, device: torch.device, kernel: AttentionKernel) ->
                 return F.scaled_dot_product_attention(
                     q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), is_causal=True
                 )
+
         return run
 
     context = KVContext()
@@ -368,13 +377,17 @@ def time_kernels(sizes: Sizes, device: torch.device, kernel: AttentionKernel) ->
 
     paths = {"sdpa (torchtitan's call)": sdpa(None), "unit": unit}
     if device.type == "cuda":
-        paths |= {f"sdpa {b.name.lower()}": sdpa(b) for b in
-                  (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)}
+        paths |= {
+            f"sdpa {b.name.lower()}": sdpa(b)
+            for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+        }
     records = []
     for seq_len in sizes.seq_lens:
         gen = torch.Generator().manual_seed(seq_len)
-        q, k, v = (torch.randn(b, seq_len, h, d, generator=gen).to(device, sizes.dtype).transpose(1, 2)
-                   .requires_grad_() for h in (hq, hkv, hkv))
+        q, k, v = (
+            torch.randn(b, seq_len, h, d, generator=gen).to(device, sizes.dtype).transpose(1, 2).requires_grad_()
+            for h in (hq, hkv, hkv)
+        )
         for name, fn in paths.items():
             times = []
             try:
@@ -440,9 +453,17 @@ def measure_overhead(
                 print(f"  {seq_len:>6} {path:5} k={len(lengths)}: OOM", flush=True)
                 continue
             name = f"cost_s{seq_len}_{path}_{'-'.join(map(str, lengths))}.json"
-            cost = {"F": run["F"], "B": run["B"], "unit": "s", "seq_len": seq_len, "lengths": lengths,
-                    "model": "llama3 " + json.dumps(sizes.model), "dtype": _dtype_name(sizes.dtype),
-                    "repeats": sizes.repeats, "device": _device_name(device)}
+            cost = {
+                "F": run["F"],
+                "B": run["B"],
+                "unit": "s",
+                "seq_len": seq_len,
+                "lengths": lengths,
+                "model": "llama3 " + json.dumps(sizes.model),
+                "dtype": _dtype_name(sizes.dtype),
+                "repeats": sizes.repeats,
+                "device": _device_name(device),
+            }
             (out / name).write_text(json.dumps(cost, indent=1) + "\n")
             run["cost_file"] = name
             if path == "whole":
@@ -452,13 +473,19 @@ def measure_overhead(
                 run["loss_rel_diff"] = abs(run["loss"] / base["loss"] - 1)
                 if run["peak_bytes"] is not None:
                     run["memory_ratio"] = run["peak_bytes"] / base["peak_bytes"]
-            print(f"  {seq_len:>6} {path:5} k={len(lengths)}: {run['time_s'] * 1e3:9.2f} ms"
-                  + (f"  overhead {run['overhead']:+.3f}" if "overhead" in run else "")
-                  + f"  first step {run['first_step_s']:.1f} s", flush=True)
+            print(
+                f"  {seq_len:>6} {path:5} k={len(lengths)}: {run['time_s'] * 1e3:9.2f} ms"
+                + (f"  overhead {run['overhead']:+.3f}" if "overhead" in run else "")
+                + f"  first step {run['first_step_s']:.1f} s",
+                flush=True,
+            )
     at_goal = [r for r in runs if r["seq_len"] == GOAL_SEQ_LEN and r["path"] == "units" and r["k"] > 1]
     return {
-        "model": {**sizes.model, "ffn_hidden": seq.layers["0"].feed_forward.w1.out_features,
-                  "parameters": sum(p.numel() for p in seq.parameters())},
+        "model": {
+            **sizes.model,
+            "ffn_hidden": seq.layers["0"].feed_forward.w1.out_features,
+            "parameters": sum(p.numel() for p in seq.parameters()),
+        },
         "dtype": _dtype_name(sizes.dtype),
         "batch": 1,
         "kernel": type(kernel).__name__,
@@ -494,13 +521,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and the cost files")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="toy sizes: the dry run with --device cpu, "
-                    "a smoke run with cuda")
+    ap.add_argument(
+        "--tiny", action="store_true", help="toy sizes: the dry run with --device cpu, a smoke run with cuda"
+    )
     ap.add_argument("--seq-lens", help="comma-separated lengths instead of the default ones")
-    ap.add_argument("--attention-backend", choices=("auto", "flash", "sdpa"), default="auto",
-                    help="the unit kernel of the overhead runs")
-    ap.add_argument("--compile", action="store_true",
-                    help="overhead runs with every block compiled (torchtitan's per-block compile)")
+    ap.add_argument(
+        "--attention-backend",
+        choices=("auto", "flash", "sdpa"),
+        default="auto",
+        help="the unit kernel of the overhead runs",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="overhead runs with every block compiled (torchtitan's per-block compile)",
+    )
     ap.add_argument("--skip-attention", action="store_true", help="no attention check")
     ap.add_argument("--skip-overhead", action="store_true", help="no kernel timing and overhead runs")
     args = ap.parse_args(argv)
@@ -592,15 +627,20 @@ def _attention_part(sizes: Sizes, device: torch.device, results: dict) -> list[d
         "shape": {"batch": b, "q_heads": hq, "kv_heads": hkv, "seq_len": s, "head_dim": d},
         "reference": "whole-sequence SDPA in float64, explicit mask",
         "error": "max |unit - reference| / max |reference|, per tensor",
-        "tolerance": {"float32": FP32_TOL, "low_precision": f"one unit < {LOW_PRECISION_TOL}; "
-                      f"cuts <= 2 x one unit + dtype epsilon"},
+        "tolerance": {
+            "float32": FP32_TOL,
+            "low_precision": f"one unit < {LOW_PRECISION_TOL}; cuts <= 2 x one unit + dtype epsilon",
+        },
         "cases": check_attention(sizes, device),
     }
     cases = results["attention"]["cases"]
     for case in cases:
         worst = max((e for cut in case.get("errors", {}).values() for e in cut.values()), default=None)
-        print(f"  {case['mask']:12} {case.get('kernel', ''):15} {case.get('dtype', ''):9} {case['status']}"
-              + (f" (largest error {worst:.2e})" if worst is not None else ""), flush=True)
+        print(
+            f"  {case['mask']:12} {case.get('kernel', ''):15} {case.get('dtype', ''):9} {case['status']}"
+            + (f" (largest error {worst:.2e})" if worst is not None else ""),
+            flush=True,
+        )
     return cases
 
 

@@ -41,12 +41,20 @@ class StepSizes:
 
 FULL_STEP = StepSizes(
     model=dict(dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, multiple_of=256, rope_theta=500000, vocab_size=2048),
-    seq_len=8192, k=4, microbatches=2, dtype=torch.bfloat16, weight_std=None,
+    seq_len=8192,
+    k=4,
+    microbatches=2,
+    dtype=torch.bfloat16,
+    weight_std=None,
 )
 # tests/harness.py's model and weights: every gradient far above fp32 round-off
 TINY_STEP = StepSizes(
     model=dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=16, rope_theta=10000, vocab_size=64),
-    seq_len=64, k=4, microbatches=2, dtype=torch.float32, weight_std=0.1,
+    seq_len=64,
+    k=4,
+    microbatches=2,
+    dtype=torch.float32,
+    weight_std=0.1,
 )
 
 
@@ -60,8 +68,9 @@ def _whole_step(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tens
     return float(loss), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
-def _pipeline_step(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, sizes: StepSizes,
-                   device: torch.device) -> tuple[float, dict, list[int]]:
+def _pipeline_step(
+    model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, sizes: StepSizes, device: torch.device
+) -> tuple[float, dict, list[int]]:
     """Loss and gradients of one InterleavedSeq1F1B step, p = 1 and v = 2, and the unit lengths."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.components.loss import cross_entropy_loss
@@ -79,9 +88,12 @@ def _pipeline_step(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.T
     chunks = split_model(model, mesh, SCHEDULE, device, names)
     assert [index for index, _, _ in chunks] == list(range(num_stages)), "both stages on this rank"
     lengths = partition_sequence(sizes.seq_len, sizes.k, "even")
-    stages = [SequencePipelineStage(chunk, index, num_stages, device, lengths=lengths, chain_length=chain,
-                                    group=mesh.get_group())
-              for index, chain, chunk in chunks]
+    stages = [
+        SequencePipelineStage(
+            chunk, index, num_stages, device, lengths=lengths, chain_length=chain, group=mesh.get_group()
+        )
+        for index, chain, chunk in chunks
+    ]
     loss_fn = TokenNormalizedLoss(cross_entropy_loss)
     schedule = SEQUENCE_SCHEDULES[SCHEDULE](stages, sizes.microbatches, loss_fn)
     losses: list[torch.Tensor] = []
@@ -118,8 +130,9 @@ def check_sequence_step(sizes: StepSizes, device: torch.device) -> dict:
     reference.load_state_dict(seq.state_dict())
     gen = torch.Generator().manual_seed(1)
     batch = 2 * sizes.microbatches
-    tokens, labels = (torch.randint(args.vocab_size, (batch, sizes.seq_len), generator=gen).to(device)
-                      for _ in range(2))
+    tokens, labels = (
+        torch.randint(args.vocab_size, (batch, sizes.seq_len), generator=gen).to(device) for _ in range(2)
+    )
     ref_loss, ref_grads = _whole_step(reference, tokens, labels)
     runs = {"units": seq}
     if sizes.dtype != torch.float32:
@@ -135,10 +148,21 @@ def check_sequence_step(sizes: StepSizes, device: torch.device) -> dict:
     finally:
         dist.destroy_process_group()
     record = {
-        "schedule": SCHEDULE, "pp": 1, "stages": 2, "microbatches": sizes.microbatches, "k": sizes.k,
-        "lengths": lengths, "seq_len": sizes.seq_len, "batch": batch, "dtype": str(sizes.dtype).removeprefix("torch."),
-        "model": sizes.model, "backend": backend, "reference": "torchtitan's Llama 3, whole sequence, float32",
-        "loss": loss, "reference_loss": ref_loss, "units": _errors(loss, grads, ref_loss, ref_grads),
+        "schedule": SCHEDULE,
+        "pp": 1,
+        "stages": 2,
+        "microbatches": sizes.microbatches,
+        "k": sizes.k,
+        "lengths": lengths,
+        "seq_len": sizes.seq_len,
+        "batch": batch,
+        "dtype": str(sizes.dtype).removeprefix("torch."),
+        "model": sizes.model,
+        "backend": backend,
+        "reference": "torchtitan's Llama 3, whole sequence, float32",
+        "loss": loss,
+        "reference_loss": ref_loss,
+        "units": _errors(loss, grads, ref_loss, ref_grads),
     }
     if "whole" in runs:
         record["whole"] = _errors(*_whole_step(runs["whole"], tokens, labels), ref_loss, ref_grads)

@@ -25,10 +25,25 @@ TINY_STEPS = 2
 
 def _overrides(dump: Path, seq_len: int, steps: int) -> list[str]:
     return [
-        "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump),
-        "--parallelism.pipeline_parallel_degree", "1", "--parallelism.pipeline_parallel_schedule", "1F1B",
-        "--training.seq_len", str(seq_len), "--training.local_batch_size", "2", "--training.steps", str(steps),
-        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
+        "--job.config_file",
+        str(ROOT / "train_configs" / "debug_model.toml"),
+        "--job.dump_folder",
+        str(dump),
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--training.seq_len",
+        str(seq_len),
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        str(steps),
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
     ]
 
 
@@ -36,17 +51,28 @@ def check_training(tiny: bool, cuda: bool, timeout: int = 600) -> dict:
     """Train, read what the run wrote, and say whether it is all there."""
     # Imported here: they import torchtitan, which reads the device type at import time (gpu_check's
     # main applies cpu_compat first).
-    from training_run import Run, read_record
-
     from torchtitan_seq.metrics import RECORD_FILE
+    from training_run import Run, read_record
 
     seq_len, steps = (256, TINY_STEPS) if tiny else (8192, STEPS)
     env = {**os.environ, **({} if cuda else {"OMP_NUM_THREADS": "1"})}
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu_train_") as folder:
         dump = Path(folder)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-               "--rdzv_endpoint", "localhost:0", "-m", "torchtitan_seq.train", *_overrides(dump, seq_len, steps)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "1",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "localhost:0",
+            "-m",
+            "torchtitan_seq.train",
+            *_overrides(dump, seq_len, steps),
+        ]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
             returncode, output = proc.returncode, proc.stdout + proc.stderr
@@ -57,14 +83,28 @@ def check_training(tiny: bool, cuda: bool, timeout: int = 600) -> dict:
     run = Run.from_record(returncode if returncode is not None else -1, output, records)
     start = next((r for r in records if r["event"] == "start"), None)
     record = {
-        "command": "torchrun --nproc_per_node 1 -m torchtitan_seq.train " + " ".join(_overrides(Path("DUMP"), seq_len, steps)),
-        "flavor": "debugmodel", "seq_len": seq_len, "steps": steps, "returncode": returncode,
-        "elapsed_s": round(time.monotonic() - began, 1), "start_record": start is not None,
-        "step_records": len(run.losses), "losses": run.losses, "tps": run.tps, "memory_gib": run.memory_gib,
+        "command": "torchrun --nproc_per_node 1 -m torchtitan_seq.train "
+        + " ".join(_overrides(Path("DUMP"), seq_len, steps)),
+        "flavor": "debugmodel",
+        "seq_len": seq_len,
+        "steps": steps,
+        "returncode": returncode,
+        "elapsed_s": round(time.monotonic() - began, 1),
+        "start_record": start is not None,
+        "step_records": len(run.losses),
+        "losses": run.losses,
+        "tps": run.tps,
+        "memory_gib": run.memory_gib,
         "tensorboard_event_files": events,
     }
-    ok = (returncode == 0 and start is not None and start["schedule"] == "1F1B" and len(run.losses) == steps
-          and all(math.isfinite(loss) for loss in run.losses) and bool(events))
+    ok = (
+        returncode == 0
+        and start is not None
+        and start["schedule"] == "1F1B"
+        and len(run.losses) == steps
+        and all(math.isfinite(loss) for loss in run.losses)
+        and bool(events)
+    )
     record["status"] = "ok" if ok else "failed"
     if not ok:
         record["output_tail"] = output[-4000:]

@@ -71,7 +71,8 @@ def main() -> None:
     args = ap.parse_args()
     costs = off_path_costs()
     rows = [
-        "| schedule | seq | actions per step (busiest rank) | off path per step (us) | step time (s) | share of the step |",
+        "| schedule | seq | actions per step (busiest rank) | off path per step (us) | step time (s) "
+        "| share of the step |",
         "|---|---|---|---|---|---|",
     ]
     for r in json.loads(args.bench.read_text()):
@@ -84,8 +85,12 @@ def main() -> None:
             f"| {off_s / r['step_time_s']:.2e} |"
         )
     table = "\n".join(
-        [f"Disabled recorder: {costs['action_s'] * 1e9:.0f} ns per action; per-step switches: "
-         f"{costs['step_switches_s'] * 1e9:.0f} ns.", "", *rows]
+        [
+            f"Disabled recorder: {costs['action_s'] * 1e9:.0f} ns per action; per-step switches: "
+            f"{costs['step_switches_s'] * 1e9:.0f} ns.",
+            "",
+            *rows,
+        ]
     )
     print(table)
     if args.out:

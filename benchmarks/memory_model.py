@@ -51,8 +51,17 @@ def paper_config(model: str, w: int, tp: int, **changes) -> MemoryConfig:
     """BSIPipe on ``GPUS`` GPUs: w pipeline ranks, TP tp, dp = GPUS / (w tp); Megatron-style
     mixed precision (bf16 compute and weights copy, fp32 master weights and gradients, Adam)."""
     config = MemoryConfig(
-        SHAPES[model], SEQ_LEN, "BSIPipe", pp=w, microbatches=MICROBATCHES, subsequences=K, partition="compute",
-        tp=tp, dp_shard=GPUS // (w * tp), compute_dtype="bfloat16", selective_ac_option="op",
+        SHAPES[model],
+        SEQ_LEN,
+        "BSIPipe",
+        pp=w,
+        microbatches=MICROBATCHES,
+        subsequences=K,
+        partition="compute",
+        tp=tp,
+        dp_shard=GPUS // (w * tp),
+        compute_dtype="bfloat16",
+        selective_ac_option="op",
         length_multiple=LENGTH_MULTIPLE,
     )
     return replace(config, **changes)
@@ -95,11 +104,18 @@ def paper_table() -> tuple[list[str], dict]:
             }
             lo, hi = _range(base)
             off = hi / low - 1 if hi < low else max(hi / high - 1, 0)
-            for name, value in (("off", off), ("op", variants["op"]), ("full", variants["full"]), ("paper_low", low),
-                                ("k2", variants["k2"]), ("k8", variants["k8"])):
+            for name, value in (
+                ("off", off),
+                ("op", variants["op"]),
+                ("full", variants["full"]),
+                ("paper_low", low),
+                ("k2", variants["k2"]),
+                ("k8", variants["k8"]),
+            ):
                 findings[name].append(value)
             rows.append(
-                f"| {model} | ({w}, {tp}) | {low}-{high} | {lo:.1f}-{hi:.1f} | {100 * off:+.0f}% | {variants['op']:.1f} "
+                f"| {model} | ({w}, {tp}) | {low}-{high} | {lo:.1f}-{hi:.1f} | {100 * off:+.0f}% "
+                f"| {variants['op']:.1f} "
                 f"| {variants['full']:.1f} | {variants['k2']:.1f} / {variants['k8']:.1f} "
                 f"| {_range(base, buffers=True)[1]:.1f} |"
             )
@@ -128,15 +144,24 @@ def cpu_rows() -> list[str]:
                 continue
             seen.add(key)
             config = MemoryConfig(
-                "debugmodel", r["seq_len"], r["schedule"], pp=r["pp"], microbatches=r["microbatches"],
-                subsequences=r["num_subsequences"], partition=r["partition"] or "even", device="cpu",
-                activation_checkpoint=mode, length_multiple=LENGTH_MULTIPLE,
+                "debugmodel",
+                r["seq_len"],
+                r["schedule"],
+                pp=r["pp"],
+                microbatches=r["microbatches"],
+                subsequences=r["num_subsequences"],
+                partition=r["partition"] or "even",
+                device="cpu",
+                activation_checkpoint=mode,
+                length_multiple=LENGTH_MULTIPLE,
             )
             estimate = predict_memory(config)
             cells = []
             for rank, measured in enumerate(r["peak_activation_bytes"]):
                 predicted = estimate.ranks[rank].activations
-                cells.append(f"{measured / 2**20:.1f} | {predicted / 2**20:.1f} | {100 * (predicted / measured - 1):+.2f}%")
+                cells.append(
+                    f"{measured / 2**20:.1f} | {predicted / 2**20:.1f} | {100 * (predicted / measured - 1):+.2f}%"
+                )
             rows.append(f"| {r['label']} | {r['seq_len']} | {mode} | " + " | ".join(cells) + " |")
     return rows
 
@@ -159,7 +184,7 @@ def main() -> None:
         "The benchmark's recorded runs (`bench.json` under `benchmarks/`): the Llama 3 debug model, pp = 2,",
         "4 microbatches of one sequence, float32 on the CPU; measured: the bytes autograd saves for backward",
         "(`torchtitan_seq.memory.ActivationMemory`), the largest over a run's steps; predicted: the model's",
-        "`activations` for the same job (`device = \"cpu\"`). Under full AC the KV context's K/V are not",
+        '`activations` for the same job (`device = "cpu"`). Under full AC the KV context\'s K/V are not',
         "saved tensors, so they are not in either figure (the model's `kv_context` term holds them).",
         "",
         *cpu_rows(),
@@ -185,10 +210,12 @@ def main() -> None:
         *table,
         "",
         "**Where prediction and paper differ, and why.** Without activation recomputation, at k = 4, the",
-        f"fullest rank's prediction lies within {100 * max(map(abs, off)):.0f}% of the paper's range in all six settings",
+        f"fullest rank's prediction lies within {100 * max(map(abs, off)):.0f}% of the paper's range in all "
+        "six settings",
         f"({len(off) - len(under) - len(over)} inside, {len(under)} under its low end"
         + (f" by {100 * min(under):.0f}-{100 * max(under):.0f}%" if under else "")
-        + f", {len(over)} over its high end" + (f" by {100 * min(over):.0f}-{100 * max(over):.0f}%" if over else "")
+        + f", {len(over)} over its high end"
+        + (f" by {100 * min(over):.0f}-{100 * max(over):.0f}%" if over else "")
         + f"); with full recomputation {full_below} of 6 fall below the paper's low end (GPT at (16, 1):",
         f"{found['full'][0]:.1f} against {found['paper_low'][0]} GiB), and with op-level selective recomputation",
         f"{op_below} of 6. So the paper's runs most likely kept all activations, as Seq1F1B and BSIPipe",

@@ -59,8 +59,16 @@ def compare(folder: Path) -> list[Row]:
         cluster = Cluster(r["pp"], 1e9, device="cpu")
         predicted = evaluate(job, cluster, choice, r["pp"])
         ranks = memory(job, cluster, choice, r["pp"], 1, "none").ranks
-        rows.append(Row(r["label"], r["tokens_per_s"], predicted.tokens_per_s, tuple(r["peak_activation_bytes"]),
-                        tuple(r["step_times_s"]), tuple(m.activations + m.kv_context for m in ranks)))
+        rows.append(
+            Row(
+                r["label"],
+                r["tokens_per_s"],
+                predicted.tokens_per_s,
+                tuple(r["peak_activation_bytes"]),
+                tuple(r["step_times_s"]),
+                tuple(m.activations + m.kv_context for m in ranks),
+            )
+        )
     return rows
 
 
@@ -75,7 +83,7 @@ def check(rows: list[Row]) -> tuple[int, float]:
     predicted = sorted(range(len(rows)), key=lambda i: -rows[i].predicted_tokens_per_s)
     position = {row: i for i, row in enumerate(measured)}
     sequence = [position[i] for i in predicted]
-    swaps = sum(a > b for i, a in enumerate(sequence) for b in sequence[i + 1:])  # inversions
+    swaps = sum(a > b for i, a in enumerate(sequence) for b in sequence[i + 1 :])  # inversions
     return swaps, max(abs(e) for row in rows for e in row.peak_errors)
 
 
@@ -98,20 +106,27 @@ def main(argv: list[str] | None = None) -> int:
     for row, m, p in zip(rows, measured, predicted):
         lines.append(
             f"| {row.label} | {row.measured_tokens_per_s:.0f} | {m} | {row.predicted_tokens_per_s:.0f} | {p} | "
-            + ", ".join(f"{b / 2**20:.1f}" for b in row.measured_peaks) + " | "
-            + ", ".join(f"{b / 2**20:.1f}" for b in row.predicted_peaks) + " | "
-            + ", ".join(f"{e:+.1%}" for e in row.peak_errors) + " |"
+            + ", ".join(f"{b / 2**20:.1f}" for b in row.measured_peaks)
+            + " | "
+            + ", ".join(f"{b / 2**20:.1f}" for b in row.predicted_peaks)
+            + " | "
+            + ", ".join(f"{e:+.1%}" for e in row.peak_errors)
+            + " |"
         )
     spread = max(max(r.step_times) / min(r.step_times) - 1 for r in rows)
     errors = [r.predicted_tokens_per_s / r.measured_tokens_per_s - 1 for r in rows]
     verdict = "agree up to one adjacent swap" if swaps <= 1 else f"do not agree: {swaps} adjacent swaps, one allowed"
-    lines += ["", f"Adjacent swaps between the rankings: {swaps}. Largest peak error: {worst:.1%}. Predicted "
-              f"tokens/s against measured: {min(errors):+.1%} to {max(errors):+.1%}. Largest spread of one "
-              f"configuration's measured steps (max / min - 1): {spread:.0%}.", "",
-              "Peaks are the memory model's (activations + KV context). Throughput is the simulator's on the "
-              "benchmark's calibration: every stage timed as its own model chunk on its rank, calibrated in "
-              "every round beside the runs and merged over the rounds (median). The rankings "
-              f"{verdict}."]
+    lines += [
+        "",
+        f"Adjacent swaps between the rankings: {swaps}. Largest peak error: {worst:.1%}. Predicted "
+        f"tokens/s against measured: {min(errors):+.1%} to {max(errors):+.1%}. Largest spread of one "
+        f"configuration's measured steps (max / min - 1): {spread:.0%}.",
+        "",
+        "Peaks are the memory model's (activations + KV context). Throughput is the simulator's on the "
+        "benchmark's calibration: every stage timed as its own model chunk on its rank, calibrated in "
+        "every round beside the runs and merged over the rounds (median). The rankings "
+        f"{verdict}.",
+    ]
     text = "\n".join(lines) + "\n"
     (folder / "planner_check.md").write_text(text)
     print(text)

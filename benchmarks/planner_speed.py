@@ -45,11 +45,13 @@ def measure(tree: Path, argv: list[str]) -> dict[str, float]:
     """Import and plan seconds (measured inside) and the process's wall seconds of one run in ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torchtitan_seq.plan", *argv], cwd=tree, env=env, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "torchtitan_seq.plan", *argv], cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL
+    )
     wall = time.perf_counter() - start
-    out = subprocess.run([sys.executable, "-c", _PROBE, *argv], cwd=tree, env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, *argv], cwd=tree, env=env, check=True, capture_output=True, text=True
+    ).stdout
     return {**json.loads(out.splitlines()[-1]), "wall": wall}
 
 

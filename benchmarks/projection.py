@@ -150,9 +150,16 @@ def predicted_bytes(setting: Setting, schedule: str, k: int, partition: str) -> 
     keeps fp32 under PP without FSDP), fp32 master weights, gradients and AdamW states, no
     activation checkpointing (as the throughput is simulated)."""
     config = MemoryConfig(
-        model=SHAPES[setting.model], seq_len=setting.seq_len, schedule=schedule, pp=setting.pp,
-        microbatches=setting.microbatches, subsequences=k, partition=partition, tp=setting.tp,
-        compute_dtype="bfloat16", length_multiple=LENGTH_MULTIPLE,
+        model=SHAPES[setting.model],
+        seq_len=setting.seq_len,
+        schedule=schedule,
+        pp=setting.pp,
+        microbatches=setting.microbatches,
+        subsequences=k,
+        partition=partition,
+        tp=setting.tp,
+        compute_dtype="bfloat16",
+        length_multiple=LENGTH_MULTIPLE,
     )
     return predict_memory(config).total
 
@@ -220,8 +227,12 @@ def placement_table(settings: list[Setting], network: sim.Network, gpus_per_node
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device-memory-gib", type=float, default=DEVICE_MEMORY_GIB,
-                    help=f"device memory for the OOM marks (default {DEVICE_MEMORY_GIB})")
+    ap.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=DEVICE_MEMORY_GIB,
+        help=f"device memory for the OOM marks (default {DEVICE_MEMORY_GIB})",
+    )
     args = ap.parse_args()
     device_bytes = args.device_memory_gib * 2**30
     start = time.perf_counter()
@@ -248,7 +259,8 @@ def main() -> None:
         "batch-level (k = 1) as in the paper; BSIPipe and Chimera with the paired placement.",
         f"Communication (`torchtitan_seq.simulate.network`): nodes of {NETWORK.gpus_per_node} GPUs,",
         f"intra-node links {link[0].bandwidth / 1e9:.0f} GB/s and {link[0].latency * 1e6:.0f} us (NVLink),",
-        f"inter-node {link[1].bandwidth / 1e9:.0f} GB/s and {link[1].latency * 1e6:.0f} us per GPU (a 200 Gb/s NIC each);",
+        f"inter-node {link[1].bandwidth / 1e9:.0f} GB/s and {link[1].latency * 1e6:.0f} us per GPU "
+        "(a 200 Gb/s NIC each);",
         "a SEND carries a unit's bf16 activations (microbatch size 1, / tp); BSIPipe and",
         "Chimera end the step with their mirrored pairs' fp32 gradient and parameter all-reduces.",
         f"The GPUs' achieved rate, {flops / 1e12:.1f} TFLOP/s of model FLOPs per GPU, is fitted so",

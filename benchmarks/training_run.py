@@ -51,10 +51,15 @@ class Run:
         steps = [r for r in records if r["event"] == "step"]
         times = ([start["time"]] if start else []) + [r["time"] for r in steps]
         return cls(
-            returncode, output, losses=[r["loss"] for r in steps], memory_gib=[r["memory_gib"] for r in steps],
-            tps=[r["tps"] for r in steps], step_times_s=[b - a for a, b in zip(times, times[1:])],
+            returncode,
+            output,
+            losses=[r["loss"] for r in steps],
+            memory_gib=[r["memory_gib"] for r in steps],
+            tps=[r["tps"] for r in steps],
+            step_times_s=[b - a for a, b in zip(times, times[1:])],
             activation_bytes=[r["peak_activation_bytes"] for r in steps],
-            bubble_ratios=[r["bubble_ratio"] for r in steps], pipeline_s=[r["pipeline_s"] for r in steps],
+            bubble_ratios=[r["bubble_ratio"] for r in steps],
+            pipeline_s=[r["pipeline_s"] for r in steps],
             lengths=start["lengths"] if start else None,
             validation_losses=[r["loss"] for r in records if r["event"] == "validation"],
         )
@@ -67,7 +72,7 @@ def read_record(path: Path) -> list[dict[str, Any]]:
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     starts = [i for i, r in enumerate(records) if r["event"] == "start"]
-    return records[starts[-1]:] if starts else records
+    return records[starts[-1] :] if starts else records
 
 
 def run_train(*overrides: str, dump_folder: Path, env: dict | None = None, timeout: int = 600) -> Run:

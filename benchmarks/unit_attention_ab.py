@@ -43,7 +43,7 @@ def one_microbatch(qkv: list[torch.Tensor], dout: torch.Tensor, lengths: list[in
             outs.append(attention(q[:, :, part], k[:, :, part], v[:, :, part]))
     for u in reversed(units):
         with context.backward(u):
-            outs[u.index].backward(dout[:, :, u.offset:u.offset + u.length])
+            outs[u.index].backward(dout[:, :, u.offset : u.offset + u.length])
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ import os
 import socket
 import sys
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 from unittest import mock
 
 import torch
@@ -79,8 +79,14 @@ def model_args(seq_len: int, n_layers: int = 4):
     from torchtitan.models.llama3 import TransformerModelArgs
 
     return TransformerModelArgs(
-        dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
-        max_seq_len=seq_len, rope_theta=10000,
+        dim=32,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=64,
+        multiple_of=16,
+        max_seq_len=seq_len,
+        rope_theta=10000,
     )
 
 
@@ -160,8 +166,7 @@ def _pipeline_chunks(whole, args, v: Variant):
     from torchtitan_seq.pipeline import split_model
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=v.dp_shard, cp=1, tp=v.tp, pp=v.pp, ep=1, etp=1,
-                        world_size=v.world)
+    dims = ParallelDims(dp_replicate=1, dp_shard=v.dp_shard, cp=1, tp=v.tp, pp=v.pp, ep=1, etp=1, world_size=v.world)
     dims.build_mesh()
     pp_mesh = dims.get_mesh("pp")
     cls = SEQUENCE_SCHEDULES[v.schedule]
@@ -196,8 +201,9 @@ def _relative_errors(chunks, ref_grads: dict) -> dict[str, float]:
             continue
         for n, p in chunk.named_parameters():
             ref = ref_grads[n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")]
-            errors[n] = (float((_full(p.grad) - ref).abs().max() / ref.abs().max())
-                         if p.grad is not None else float("inf"))
+            errors[n] = (
+                float((_full(p.grad) - ref).abs().max() / ref.abs().max()) if p.grad is not None else float("inf")
+            )
     return errors
 
 
@@ -279,8 +285,13 @@ def _stages(v: Variant, args, chunks, pp_mesh) -> list:
     lengths = partition_sequence(v.seq_len, v.k, v.partition, multiple=v.tp, cost=UnitCost.from_model_args(args))
     return [
         SequencePipelineStage(
-            chunk, index, v.pp * v.stages_per_rank, torch.device("cpu"), lengths=lengths,
-            chain_length=chain, group=pp_mesh.get_group(),
+            chunk,
+            index,
+            v.pp * v.stages_per_rank,
+            torch.device("cpu"),
+            lengths=lengths,
+            chain_length=chain,
+            group=pp_mesh.get_group(),
         )
         for index, chain, chunk in chunks
     ]
@@ -326,8 +337,7 @@ class _PipelineRun:
         self.copies_diff: list[float] = []
         torch._dynamo.reset()  # graphs and counters of this variant alone
         counters.clear()
-        self.schedule = SEQUENCE_SCHEDULES[v.schedule](stages, v.microbatches, loss_fn,
-                                                       split_backward=v.split_backward)
+        self.schedule = SEQUENCE_SCHEDULES[v.schedule](stages, v.microbatches, loss_fn, split_backward=v.split_backward)
 
     def step(self, b: Batch, repeats: int = 1) -> list | None:
         """``repeats`` schedule steps on ``b``; the last stage's unit losses of the last one."""
@@ -338,9 +348,12 @@ class _PipelineRun:
             self.optimizer.zero_grad(set_to_none=True)
             losses = [] if self.last else None
             with self.memory.track():
-                self.schedule.step(*((b.tokens[rows],) if self.first else ()),
-                                   target=b.labels[rows] if self.last else None, losses=losses,
-                                   attention_masks=b.documents[rows] if b.documents is not None else None)
+                self.schedule.step(
+                    *((b.tokens[rows],) if self.first else ()),
+                    target=b.labels[rows] if self.last else None,
+                    losses=losses,
+                    attention_masks=b.documents[rows] if b.documents is not None else None,
+                )
             self.activations_left.append(self.memory.current)
             self.peaks.append(self.memory.peak)
             self.graphs.append(counters["stats"]["unique_graphs"])
@@ -353,8 +366,9 @@ class _PipelineRun:
             self.copies_diff.append(self.schedule.copies.max_difference())
 
 
-def _report(run: _PipelineRun, chunks, stages: list, losses: list | None, compared: tuple[float, dict],
-            pp_group) -> dict:
+def _report(
+    run: _PipelineRun, chunks, stages: list, losses: list | None, compared: tuple[float, dict], pp_group
+) -> dict:
     """This rank's side of the comparison with the reference's ``compared`` loss and gradients
     (:func:`run_variants` merges the ranks')."""
     from torch._dynamo.utils import counters
@@ -369,8 +383,9 @@ def _report(run: _PipelineRun, chunks, stages: list, losses: list | None, compar
         "kv_left": sum(len(s.kv_context) for s in stages),
         "activations_left": max(run.activations_left),
         "peaks": run.peaks,
-        "mirror_grads": sum(p.grad is not None for index, chain, chunk in chunks if index >= chain
-                            for p in chunk.parameters()),
+        "mirror_grads": sum(
+            p.grad is not None for index, chain, chunk in chunks if index >= chain for p in chunk.parameters()
+        ),
         "copies_diff": run.copies_diff,
         "graphs": run.graphs,
         "graph_breaks": sum(counters["graph_break"].values()),
@@ -477,8 +492,9 @@ def run_variants(variants: list[Variant], tmp_path) -> list[dict]:
     world = variants[0].world
     assert all(v.world == world for v in variants)
     _start_fork_server()
-    mp.start_processes(_worker, args=(world, _free_port(), variants, str(tmp_path)), nprocs=world, join=True,
-                       start_method="forkserver")
+    mp.start_processes(
+        _worker, args=(world, _free_port(), variants, str(tmp_path)), nprocs=world, join=True, start_method="forkserver"
+    )
     per_rank = [json.load(open(os.path.join(tmp_path, f"rank{r}.json"))) for r in range(world)]
     return [_merge(v.name, [per_rank[r][i] for r in range(world)]) for i, v in enumerate(variants)]
 

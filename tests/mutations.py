@@ -8,8 +8,8 @@ A mechanism whose mutation passes is not guarded by the exactness tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 from unittest import mock
 
 import torch
@@ -34,8 +34,14 @@ def _prefix_grads(keep_k: bool, keep_v: bool) -> list:
     accumulate = KVSlab.accumulate
 
     def dropped(self, grad_k, grad_v, rows, start):
-        accumulate(self, grad_k if keep_k else torch.zeros_like(grad_k),
-                   grad_v if keep_v else torch.zeros_like(grad_v), rows, start)
+        accumulate(
+            self,
+            grad_k if keep_k else torch.zeros_like(grad_k),
+            grad_v if keep_v else torch.zeros_like(grad_v),
+            rows,
+            start,
+        )
+
     return [mock.patch.object(KVSlab, "accumulate", dropped)]
 
 
@@ -48,6 +54,7 @@ def _prefix_dq(ctx: MutationContext) -> list:
     def no_prefix_dq(self, dout, q, k, v, out, lse, causal, scale):
         dq, dk, dv = backward(self, dout, q, k, v, out, lse, causal, scale)
         return (dq if causal else torch.zeros_like(dq)), dk, dv
+
     return [mock.patch.object(CpuSdpaKernel, "backward", no_prefix_dq)]
 
 
@@ -59,6 +66,7 @@ def _rope_offset(ctx: MutationContext) -> list:
 
     def shifted(unit, device):
         return positions(unit, device) - int(unit.index > 0)
+
     return [mock.patch.object(model, "unit_positions", shifted)]
 
 
@@ -78,13 +86,15 @@ def _backward_order(ctx: MutationContext) -> list:
                 queues.setdefault((a.stage_index, a.computation_type), []).append(a.microbatch_index)
         queues = {key: iter(sorted(ids)) for key, ids in queues.items()}
         return [
-            a if a.computation_type == F
+            a
+            if a.computation_type == F
             else a._replace(microbatch_index=next(queues[a.stage_index, a.computation_type]))
             for a in actions
         ]
 
     def misordered(*args, **kwargs):
         return {r: first_subsequence_first(acts) for r, acts in actions_fn(*args, **kwargs).items()}
+
     return [
         mock.patch.object(cls, "actions_fn", staticmethod(misordered)),
         mock.patch.object(base, "validate_unit_order", lambda *a: None),
@@ -98,6 +108,7 @@ def _unit_mean_loss(ctx: MutationContext) -> list:
 
     def unit_mean(self, pred, target):
         return self.loss_fn(pred, target) / target.numel() / ctx.units_per_step
+
     return [mock.patch.object(TokenNormalizedLoss, "__call__", unit_mean)]
 
 
@@ -116,6 +127,7 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
         caller = sys._getframe(1)  # the forward op, in the phase the KV context gave it
         recomputing = caller.f_code.co_name == "_unit_attention" and caller.f_locals.get("phase") is Phase.RECOMPUTE
         return causal, [] if recomputing else prefix
+
     return [mock.patch.object(attention, "_calls", without_prefix)]
 
 
@@ -132,6 +144,7 @@ def _split_w_without_kv_grad(ctx: MutationContext) -> list:
             return backward_one_chunk(self, bwd_chunk_id, loss, full_backward, last_backward)
         with mock.patch.object(KVSlab, "take", lambda slab, offset, length: (None, None)):
             return backward_one_chunk(self, bwd_chunk_id, loss, full_backward, last_backward)
+
     return [mock.patch.object(SequencePipelineStage, "backward_one_chunk", input_pass_drops_side_buffers)]
 
 
@@ -150,6 +163,7 @@ def _tp_wrong_shard(ctx: MutationContext) -> list:
             dist.all_gather(gathered, t, group=group)
             shards.append(gathered[(me + 1) % size])
         write(self, offset, *shards, capacity)
+
     return [mock.patch.object(KVSlab, "write", neighbours)]
 
 
@@ -164,6 +178,7 @@ def _slab_offset(ctx: MutationContext) -> list:
         write(self, max(offset - 1, 0), k, v, capacity)
         if offset:
             write(self, offset + k.shape[2] - 1, k[:, :, -1:], v[:, :, -1:], capacity)
+
     return [mock.patch.object(KVSlab, "write", one_early)]
 
 

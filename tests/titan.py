@@ -19,12 +19,22 @@ __all__ = ["Run", "run_train", "assert_trained", "assert_same_losses", "max_diff
 # microbatches; lr_scheduler.total_steps = 10 is what torchtitan derives from
 # 10 steps anyway, and pins the LR schedule for shorter runs compared with
 # these; TensorBoard keeps the fp32 losses.
-REFERENCE = ("--training.seq_len", "512", "--training.local_batch_size", "4", "--lr_scheduler.total_steps", "10",
-             "--training.steps", "10", "--metrics.enable_tensorboard")
+REFERENCE = (
+    "--training.seq_len",
+    "512",
+    "--training.local_batch_size",
+    "4",
+    "--lr_scheduler.total_steps",
+    "10",
+    "--training.steps",
+    "10",
+    "--metrics.enable_tensorboard",
+)
 
 
-def run_train(*overrides: str, dump_folder: Path, env: dict | None = None, timeout: int = 600,
-              check: bool = True) -> Run:
+def run_train(
+    *overrides: str, dump_folder: Path, env: dict | None = None, timeout: int = 600, check: bool = True
+) -> Run:
     """``./run_train.sh`` with torchtitan overrides.
 
     ``check=False`` skips run_train.sh's start-up check (``TORCHTITAN_SEQ_SKIP_CHECK=1``,

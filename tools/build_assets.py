@@ -119,9 +119,7 @@ def isolate() -> None:
 def scrub(text: str) -> str:
     """Drop lines tied to this machine and memory addresses that change per run."""
     lines = (MEMORY_ADDRESS.sub("", line).rstrip() for line in text.splitlines())
-    return "\n".join(
-        line for line in lines if not any(m in line for m in MACHINE_MARKERS)
-    )
+    return "\n".join(line for line in lines if not any(m in line for m in MACHINE_MARKERS))
 
 
 def module_names() -> list[str]:
@@ -136,15 +134,12 @@ def module_names() -> list[str]:
             continue
         names.append(name)
         if hasattr(module, "__path__") and name not in UNWALKED_PACKAGES:
-            walk = pkgutil.walk_packages(
-                module.__path__, f"{name}.", onerror=lambda _: None
-            )
+            walk = pkgutil.walk_packages(module.__path__, f"{name}.", onerror=lambda _: None)
             names.extend(
                 info.name
                 for info in walk
                 if not any(
-                    part.startswith("_") or part in ("test", "tests", "idle_test")
-                    for part in info.name.split(".")
+                    part.startswith("_") or part in ("test", "tests", "idle_test") for part in info.name.split(".")
                 )
             )
     return sorted(names)
@@ -176,9 +171,7 @@ def source_docstrings(module: ModuleType) -> str:
         if docstring:
             entries.append(f"{qualname}\n{docstring}")
         for child in ast.iter_child_nodes(node):
-            if isinstance(
-                child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-            ):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 visit(child, f"{qualname}.{child.name}")
 
     visit(ast.parse(source), module.__name__)
@@ -235,9 +228,7 @@ def pack_documents(units: list[str], tokenizer: Tokenizer) -> list[str]:
     return docs
 
 
-def cut_short_documents(
-    docs: list[str], tokenizer: Tokenizer, rng: random.Random
-) -> list[str]:
+def cut_short_documents(docs: list[str], tokenizer: Tokenizer, rng: random.Random) -> list[str]:
     """Cut ``docs`` at blank lines into documents of log-normally drawn lengths.
 
     Each document takes consecutive paragraphs until it is as close to its
@@ -264,10 +255,7 @@ def cut_short_documents(
         joined = current_tokens + separator + count if current else count
         if current and (
             joined > PACKED_MAX_TOKENS
-            or (
-                current_tokens >= PACKED_MIN_TOKENS
-                and joined - target > target - current_tokens
-            )
+            or (current_tokens >= PACKED_MIN_TOKENS and joined - target > target - current_tokens)
         ):
             # Adding the paragraph would move away from the target: close.
             short_docs.append("\n\n".join(current))
@@ -285,11 +273,7 @@ def cut_short_documents(
     # Tokens can merge across a blank line, so the sums above are estimates:
     # leave out the few documents whose exact length falls outside the clip.
     lengths = [len(e.ids) for e in tokenizer.encode_batch(short_docs)]
-    return [
-        doc
-        for doc, length in zip(short_docs, lengths)
-        if PACKED_MIN_TOKENS <= length <= PACKED_MAX_TOKENS
-    ]
+    return [doc for doc, length in zip(short_docs, lengths) if PACKED_MIN_TOKENS <= length <= PACKED_MAX_TOKENS]
 
 
 def spread_subset(docs: list[str], chars: int) -> list[str]:
@@ -298,16 +282,10 @@ def spread_subset(docs: list[str], chars: int) -> list[str]:
     if total <= chars:
         return docs
     # Keep document i when the running quota chars/total crosses an integer.
-    return [
-        doc
-        for i, doc in enumerate(docs)
-        if (i + 1) * chars // total != i * chars // total
-    ]
+    return [doc for i, doc in enumerate(docs) if (i + 1) * chars // total != i * chars // total]
 
 
-def build_packed(
-    train: list[str], validation: list[str], tokenizer: Tokenizer
-) -> dict[str, list[str]]:
+def build_packed(train: list[str], validation: list[str], tokenizer: Tokenizer) -> dict[str, list[str]]:
     """The packed corpus, by file name: short documents from each split."""
     packed = {}
     for name, docs, chars, seed in (
@@ -319,9 +297,7 @@ def build_packed(
             PACKED_SEED + 1,
         ),
     ):
-        packed[name] = spread_subset(
-            cut_short_documents(docs, tokenizer, random.Random(seed)), chars
-        )
+        packed[name] = spread_subset(cut_short_documents(docs, tokenizer, random.Random(seed)), chars)
     return packed
 
 
@@ -336,9 +312,7 @@ def split_validation(docs: list[str]) -> tuple[list[str], list[str]]:
 
 def write_jsonl_gz(path: Path, docs: list[str]) -> None:
     """Write one ``{"text": ...}`` object per line, gzipped reproducibly."""
-    payload = "".join(
-        json.dumps({"text": doc}, ensure_ascii=False) + "\n" for doc in docs
-    )
+    payload = "".join(json.dumps({"text": doc}, ensure_ascii=False) + "\n" for doc in docs)
     path.parent.mkdir(parents=True, exist_ok=True)
     # mtime=0 keeps the timestamp out of the gzip header.
     path.write_bytes(gzip.compress(payload.encode(), compresslevel=9, mtime=0))
@@ -365,9 +339,7 @@ def write_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
         "eos_token": EOS_TOKEN,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(config, indent=2, sort_keys=True) + "\n"
-    )
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def print_stats(split: str, docs: list[str], tokenizer: Tokenizer) -> None:
@@ -387,8 +359,7 @@ def main() -> None:
     parser.add_argument(
         "--packed-only",
         action="store_true",
-        help="only rewrite packed*.jsonl.gz, from the shipped train/validation "
-        "files and tokenizer",
+        help="only rewrite packed*.jsonl.gz, from the shipped train/validation files and tokenizer",
     )
     args = parser.parse_args()
     if args.packed_only:

@@ -113,17 +113,18 @@ def _calls(
     document continuing into the unit reads that document's prefix too: in the same call where
     the kernel aligns causal masks at the bottom right, else in one unmasked call of its own."""
     rows_pieces = (
-        [(_EVERY, [(0, length)], 0)] if documents is None else
-        [(slice(b, b + 1), documents.pieces(b, offset, offset + length), documents.start_of(b, offset))
-         for b in range(len(documents.starts))]
+        [(_EVERY, [(0, length)], 0)]
+        if documents is None
+        else [
+            (slice(b, b + 1), documents.pieces(b, offset, offset + length), documents.start_of(b, offset))
+            for b in range(len(documents.starts))
+        ]
     )
     causal: list[_Call] = []
     prefix: list[_Call] = []
     for rows, pieces, first in rows_pieces:
         whole = documents is None
-        calls = [
-            _Call(rows, _EVERY if whole else slice(a, b), slice(offset + a, offset + b), True) for a, b in pieces
-        ]
+        calls = [_Call(rows, _EVERY if whole else slice(a, b), slice(offset + a, offset + b), True) for a, b in pieces]
         if first < offset:  # the continuing document's prefix [first, offset)
             head = calls[0]
             if bottom_right:
@@ -173,8 +174,15 @@ def _attention_forward(
 
 
 def _attention_backward(
-    kernel: AttentionKernel, dout: Tensor, q: Tensor, keys: _Keys, out: Tensor, lse: Tensor,
-    causal: list[_Call], prefix: list[_Call], scale: float,
+    kernel: AttentionKernel,
+    dout: Tensor,
+    q: Tensor,
+    keys: _Keys,
+    out: Tensor,
+    lse: Tensor,
+    causal: list[_Call],
+    prefix: list[_Call],
+    scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, and dk, dv of the unit's own keys, of :func:`_attention_forward` given its merged
     ``out`` and ``lse``; the gradient of earlier keys goes to the slab."""
@@ -195,7 +203,9 @@ def _attention_backward(
         else:
             dq[c.index], dk[c.rows, :, own], dv[c.rows, :, own] = dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:]
     for c in prefix:
-        dq_i, dk_i, dv_i = kernel.backward(dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], False, scale)
+        dq_i, dk_i, dv_i = kernel.backward(
+            dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], False, scale
+        )
         dq[c.index] += dq_i
         slab.accumulate(dk_i, dv_i, c.rows, c.keys.start)
     later_k, later_v = slab.take(offset, length) if slab is not None else (None, None)
@@ -225,8 +235,15 @@ def _whole_sequence_forward(
 
 
 def _whole_sequence_backward(
-    kernel: AttentionKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    documents: Documents | None, scale: float,
+    kernel: AttentionKernel,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    documents: Documents | None,
+    scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (shaped like q, k, v) of :func:`_whole_sequence_forward`, given its ``out`` and ``lse``."""
     causal, prefix = _calls(documents, 0, q.shape[2], kernel.bottom_right)
@@ -377,8 +394,15 @@ class SequenceAttention(nn.Module):
         self.ids = torch.tensor([handle, self.layer_id])
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, enable_gqa: bool = False,
-        is_causal: bool = True, documents: Tensor | None = None,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        is_causal: bool = True,
+        documents: Tensor | None = None,
     ) -> Tensor:
         """q: (B, Hq, L, D) post-RoPE; k, v: (B, Hkv, L, D) post-RoPE, before GQA expansion.
         documents: (B, L) document ids of a packed batch (block-causal attention), read
@@ -402,7 +426,7 @@ def bind_kv_context(model: nn.Module, context: KVContext, kernel: AttentionKerne
     if not layers and not hasattr(model, "kv_context"):
         raise TypeError(
             f"{type(model).__name__} has no chunk-aware attention: sequence schedules need "
-            "[model] name = \"llama3_seq\" (or SequenceAttention layers in a model of your own)"
+            '[model] name = "llama3_seq" (or SequenceAttention layers in a model of your own)'
         )
     for m in layers:
         m.bind(context, kernel)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
@@ -195,6 +194,10 @@ def _check_shape(job_config: JobConfig, spec: TrainSpec) -> None:
     cls = SEQUENCE_SCHEDULES[par.pipeline_parallel_schedule]
     cls.check_torch()
     cls.check_shape(
-        par.pipeline_parallel_degree, shape.microbatches, len(shape.lengths), split_backward=seq.split_backward,
-        stages_per_rank=shape.stages_per_rank, **cls.options_from_config(seq),
+        par.pipeline_parallel_degree,
+        shape.microbatches,
+        len(shape.lengths),
+        split_backward=seq.split_backward,
+        stages_per_rank=shape.stages_per_rank,
+        **cls.options_from_config(seq),
     )

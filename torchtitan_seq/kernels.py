@@ -19,7 +19,12 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "AttentionBackend", "AttentionKernel", "CpuSdpaKernel", "CudaSdpaKernel", "CudnnSdpaKernel", "FlashAttnKernel",
+    "AttentionBackend",
+    "AttentionKernel",
+    "CpuSdpaKernel",
+    "CudaSdpaKernel",
+    "CudnnSdpaKernel",
+    "FlashAttnKernel",
     "select_kernel",
 ]
 
@@ -94,8 +99,21 @@ class CudaSdpaKernel:
         # None, as the forward returns them: defined sequence offsets select the varlen
         # kernel, and without dropout the RNG state is never read.
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, _expand(k, n_rep), _expand(v, n_rep), out, lse,
-            None, None, q.shape[2], k.shape[2], 0.0, causal, None, None, scale=scale,
+            dout,
+            q,
+            _expand(k, n_rep),
+            _expand(v, n_rep),
+            out,
+            lse,
+            None,
+            None,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
+            None,
+            None,
+            scale=scale,
         )
         return dq, _reduce(dk, n_rep), _reduce(dv, n_rep)
 
@@ -122,8 +140,22 @@ class CudnnSdpaKernel:
         # Without dropout the RNG state is not read; no sequence offsets: not the varlen kernel.
         rng = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, _expand(k, n_rep), _expand(v, n_rep), out.contiguous(), lse.unsqueeze(-1).contiguous(),
-            rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+            dout,
+            q,
+            _expand(k, n_rep),
+            _expand(v, n_rep),
+            out.contiguous(),
+            lse.unsqueeze(-1).contiguous(),
+            rng,
+            rng,
+            None,
+            None,
+            None,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
+            scale=scale,
         )
         return dq, _reduce(dk, n_rep), _reduce(dv, n_rep)
 
@@ -139,8 +171,17 @@ class FlashAttnKernel:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse, *_ = self._fa._flash_attn_forward(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
         )
         return out.transpose(1, 2), lse.float()
 
@@ -150,10 +191,24 @@ class FlashAttnKernel:
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         dq, dk, dv = torch.empty_like(t(q)), torch.empty_like(t(k)), torch.empty_like(t(v))
         self._fa._flash_attn_backward(
-            t(dout).contiguous(), t(q), t(k), t(v), t(out).contiguous(), lse.contiguous(),
-            dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0,
-            alibi_slopes=None, deterministic=False, rng_state=None,
+            t(dout).contiguous(),
+            t(q),
+            t(k),
+            t(v),
+            t(out).contiguous(),
+            lse.contiguous(),
+            dq,
+            dk,
+            dv,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
         )
         return t(dq), t(dk), t(dv)
 

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -104,7 +104,7 @@ class KVSlab:
             b, h, _, d = k.shape
             grown = [k.new_empty(b, h, max(capacity, stop), d) for _ in range(2)]
             if self.k is not None:
-                grown[0][:, :, :self.filled], grown[1][:, :, :self.filled] = self.keys(0, self.filled)
+                grown[0][:, :, : self.filled], grown[1][:, :, : self.filled] = self.keys(0, self.filled)
             self.k, self.v = grown
         self.k[:, :, offset:stop] = k.detach()
         self.v[:, :, offset:stop] = v.detach()
@@ -240,7 +240,7 @@ class KVContext:
         if slab is None:
             slab = layers[layer_id] = KVSlab()
         if not unit.is_last or with_own:
-            capacity = sum(self.lengths[:None if with_own else -1]) if self.lengths else 0
+            capacity = sum(self.lengths[: None if with_own else -1]) if self.lengths else 0
             slab.write(unit.offset, k, v, capacity)
         return slab
 

@@ -8,7 +8,7 @@ the step's loss whatever their lengths; a per-unit mean would weight short and l
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 

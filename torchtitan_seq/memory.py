@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

@@ -39,20 +39,35 @@ RECORD_FILE = "metrics.jsonl"
 """The structured record's file name in the job's dump folder."""
 
 STEP_FIELDS = {
-    "loss": "loss_metrics/global_avg_loss", "max_loss": "loss_metrics/global_max_loss", "grad_norm": "grad_norm",
-    "lr": "lr", "n_tokens_seen": "n_tokens_seen", "tps": "throughput(tps)", "tflops": "tflops", "mfu_pct": "mfu(%)",
-    "end_to_end_s": "time_metrics/end_to_end(s)", "data_loading_s": "time_metrics/data_loading(s)",
-    "memory_gib": "memory/max_reserved(GiB)", "memory_pct": "memory/max_reserved(%)",
-    "max_active_gib": "memory/max_active(GiB)", "pipeline_s": "pipeline/makespan(s)",
+    "loss": "loss_metrics/global_avg_loss",
+    "max_loss": "loss_metrics/global_max_loss",
+    "grad_norm": "grad_norm",
+    "lr": "lr",
+    "n_tokens_seen": "n_tokens_seen",
+    "tps": "throughput(tps)",
+    "tflops": "tflops",
+    "mfu_pct": "mfu(%)",
+    "end_to_end_s": "time_metrics/end_to_end(s)",
+    "data_loading_s": "time_metrics/data_loading(s)",
+    "memory_gib": "memory/max_reserved(GiB)",
+    "memory_pct": "memory/max_reserved(%)",
+    "max_active_gib": "memory/max_active(GiB)",
+    "pipeline_s": "pipeline/makespan(s)",
 }
 """A step record's fields: the name of each in the metrics torchtitan logs (TensorBoard's tags).
 ``tps`` is tokens/s per device; ``memory_*`` is max reserved, the console's ``memory``."""
 
-VALIDATION_FIELDS = {"loss": "validation_metrics/loss", "tps": "validation_metrics/throughput(tps)",
-                     "memory_gib": "validation_metrics/memory/max_reserved(GiB)"}
+VALIDATION_FIELDS = {
+    "loss": "validation_metrics/loss",
+    "tps": "validation_metrics/throughput(tps)",
+    "memory_gib": "validation_metrics/memory/max_reserved(GiB)",
+}
 
-PER_RANK_FIELDS = {"peak_activation_bytes": "memory/peak_activation_bytes",
-                   "peak_allocated_bytes": "memory/peak_allocated_bytes", "bubble_ratio": "pipeline/bubble_ratio"}
+PER_RANK_FIELDS = {
+    "peak_activation_bytes": "memory/peak_activation_bytes",
+    "peak_allocated_bytes": "memory/peak_allocated_bytes",
+    "bubble_ratio": "pipeline/bubble_ratio",
+}
 """A step record's lists by rank: the prefix of their per-rank metrics, ``{prefix}/rank{r}``."""
 
 METERED_FIELDS = ("peak_activation_bytes", "peak_allocated_bytes")
@@ -124,15 +139,20 @@ class SeqMetricsProcessor(MetricsProcessor):
         due = freq > 0 and (step == 1 or step % (freq * self.job_config.metrics.log_freq) == 0)
         return due and self.activation_memory is not None
 
-    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None) -> None:
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
         # Every rank's peak activation bytes and allocator peak (-1: not measured), busy ms and
         # latest action end ms, in one all-gather. Every rank meters the same steps.
         metered = self.meters_activations(step)
         device = self.device_memory_monitor.device
         peaks = [self.activation_memory.peak, _allocator_peak(device)] if metered else [-1, -1]
-        local = torch.tensor([*peaks, *busy_and_end(timeline.RECORDER.intervals())], dtype=torch.float64,
-                             device=device)
+        local = torch.tensor([*peaks, *busy_and_end(timeline.RECORDER.intervals())], dtype=torch.float64, device=device)
         gathered = [local]
         if dist.is_initialized():
             gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
@@ -154,8 +174,9 @@ class SeqMetricsProcessor(MetricsProcessor):
             mib = ", ".join(f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(peaks))
             parts.append(f"peak activations (MiB): {mib}  bytes: {', '.join(map(str, peaks))}")
         if "peak_allocated_bytes" in per_rank:
-            parts.append("allocator peak (MiB): " + ", ".join(
-                f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(allocated)))
+            parts.append(
+                "allocator peak (MiB): " + ", ".join(f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(allocated))
+            )
         if bubbles:
             parts.append("bubble ratio: " + ", ".join(f"rank{r} {x:.4f}" for r, x in enumerate(bubbles)))
             parts.append(f"pipeline: {max(ends):.1f} ms")

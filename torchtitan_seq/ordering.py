@@ -39,11 +39,15 @@ def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences
             if kind == F and j > 0 and (stage, F, uid - 1) not in done:
                 broken = f"rule 1 (forward in subsequence order): {{}} runs before subsequence {j - 1}"
             elif kind != F and (stage, F, m * k + k - 1) not in done:
-                broken = ("rule 2 (backward after the microbatch's forwards): {} runs before the forward of "
-                          f"subsequence {k - 1}")
+                broken = (
+                    "rule 2 (backward after the microbatch's forwards): {} runs before the forward of "
+                    f"subsequence {k - 1}"
+                )
             elif kind != F and j < k - 1 and (stage, kind, uid + 1) not in done:
-                broken = ("rule 2 (backward last-subsequence-first): {} runs before its "
-                          f"{kind.value} of subsequence {j + 1}")
+                broken = (
+                    "rule 2 (backward last-subsequence-first): {} runs before its "
+                    f"{kind.value} of subsequence {j + 1}"
+                )
             else:
                 done.add((stage, kind, uid))
                 continue

@@ -151,8 +151,12 @@ def _latency_lengths(seq_len: int, k: int, multiple: int, cost: UnitCost) -> lis
 
 
 def partition_sequence(
-    seq_len: int, num_subsequences: int, method: Partition = "compute", *,
-    multiple: int = 1, cost: UnitCost | None = None,
+    seq_len: int,
+    num_subsequences: int,
+    method: Partition = "compute",
+    *,
+    multiple: int = 1,
+    cost: UnitCost | None = None,
 ) -> list[int]:
     """Lengths [L_0, ..., L_{k-1}], each a multiple of ``multiple``, summing to ``seq_len``;
     ``method`` as the module docstring says (``"compute"`` and ``"latency"`` need ``cost``)."""

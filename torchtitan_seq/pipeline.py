@@ -9,7 +9,8 @@ job's :class:`~torchtitan_seq.shape.JobShape` says (:func:`job_shape`) and wraps
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +34,13 @@ def job_shape(job_config: JobConfig, model_args: TransformerModelArgs, tp_degree
     N = local batch / microbatch size and v (:func:`stages_per_rank`) of a sequence schedule."""
     cfg, par = job_config.sequence_pipeline, job_config.parallelism
     return JobShape.of_model(
-        model_args, job_config.training.seq_len, cfg.num_subsequences, cfg.partition,
-        document_length=cfg.expected_document_length, length_multiple=cfg.length_multiple, tp=tp_degree,
+        model_args,
+        job_config.training.seq_len,
+        cfg.num_subsequences,
+        cfg.partition,
+        document_length=cfg.expected_document_length,
+        length_multiple=cfg.length_multiple,
+        tp=tp_degree,
         microbatches=job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size,
         stages_per_rank=stages_per_rank(job_config, model_args, pp_degree),
     )
@@ -74,7 +80,11 @@ def stages_per_rank(job_config: JobConfig, model_args: TransformerModelArgs, pp_
 
 
 def split_model(
-    model: nn.Module, pp_mesh: DeviceMesh, name: str, device: torch.device, module_names: list[list[str]],
+    model: nn.Module,
+    pp_mesh: DeviceMesh,
+    name: str,
+    device: torch.device,
+    module_names: list[list[str]],
     **options: Any,
 ) -> list[tuple[int, int, nn.Module]]:
     """This rank's model chunks for schedule ``name``: [(stage index, chain length, chunk)].
@@ -92,8 +102,12 @@ def split_model(
 
 
 def pipeline_sequence_llm(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device,
-    model_args: TransformerModelArgs, parallelize_fn: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module],
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    device: torch.device,
+    model_args: TransformerModelArgs,
+    parallelize_fn: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module],
     loss_fn: Callable[..., torch.Tensor],
 ) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
     """torchtitan's ``pipelining_fn`` contract: (schedule, model parts, has first, has last stage), for
@@ -111,8 +125,10 @@ def pipeline_sequence_llm(
     )
     num_stages = parallel_dims.pp * shape.stages_per_rank
     names = par.module_fqns_per_model_part or titan_pp.generate_llm_fqn_per_model_part(
-        num_stages // cls.parameter_copies, model_args.n_layers,
-        par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
+        num_stages // cls.parameter_copies,
+        model_args.n_layers,
+        par.pipeline_parallel_first_stage_less_layers,
+        par.pipeline_parallel_last_stage_less_layers,
     )
     options = cls.options_from_config(cfg)
     pp_mesh = parallel_dims.get_mesh("pp")
@@ -120,10 +136,18 @@ def pipeline_sequence_llm(
     stages, model_parts = [], []
     for index, chain_length, chunk in split_model(model, pp_mesh, name, device, names, **options):
         model_parts.append(parallelize_fn(chunk, parallel_dims, job_config))
-        stages.append(SequencePipelineStage(
-            model_parts[-1], index, num_stages, device, lengths=lengths, kernel=kernel,
-            chain_length=chain_length, group=pp_mesh.get_group("pp"),
-        ))
+        stages.append(
+            SequencePipelineStage(
+                model_parts[-1],
+                index,
+                num_stages,
+                device,
+                lengths=lengths,
+                kernel=kernel,
+                chain_length=chain_length,
+                group=pp_mesh.get_group("pp"),
+            )
+        )
     schedule = cls(stages, shape.microbatches, loss_fn, split_backward=cfg.split_backward, **options)
     if (layout := schedule.describe()) is not None:
         logger.info(layout)

@@ -50,10 +50,11 @@ import json
 import math
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Iterator, get_args
+from typing import get_args
 
 from .flavors import flavor_shape, flavor_shapes
 from .partition import Partition, UnitCost
@@ -66,8 +67,19 @@ from .simulate.engine import simulate
 from .simulate.memory import ACMode, Device, MemoryConfig, MemoryEstimate, gib, predict_memory
 from .simulate.network import Link, Network
 
-__all__ = ["ScheduleChoice", "Plan", "Job", "Cluster", "CHOICES", "AC_MODES", "H200_UNIT_OVERHEAD_S", "plan",
-           "evaluate", "memory", "main"]
+__all__ = [
+    "ScheduleChoice",
+    "Plan",
+    "Job",
+    "Cluster",
+    "CHOICES",
+    "AC_MODES",
+    "H200_UNIT_OVERHEAD_S",
+    "plan",
+    "evaluate",
+    "memory",
+    "main",
+]
 
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
 # Forward passes recomputed per backward: torchtitan's 'selective' default checkpoints every 2nd layer.
@@ -106,7 +118,9 @@ class ScheduleChoice:
 
 def _choices() -> list[ScheduleChoice]:
     torch_choices = [
-        ScheduleChoice("1F1B"), ScheduleChoice("GPipe"), ScheduleChoice("Interleaved1F1B", stages_per_rank=2)
+        ScheduleChoice("1F1B"),
+        ScheduleChoice("GPipe"),
+        ScheduleChoice("Interleaved1F1B", stages_per_rank=2),
     ]
     seq = [ScheduleChoice("Seq1F1B", k, part) for k in (2, 4, 8, 16) for part in ("even", "compute")]
     seq += [ScheduleChoice("InterleavedSeq1F1B", k, part, 2) for k in (2, 4, 8) for part in ("even", "compute")]
@@ -215,9 +229,15 @@ class Job:
     def shape(self, choice: ScheduleChoice, tp: int) -> JobShape:
         """The cut and microbatches of ``choice`` at TP ``tp``, as the runtime derives them."""
         return JobShape.of_model(
-            flavor_shape(self.flavor), self.seq_len, choice.num_subsequences, choice.partition,
-            length_multiple=self.length_multiple, tp=tp, microbatches=self.local_batch_size,
-            stages_per_rank=choice.stages_per_rank, whole=choice.schedule not in SEQUENCE_SCHEDULES,
+            flavor_shape(self.flavor),
+            self.seq_len,
+            choice.num_subsequences,
+            choice.partition,
+            length_multiple=self.length_multiple,
+            tp=tp,
+            microbatches=self.local_batch_size,
+            stages_per_rank=choice.stages_per_rank,
+            whole=choice.schedule not in SEQUENCE_SCHEDULES,
         )
 
 
@@ -244,9 +264,9 @@ def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int]]:
                 f"--tp {job.tp}: TP must divide the {job.flavor} heads {heads} and fit a node of "
                 f"{cluster.gpus_per_node} GPUs"
             )
-    tps = [job.tp] if job.tp else [
-        t for t in TP_DEGREES if t <= cluster.gpus_per_node and not any(h % t for h in heads)
-    ]
+    tps = (
+        [job.tp] if job.tp else [t for t in TP_DEGREES if t <= cluster.gpus_per_node and not any(h % t for h in heads)]
+    )
     meshes = [
         (pp, tp, cluster.gpus // (pp * tp))
         for tp in tps
@@ -259,7 +279,6 @@ def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int]]:
             f"(and at most the {args.n_layers} layers of {job.flavor}): use a multiple of 2 x TP"
         )
     return meshes
-
 
 
 def _unit_flops(cost: UnitCost, lengths: list[int], recompute: float) -> list[tuple[float, float]]:
@@ -278,8 +297,9 @@ def _step_flops(cost: UnitCost, n_layers: int, lengths: list[int], pp: int, reco
     return n_layers / pp * sum(f + b for f, b in _unit_flops(cost, lengths, recompute))
 
 
-def _fill_flops(choice: ScheduleChoice, cost: UnitCost, n_layers: int, lengths: list[int], pp: int,
-                recompute: float) -> float:
+def _fill_flops(
+    choice: ScheduleChoice, cost: UnitCost, n_layers: int, lengths: list[int], pp: int, recompute: float
+) -> float:
     """FLOPs a one-chain pipeline cannot overlap: rank p-1 starts after the first unit's
     forward crossed p-1 stages, and after its last backward another unit's backward crosses
     p-1 stages (stages of n_layers / (p v) layers). Two-chain schedules start on both ends: 0."""
@@ -303,7 +323,7 @@ class _Costs:
     unit_overhead_s: float = 0.0
 
     @classmethod
-    def load(cls, job: Job, cluster: Cluster, args) -> "_Costs":
+    def load(cls, job: Job, cluster: Cluster, args) -> _Costs:
         if not job.costs:
             return cls((), cluster.flops_per_gpu, cluster.unit_overhead_s)
         files, rates, loaded = {}, [], []
@@ -357,17 +377,41 @@ class _Step:
     bubble_ratio: float
 
 
-@lru_cache(maxsize=None)
-def _simulated_step(choice: ScheduleChoice, pp: int, tp: int, dp: int, ac: ACMode, microbatches: int,
-                    job: Job, cluster: Cluster, costs: _Costs) -> _Step:
+@cache
+def _simulated_step(
+    choice: ScheduleChoice,
+    pp: int,
+    tp: int,
+    dp: int,
+    ac: ACMode,
+    microbatches: int,
+    job: Job,
+    cluster: Cluster,
+    costs: _Costs,
+) -> _Step:
     """A step's time, simulated at N' = min(N, 2p) and 2N' microbatches and extended to N
     (each microbatch past the warm-up adds the same time)."""
-    network = Network(cluster.intra_node, cluster.inter_node, cluster.gpus_per_node, gpus_per_rank=tp * dp,
-                      tensor_parallel=tp, flops_per_gpu=costs.flops_per_gpu)
+    network = Network(
+        cluster.intra_node,
+        cluster.inter_node,
+        cluster.gpus_per_node,
+        gpus_per_rank=tp * dp,
+        tensor_parallel=tp,
+        flops_per_gpu=costs.flops_per_gpu,
+    )
     config = SimConfig(
-        choice.schedule, pp, microbatches, choice.num_subsequences, stages_per_rank=choice.stages_per_rank,
-        flavor=job.flavor, seq_len=job.seq_len, partition=choice.partition, network=network,
-        recompute=_RECOMPUTE[ac], torch_lowering=False, unit_overhead=costs.unit_overhead_s,
+        choice.schedule,
+        pp,
+        microbatches,
+        choice.num_subsequences,
+        stages_per_rank=choice.stages_per_rank,
+        flavor=job.flavor,
+        seq_len=job.seq_len,
+        partition=choice.partition,
+        network=network,
+        recompute=_RECOMPUTE[ac],
+        torch_lowering=False,
+        unit_overhead=costs.unit_overhead_s,
         length_multiple=job.length_multiple,
     )
     config = replace(config, cost=costs.cost_for(choice, pp, subsequence_lengths(config)))
@@ -390,7 +434,7 @@ def _simulated_step(choice: ScheduleChoice, pp: int, tp: int, dp: int, ac: ACMod
     return _Step(makespan, 1 - busy / makespan)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> bool:
     """Whether the schedule can run this choice (the errors a job check would give)."""
     if pp * choice.stages_per_rank // choice.parameter_copies > n_layers:
@@ -399,27 +443,38 @@ def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> 
         if choice.parameter_copies > 1:  # the two-chain schedules check a shape without building its lists
             SEQUENCE_SCHEDULES[choice.schedule].check_shape(pp, microbatches, choice.num_subsequences)
         else:  # the lists, built once: the simulation and the memory model take them again at N <= 2p
-            build(SimConfig(choice.schedule, pp, microbatches, choice.num_subsequences,
-                            stages_per_rank=choice.stages_per_rank))
+            build(
+                SimConfig(
+                    choice.schedule, pp, microbatches, choice.num_subsequences, stages_per_rank=choice.stages_per_rank
+                )
+            )
     except ValueError:
         return False
     return True
 
 
-def memory(
-    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode
-) -> MemoryEstimate:
+def memory(job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode) -> MemoryEstimate:
     """The memory model's estimate for ``choice`` on a (pp, tp, rest data-parallel) split."""
-    return predict_memory(MemoryConfig(
-        job.flavor, job.seq_len, choice.schedule, pp, job.local_batch_size, choice.num_subsequences,
-        choice.partition, choice.stages_per_rank, tp=tp, dp_shard=cluster.gpus // (pp * tp),
-        activation_checkpoint=ac, device=cluster.device, length_multiple=job.length_multiple,
-    ))
+    return predict_memory(
+        MemoryConfig(
+            job.flavor,
+            job.seq_len,
+            choice.schedule,
+            pp,
+            job.local_batch_size,
+            choice.num_subsequences,
+            choice.partition,
+            choice.stages_per_rank,
+            tp=tp,
+            dp_shard=cluster.gpus // (pp * tp),
+            activation_checkpoint=ac,
+            device=cluster.device,
+            length_multiple=job.length_multiple,
+        )
+    )
 
 
-def evaluate(
-    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int = 1, ac: ACMode = "none"
-) -> Plan:
+def evaluate(job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int = 1, ac: ACMode = "none") -> Plan:
     """One configuration's predicted throughput, bubble and peak memory (what the search ranks)."""
     args = flavor_shape(job.flavor)
     costs = _Costs.load(job, cluster, args)
@@ -433,9 +488,22 @@ def _measure(c: _Candidate, job: Job, cluster: Cluster, costs: _Costs, args, pea
     n = job.local_batch_size
     step = _simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs)
     seconds = step.seconds + n * _tp_seconds(args, job.seq_len, c.pp, c.tp, _RECOMPUTE[c.ac], cluster)
-    return Plan(c.choice.schedule, c.pp, c.tp, c.dp, c.choice.num_subsequences, c.choice.partition,
-                c.choice.stages_per_rank, c.ac, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits,
-                tuple(job.shape(c.choice, c.tp).lengths), job.length_multiple)
+    return Plan(
+        c.choice.schedule,
+        c.pp,
+        c.tp,
+        c.dp,
+        c.choice.num_subsequences,
+        c.choice.partition,
+        c.choice.stages_per_rank,
+        c.ac,
+        c.dp * n * job.seq_len / seconds,
+        peak_gib,
+        step.bubble_ratio,
+        fits,
+        tuple(job.shape(c.choice, c.tp).lengths),
+        job.length_multiple,
+    )
 
 
 def _lengths(job: Job, choice: ScheduleChoice, tp: int) -> list[int] | None:
@@ -447,8 +515,15 @@ def _lengths(job: Job, choice: ScheduleChoice, tp: int) -> list[int] | None:
         return None
 
 
-def _candidates(choice: ScheduleChoice, by_pp: dict[int, list[tuple[int, int]]], job: Job, cluster: Cluster,
-                costs: _Costs, args, cost: UnitCost) -> list[_Candidate]:
+def _candidates(
+    choice: ScheduleChoice,
+    by_pp: dict[int, list[tuple[int, int]]],
+    job: Job,
+    cluster: Cluster,
+    costs: _Costs,
+    args,
+    cost: UnitCost,
+) -> list[_Candidate]:
     """``choice`` on every mesh and AC mode that can run it (and cut the sequence), with its bound."""
     n, out = job.local_batch_size, []
     tps = {tp for splits in by_pp.values() for tp, _ in splits}
@@ -463,11 +538,13 @@ def _candidates(choice: ScheduleChoice, by_pp: dict[int, list[tuple[int, int]]],
                     continue
                 lengths = cuts[tp]
                 flops = n * _step_flops(cost, args.n_layers, lengths, pp, r) + _fill_flops(
-                    choice, cost, args.n_layers, lengths, pp, r)
+                    choice, cost, args.n_layers, lengths, pp, r
+                )
                 # Every rank runs N k units on its n_layers / pp layers, each at the fixed cost.
                 fixed = n * len(lengths) * args.n_layers / pp * costs.unit_overhead_s
-                seconds = flops / (tp * costs.flops_per_gpu) + fixed + n * _tp_seconds(
-                    args, job.seq_len, pp, tp, r, cluster)
+                seconds = (
+                    flops / (tp * costs.flops_per_gpu) + fixed + n * _tp_seconds(args, job.seq_len, pp, tp, r, cluster)
+                )
                 out.append(_Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds))
     return out
 
@@ -503,8 +580,10 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
     if (args := flavor_shape(job.flavor)) is None:
         raise ValueError(f"--flavor {job.flavor!r} does not exist: use one of {sorted(flavor_shapes)}")
     if min(job.seq_len - 1, job.local_batch_size, job.length_multiple, cluster.gpu_memory_gib) <= 0:
-        raise ValueError("--seq-len, --local-batch-size, --length-multiple and --gpu-memory-gib must be positive "
-                         "(seq-len at least 2)")
+        raise ValueError(
+            "--seq-len, --local-batch-size, --length-multiple and --gpu-memory-gib must be positive "
+            "(seq-len at least 2)"
+        )
     costs = _Costs.load(job, cluster, args)
     cost = UnitCost.from_model_args(args)
     by_pp: dict[int, list[tuple[int, int]]] = {}
@@ -547,12 +626,29 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
             f"({c.choice.schedule}, pp {c.pp}, tp {c.tp}, k {c.choice.num_subsequences}, activation "
             f"checkpointing {c.ac}) needs {need:.1f} GiB per GPU"
         )
-    over = [
-        Plan(c.choice.schedule, c.pp, c.tp, c.dp, c.choice.num_subsequences, c.choice.partition,
-             c.choice.stages_per_rank, c.ac, math.nan, need, math.nan, False,
-             tuple(job.shape(c.choice, c.tp).lengths), job.length_multiple)
-        for need, c in closest
-    ] if len(fitting) < top else []
+    over = (
+        [
+            Plan(
+                c.choice.schedule,
+                c.pp,
+                c.tp,
+                c.dp,
+                c.choice.num_subsequences,
+                c.choice.partition,
+                c.choice.stages_per_rank,
+                c.ac,
+                math.nan,
+                need,
+                math.nan,
+                False,
+                tuple(job.shape(c.choice, c.tp).lengths),
+                job.length_multiple,
+            )
+            for need, c in closest
+        ]
+        if len(fitting) < top
+        else []
+    )
     return fitting[:top] + over
 
 
@@ -574,27 +670,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--gpu-memory-gib", type=float, required=True)
-    parser.add_argument("--local-batch-size", type=int, required=True,
-                        help="sequences per data-parallel rank and step (one per microbatch)")
+    parser.add_argument(
+        "--local-batch-size",
+        type=int,
+        required=True,
+        help="sequences per data-parallel rank and step (one per microbatch)",
+    )
     parser.add_argument("--tp", type=int, help="fix the TP degree (default: search 1, 2, 4, 8)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--length-multiple", type=int, default=LENGTH_MULTIPLE,
-                        help="sequence_pipeline.length_multiple: every subsequence length a multiple of it and of "
-                        "the TP degree (default %(default)s)")
-    parser.add_argument("--tflops", type=float, default=Cluster.flops_per_gpu / 1e12,
-                        help="achieved TFLOP/s per GPU of the cost model (default %(default)g)")
-    parser.add_argument("--unit-overhead-ms", type=float, default=Cluster.unit_overhead_s * 1e3,
-                        help="fixed ms per unit (forward + backward) and layer on top of the cost model "
-                        "(default %(default)g: measured on an H200)")
-    parser.add_argument("--cost", type=Path, action="append", default=[],
-                        help="a calibration file (benchmarks/bench.py --calibrate), repeatable, or a folder of them")
+    parser.add_argument(
+        "--length-multiple",
+        type=int,
+        default=LENGTH_MULTIPLE,
+        help="sequence_pipeline.length_multiple: every subsequence length a multiple of it and of "
+        "the TP degree (default %(default)s)",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=float,
+        default=Cluster.flops_per_gpu / 1e12,
+        help="achieved TFLOP/s per GPU of the cost model (default %(default)g)",
+    )
+    parser.add_argument(
+        "--unit-overhead-ms",
+        type=float,
+        default=Cluster.unit_overhead_s * 1e3,
+        help="fixed ms per unit (forward + backward) and layer on top of the cost model "
+        "(default %(default)g: measured on an H200)",
+    )
+    parser.add_argument(
+        "--cost",
+        type=Path,
+        action="append",
+        default=[],
+        help="a calibration file (benchmarks/bench.py --calibrate), repeatable, or a folder of them",
+    )
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: plans and overrides")
     a = parser.parse_args(argv)
     costs = tuple(f for path in a.cost for f in (sorted(path.glob("cost_*.json")) if path.is_dir() else [path]))
     job = Job(a.flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple)
-    cluster = Cluster(a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12,
-                      unit_overhead_s=a.unit_overhead_ms / 1e3)
+    cluster = Cluster(
+        a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12, unit_overhead_s=a.unit_overhead_ms / 1e3
+    )
     try:
         plans = plan(job, cluster, a.top)
     except ValueError as e:
@@ -605,10 +723,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps({"plans": [asdict(p) for p in plans], "overrides": overrides}, indent=1))
         return 0
-    print(f"{job.flavor}, seq {job.seq_len}, {cluster.gpus} GPUs of {cluster.gpu_memory_gib:g} GiB, "
-          f"local batch {job.local_batch_size}; "
-          + ("measured costs\n" if costs else
-             f"transformer-model costs, {a.unit_overhead_ms:g} ms per unit and layer\n"))
+    print(
+        f"{job.flavor}, seq {job.seq_len}, {cluster.gpus} GPUs of {cluster.gpu_memory_gib:g} GiB, "
+        f"local batch {job.local_batch_size}; "
+        + ("measured costs\n" if costs else f"transformer-model costs, {a.unit_overhead_ms:g} ms per unit and layer\n")
+    )
     print(_table(plans))
     print(f"\nBest, as ./run_train.sh overrides:\n  ./run_train.sh {overrides}\n")
     print("As TOML:\n\n" + best.toml(job.flavor, job.seq_len, job.local_batch_size))

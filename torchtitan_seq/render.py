@@ -26,8 +26,16 @@ from torch.distributed.pipelining.schedules import F, I, W, _Action
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["Interval", "Timeline", "busy_and_end", "bubble_ratios", "render_svg", "chrome_trace", "compute_csv",
-           "timeline_figure"]
+__all__ = [
+    "Interval",
+    "Timeline",
+    "busy_and_end",
+    "bubble_ratios",
+    "render_svg",
+    "chrome_trace",
+    "compute_csv",
+    "timeline_figure",
+]
 
 Interval = tuple[float, float, _Action]
 """(start, end, compute action)."""
@@ -103,11 +111,18 @@ def chrome_trace(result: Timeline) -> dict:
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
         for start, end, a in result.timeline[rank]:
             m, j = divmod(a.microbatch_index, result.subsequences)
-            events.append({
-                "name": str(a), "cat": a.computation_type.value, "ph": "X", "pid": rank, "tid": 0,
-                "ts": start * 1000, "dur": (end - start) * 1000,
-                "args": {"stage": a.stage_index, "microbatch": m, "subsequence": j},
-            })
+            events.append(
+                {
+                    "name": str(a),
+                    "cat": a.computation_type.value,
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": 0,
+                    "ts": start * 1000,
+                    "dur": (end - start) * 1000,
+                    "args": {"stage": a.stage_index, "microbatch": m, "subsequence": j},
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -147,8 +162,10 @@ def render_svg(result: Timeline, width: int = 1100) -> str:
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif">',
         "<defs>",
-        *(f'<pattern id="hatch-{kind.value}" width="6" height="6" patternUnits="userSpaceOnUse">{tile}</pattern>'
-          for kind, tile in _HATCH.items()),
+        *(
+            f'<pattern id="hatch-{kind.value}" width="6" height="6" patternUnits="userSpaceOnUse">{tile}</pattern>'
+            for kind, tile in _HATCH.items()
+        ),
         "</defs>",
         f'<rect width="{width}" height="{height}" fill="#fff"/>',
         f'<text x="{left}" y="18" font-size="13" font-weight="bold">{escape(result.title())}</text>',
@@ -158,8 +175,10 @@ def render_svg(result: Timeline, width: int = 1100) -> str:
     for r in range(result.pp):
         y = top + r * (row_h + gap)
         mid = f"{y + row_h / 2 + 4:.1f}"
-        out += [f'<rect x="{left}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f3f3f3"/>',
-                f'<text x="{left - 8}" y="{mid}" font-size="12" text-anchor="end">rank {r}</text>']
+        out += [
+            f'<rect x="{left}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f3f3f3"/>',
+            f'<text x="{left - 8}" y="{mid}" font-size="12" text-anchor="end">rank {r}</text>',
+        ]
         for start, end, a in result.timeline.get(r, []):
             m, j = divmod(a.microbatch_index, k)
             x0, x1 = x(start), x(end)
@@ -172,17 +191,23 @@ def render_svg(result: Timeline, width: int = 1100) -> str:
                 out.append(f'<rect {box} fill="url(#hatch-{kind.value})" pointer-events="none"/>')
             label = f"{m}.{j}" if k > 1 else f"{m}"
             if x1 - x0 >= 7 * len(label) + 4:
-                out.append(f'<text x="{(x0 + x1) / 2:.2f}" y="{mid}" font-size="10" text-anchor="middle" '
-                           f'fill="{ink}" pointer-events="none">{label}</text>')
+                out.append(
+                    f'<text x="{(x0 + x1) / 2:.2f}" y="{mid}" font-size="10" text-anchor="middle" '
+                    f'fill="{ink}" pointer-events="none">{label}</text>'
+                )
     # About ten ticks, 1, 2 or 5 times a power of ten apart.
     raw = span / 10
     scale = 10 ** math.floor(math.log10(raw))
     step = next(f * scale for f in (1, 2, 5, 10) if f * scale >= raw)
     for t in (i * step for i in range(int(span / step + 1e-9) + 1)):
-        out += [f'<line x1="{x(t):.2f}" y1="{rows_bottom - gap}" x2="{x(t):.2f}" y2="{rows_bottom}" stroke="#444"/>',
-                f'<text x="{x(t):.2f}" y="{rows_bottom + 12}" font-size="10" text-anchor="middle">{t:.4g}</text>']
-    out.append(f'<text x="{left + plot_w}" y="{rows_bottom + 26}" font-size="10" text-anchor="end">'
-               f"time ({escape(result.time_unit)})</text>")
+        out += [
+            f'<line x1="{x(t):.2f}" y1="{rows_bottom - gap}" x2="{x(t):.2f}" y2="{rows_bottom}" stroke="#444"/>',
+            f'<text x="{x(t):.2f}" y="{rows_bottom + 12}" font-size="10" text-anchor="middle">{t:.4g}</text>',
+        ]
+    out.append(
+        f'<text x="{left + plot_w}" y="{rows_bottom + 26}" font-size="10" text-anchor="end">'
+        f"time ({escape(result.time_unit)})</text>"
+    )
     # Legend: passes, then microbatch colours with their subsequence shades.
     lx = left
     for kind, name in _PASS_NAMES.items():
@@ -196,8 +221,10 @@ def render_svg(result: Timeline, width: int = 1100) -> str:
     out.append(f'<text x="{lx + 10}" y="{legend_y}" font-size="11">{labels} (hover: stage, times)</text>')
     for m in range(result.microbatches):
         mx, my = left + (m % 10) * 100, legend_y + 14 + 18 * (m // 10)
-        out += [f'<rect x="{mx + j * 40 / k:.2f}" y="{my}" width="{40 / k:.2f}" height="12" '
-                f'fill="{_colour(m, j, k)[0]}"/>' for j in range(k)]
+        out += [
+            f'<rect x="{mx + j * 40 / k:.2f}" y="{my}" width="{40 / k:.2f}" height="12" fill="{_colour(m, j, k)[0]}"/>'
+            for j in range(k)
+        ]
         out.append(f'<text x="{mx + 44}" y="{my + 10}" font-size="11">mb {m}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -215,12 +242,21 @@ def timeline_figure(result: Timeline) -> Figure:
     for rank, ivs in result.timeline.items():
         for start, end, a in ivs:
             m, j = divmod(a.microbatch_index, k)
-            ax.broken_barh([(start, end - start)], (rank - 0.4, 0.8), facecolors=_colour(m, j, k)[0],
-                           edgecolor="white", linewidth=0.5, hatch=hatches[a.computation_type])
+            ax.broken_barh(
+                [(start, end - start)],
+                (rank - 0.4, 0.8),
+                facecolors=_colour(m, j, k)[0],
+                edgecolor="white",
+                linewidth=0.5,
+                hatch=hatches[a.computation_type],
+            )
     ax.set_yticks(range(result.pp), [f"rank {r}" for r in range(result.pp)])
     ax.invert_yaxis()
     ax.set_xlabel(f"{result.time_unit} since step start")
-    ax.set_title(f"{result.schedule} k={k}: makespan {result.makespan:.1f} {result.time_unit}, "
-                 f"bubble ratio {result.bubble_ratio:.3f} (hatched: backward)", fontsize=10)
+    ax.set_title(
+        f"{result.schedule} k={k}: makespan {result.makespan:.1f} {result.time_unit}, "
+        f"bubble ratio {result.bubble_ratio:.3f} (hatched: backward)",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig

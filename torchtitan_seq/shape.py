@@ -49,8 +49,16 @@ class JobShape:
     """True for torch's schedules: they run each sequence as one unit, uncut."""
 
     @classmethod
-    def of_model(cls, model_args: Any, seq_len: int, num_subsequences: int = 1, partition: Partition = "even", *,
-                 document_length: float = 0.0, **fields: Any) -> JobShape:
+    def of_model(
+        cls,
+        model_args: Any,
+        seq_len: int,
+        num_subsequences: int = 1,
+        partition: Partition = "even",
+        *,
+        document_length: float = 0.0,
+        **fields: Any,
+    ) -> JobShape:
         """The shape of a job on ``model_args`` (torchtitan's ``TransformerModelArgs`` or a
         :class:`~torchtitan_seq.flavors.ModelShape`); ``document_length``: the expected tokens per
         packed document (``sequence_pipeline.expected_document_length``, 0: causal)."""

@@ -35,8 +35,16 @@ class SequencePipelineStage(PipelineStage):
     """
 
     def __init__(
-        self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device, *, lengths: list[int],
-        kernel: AttentionKernel | None = None, chain_length: int | None = None, **kwargs: Any,
+        self,
+        submodule: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        *,
+        lengths: list[int],
+        kernel: AttentionKernel | None = None,
+        chain_length: int | None = None,
+        **kwargs: Any,
     ) -> None:
         self.chain_length = chain_length or num_stages
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)
@@ -88,8 +96,13 @@ class SequencePipelineStage(PipelineStage):
         m, j = divmod(unit_id, len(self.lengths))
         return Unit(m, j, sum(self.lengths[:j]), self.lengths[j], len(self.lengths))
 
-    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
-                          save_forward_output: bool = True) -> Any:
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ) -> Any:
         with RECORDER.action(self.stage_index, F, fwd_chunk_id), self.kv_context.running(self.unit(fwd_chunk_id)):
             output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         if self.is_last and save_forward_output:
@@ -99,8 +112,13 @@ class SequencePipelineStage(PipelineStage):
             self.output_chunks[-1] = tree_map_only(torch.Tensor, torch.Tensor.detach, self.output_chunks[-1])
         return output
 
-    def backward_one_chunk(self, bwd_chunk_id: int, loss: torch.Tensor | None = None, full_backward: bool = True,
-                           last_backward: bool = False) -> None:
+    def backward_one_chunk(
+        self,
+        bwd_chunk_id: int,
+        loss: torch.Tensor | None = None,
+        full_backward: bool = True,
+        last_backward: bool = False,
+    ) -> None:
         timed = RECORDER.action(self.stage_index, B if full_backward else I, bwd_chunk_id)
         with timed, self.kv_context.backward(self.unit(bwd_chunk_id), last_pass=full_backward):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
@@ -121,7 +139,7 @@ class SequencePipelineStage(PipelineStage):
         for unit_id, infos in infos_by_unit.items():
             length = self.lengths[unit_id % len(self.lengths)]
 
-            def scaled(shape: torch.Size) -> torch.Size:
+            def scaled(shape: torch.Size, length: int = length) -> torch.Size:
                 return torch.Size([shape[0], shape[1] * length // self.lengths[0], *shape[2:]])
 
             for info in infos:

@@ -21,8 +21,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -107,7 +108,9 @@ def measured_result(timelines: dict[int, list[Interval]], schedule: str, num_sub
     actions = [a for ivs in timelines.values() for _, _, a in ivs]
     units = 1 + max((a.microbatch_index for a in actions), default=-1)
     return Timeline(
-        schedule=schedule, pp=len(timelines), microbatches=-(-units // num_subsequences),
+        schedule=schedule,
+        pp=len(timelines),
+        microbatches=-(-units // num_subsequences),
         subsequences=num_subsequences,
         stages_per_rank=max(1, len({a.stage_index for a in actions}) // max(1, len(timelines))),
         split_backward=any(a.computation_type in (I, W) for a in actions),

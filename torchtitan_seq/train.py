@@ -65,10 +65,9 @@ cpu_compat.apply()  # before torchtitan is imported
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.train import main  # noqa: E402
 
-from .registration import register  # noqa: E402
 from .job_check import check_job  # noqa: E402
+from .registration import register  # noqa: E402
 from .trainer import SeqTrainer  # noqa: E402
-
 
 if __name__ == "__main__":
     register()

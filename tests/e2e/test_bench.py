@@ -9,8 +9,8 @@ import sys
 
 import bench
 import pytest
-from titan import assert_trained, run_train
 
+from titan import assert_trained, run_train
 from torchtitan_seq import timeline
 
 
@@ -18,16 +18,34 @@ from torchtitan_seq import timeline
 def test_bench_cli_smoke(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, bench.__file__, "--seq-lens", "256", "--steps", "2", "--rounds", "1",
-         "--schedules", "1F1B,Seq1F1B", "--calibrate", "--repeats", "1", "--out", str(out)],
+        [
+            sys.executable,
+            bench.__file__,
+            "--seq-lens",
+            "256",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--schedules",
+            "1F1B,Seq1F1B",
+            "--calibrate",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
         # Valid jobs: run_train.sh may skip its start-up check (every rank checks the job).
         env={**os.environ, "TORCHTITAN_SEQ_SKIP_CHECK": "1"},
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = json.loads((out / "bench.json").read_text())
     assert [(r["schedule"], r["num_subsequences"], r["partition"]) for r in records] == [
-        ("1F1B", 1, None), ("Seq1F1B", 4, "compute")
+        ("1F1B", 1, None),
+        ("Seq1F1B", 4, "compute"),
     ]
     for r in records:
         assert r["seq_len"] == 256 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
@@ -45,10 +63,25 @@ def test_tensorboard_holds_bubble_ratios_and_the_timeline(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # torchtitan's own profiler, at step 2: its traces and our timeline land side by side.
-    profile = ("--profiling.enable_profiling", "--profiling.profile_freq", "2",
-               "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1")
-    run = run_train("--training.seq_len", "512", "--training.steps", "2", "--metrics.enable_tensorboard",
-                    *profile, dump_folder=tmp_path, check=False)
+    profile = (
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.profiler_warmup",
+        "0",
+        "--profiling.profiler_active",
+        "1",
+    )
+    run = run_train(
+        "--training.seq_len",
+        "512",
+        "--training.steps",
+        "2",
+        "--metrics.enable_tensorboard",
+        *profile,
+        dump_folder=tmp_path,
+        check=False,
+    )
     assert_trained(run, 2)
     assert all(len(b) == 2 and all(0 <= x < 1 for x in b) for b in run.bubble_ratios), run.bubble_ratios
     assert all(t > 0 for t in run.pipeline_s), run.pipeline_s

@@ -3,8 +3,8 @@
 import shutil
 
 import pytest
-from titan import assert_same_losses, assert_trained, run_train
 
+from titan import assert_same_losses, assert_trained, run_train
 
 SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4")
 
@@ -12,18 +12,33 @@ SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4")
 @pytest.mark.slow
 def test_logs_the_losses_of_1f1b_from_one_seed_checkpoint(tmp_path):
     """torchtitan seeds each pipeline rank differently, so both runs start from one seed checkpoint."""
-    seed = run_train(*SMALL, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                     "--parallelism.pipeline_parallel_degree", "1", dump_folder=tmp_path / "seed",
-                     env={"NGPU": "1"})
+    seed = run_train(
+        *SMALL,
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        dump_folder=tmp_path / "seed",
+        env={"NGPU": "1"},
+    )
     assert seed.returncode == 0, seed.output[-3000:]
     runs = {}
     for schedule in ("BSIPipe", "1F1B"):
         folder = tmp_path / schedule
         shutil.copytree(tmp_path / "seed" / "checkpoint", folder / "checkpoint")
-        runs[schedule] = run_train(*SMALL, "--training.steps", "5", "--checkpoint.enable",
-                                   "--checkpoint.interval", "1000", "--checkpoint.last_save_model_only",
-                                   "--parallelism.pipeline_parallel_schedule", schedule, dump_folder=folder,
-                                   check=False)
+        runs[schedule] = run_train(
+            *SMALL,
+            "--training.steps",
+            "5",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "1000",
+            "--checkpoint.last_save_model_only",
+            "--parallelism.pipeline_parallel_schedule",
+            schedule,
+            dump_folder=folder,
+            check=False,
+        )
         assert_trained(runs[schedule], 5)
     assert_same_losses(runs["BSIPipe"], runs["1F1B"])
     assert "BSIPipe placement 'paired':" in runs["BSIPipe"].output

@@ -9,16 +9,15 @@ trainer, mesh, checkpointer and data loader, on the Llama 3 debug model.
 from pathlib import Path
 
 import pytest
+
 from titan import REFERENCE, assert_same_losses, assert_trained, max_diff, run_train
 
 STEPS = 10
 # lr_scheduler.total_steps fixes the LR schedule (warm-up 2, then decay over
 # 80% of 10 steps) whatever training.steps is: without it torchtitan derives
 # the decay from training.steps, and a 5-step run would decay from step 4 on.
-SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4",
-         "--lr_scheduler.total_steps", str(STEPS))
-TINY = ("--training.seq_len", "256", "--training.local_batch_size", "4",
-        "--lr_scheduler.total_steps", str(STEPS))
+SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4", "--lr_scheduler.total_steps", str(STEPS))
+TINY = ("--training.seq_len", "256", "--training.local_batch_size", "4", "--lr_scheduler.total_steps", str(STEPS))
 TOL_SCHEDULES = 1e-3  # Seq1F1B against 1F1B: same maths, different summation order
 TOL_RESUME = 1e-5  # a resumed run against the uninterrupted one
 LOSS = "loss_metrics/global_avg_loss"
@@ -70,14 +69,19 @@ MESHES = {
 def test_seq1f1b_logs_the_losses_of_1f1b_on_the_same_mesh(mesh, tmp_path):
     ngpu, degrees = MESHES[mesh]
     common = (
-        *TINY, "--training.steps", str(MESH_STEPS),
-        "--parallelism.data_parallel_shard_degree", str(degrees["dp_shard"]),
-        "--parallelism.tensor_parallel_degree", str(degrees["tp"]),
+        *TINY,
+        "--training.steps",
+        str(MESH_STEPS),
+        "--parallelism.data_parallel_shard_degree",
+        str(degrees["dp_shard"]),
+        "--parallelism.tensor_parallel_degree",
+        str(degrees["tp"]),
     )
     env = {"NGPU": str(ngpu)}
     seq = run_train(*common, dump_folder=tmp_path / "seq", env=env, check=False)
-    ref = run_train(*common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "ref",
-                    env=env, check=False)
+    ref = run_train(
+        *common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "ref", env=env, check=False
+    )
     assert_trained(seq, MESH_STEPS)
     assert_trained(ref, MESH_STEPS)
     layout = f"pp=2, dp_replicate=1, dp_shard={degrees['dp_shard']}, cp=1, tp={degrees['tp']}"
@@ -92,8 +96,14 @@ def test_seq1f1b_logs_the_losses_of_1f1b_on_the_same_mesh(mesh, tmp_path):
 # steps, TensorBoard on; the session's shared REFERENCE run, which
 # tests/e2e/test_train.py compares with 1F1B.
 
-CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.folder", "ckpt",
-              "--metrics.enable_tensorboard")
+CHECKPOINT = (
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "5",
+    "--checkpoint.folder",
+    "ckpt",
+    "--metrics.enable_tensorboard",
+)
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +142,15 @@ def test_resuming_from_a_dcp_checkpoint_logs_the_uninterrupted_losses(uninterrup
     # Stopped after step 5: that step's checkpoint is then the last one, which
     # torchtitan saves model-only unless told otherwise, and a model-only
     # checkpoint cannot resume training (DCP: "Missing key ... dataloader").
-    first = run_train(*SMALL, *CHECKPOINT, "--training.steps", "5", "--checkpoint.no_last_save_model_only",
-                      dump_folder=tmp_path, check=False)
+    first = run_train(
+        *SMALL,
+        *CHECKPOINT,
+        "--training.steps",
+        "5",
+        "--checkpoint.no_last_save_model_only",
+        dump_folder=tmp_path,
+        check=False,
+    )
     assert_trained(first, 5)
     saved = set(FileSystemReader(str(tmp_path / "ckpt" / "step-5")).read_metadata().state_dict_metadata)
     for state in ("dataloader.", "optimizer.", "lr_scheduler.", "train_state.step"):
@@ -147,7 +164,10 @@ def test_resuming_from_a_dcp_checkpoint_logs_the_uninterrupted_losses(uninterrup
     # The log rounds to 5 decimals; TensorBoard below has the losses themselves.
     log_rounding = 1e-5
     assert max_diff(first.losses + second.losses, ref.losses) <= TOL_RESUME + log_rounding, (
-        first.losses, second.losses, ref.losses)
+        first.losses,
+        second.losses,
+        ref.losses,
+    )
     expected, resumed = tensorboard_losses(ref_dump), tensorboard_losses(tmp_path)
     assert sorted(expected) == sorted(resumed) == list(range(1, STEPS + 1)), (expected, resumed)
     diffs = {step: abs(resumed[step] - expected[step]) for step in range(6, STEPS + 1)}
@@ -160,8 +180,7 @@ def test_resuming_from_a_dcp_checkpoint_logs_the_uninterrupted_losses(uninterrup
 
 @pytest.mark.slow
 def test_context_parallel_with_a_sequence_schedule_fails_fast_with_one_message(tmp_path):
-    run = run_train("--parallelism.context_parallel_degree", "2", dump_folder=tmp_path, env={"NGPU": "4"},
-                    timeout=60)
+    run = run_train("--parallelism.context_parallel_degree", "2", dump_folder=tmp_path, env={"NGPU": "4"}, timeout=60)
     assert run.returncode == 2, run.output[-3000:]
     lines = [line for line in run.output.splitlines() if line.strip()]
     assert len(lines) == 1, run.output[-3000:]

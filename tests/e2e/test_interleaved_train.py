@@ -10,8 +10,15 @@ def test_torchtitan_run_logs_the_losses_of_interleaved_1f1b(shared_run, tmp_path
     Interleaved1F1B run is shared (test_train.py's smoke test of torch's schedules reads it)."""
     from titan import REFERENCE, assert_same_losses, assert_trained, run_train
 
-    seq = run_train(*REFERENCE, "--training.steps", "5", "--parallelism.pipeline_parallel_schedule", "InterleavedSeq1F1B",
-                    dump_folder=tmp_path / "seq", check=False)
+    seq = run_train(
+        *REFERENCE,
+        "--training.steps",
+        "5",
+        "--parallelism.pipeline_parallel_schedule",
+        "InterleavedSeq1F1B",
+        dump_folder=tmp_path / "seq",
+        check=False,
+    )
     ref, _ = shared_run(*REFERENCE, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
     assert_trained(seq, 5)
     assert_trained(ref, 10)

@@ -3,15 +3,30 @@
 import json
 
 import pytest
-from titan import assert_trained, run_train
 
+from titan import assert_trained, run_train
 from torchtitan_seq import plan as planner
 
 # The debug model at 512 tokens on 2 ranks. FLOPs only: at this size the H200's fixed cost per unit
 # would make one-unit schedules win. Lengths on a grid of 16 tokens, where the config run_train.sh
 # reads (train_configs/debug_model.toml) cuts on 64: the overrides must carry the cut.
-PLANNER = ("--flavor", "debugmodel", "--seq-len", "512", "--gpus", "2", "--local-batch-size", "4",
-           "--gpu-memory-gib", "80", "--unit-overhead-ms", "0", "--length-multiple", "16", "--json")
+PLANNER = (
+    "--flavor",
+    "debugmodel",
+    "--seq-len",
+    "512",
+    "--gpus",
+    "2",
+    "--local-batch-size",
+    "4",
+    "--gpu-memory-gib",
+    "80",
+    "--unit-overhead-ms",
+    "0",
+    "--length-multiple",
+    "16",
+    "--json",
+)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ Its exactness against the full-sequence reference is in test_seq1f1b.py.
 """
 
 import pytest
+
 from titan import REFERENCE, assert_same_losses, assert_trained, run_train
 
 
@@ -13,9 +14,19 @@ def test_terapipe_with_latency_partition_logs_the_losses_of_1f1b(shared_run, tmp
 
     The 1F1B run is the shared 10-step one (test_train.py compares Seq1F1B with it too).
     """
-    tera = run_train(*REFERENCE, "--training.steps", "5", "--parallelism.pipeline_parallel_schedule", "TeraPipe",
-                     "--sequence_pipeline.partition", "latency", "--sequence_pipeline.length_multiple", "16",
-                     dump_folder=tmp_path / "tera", check=False)
+    tera = run_train(
+        *REFERENCE,
+        "--training.steps",
+        "5",
+        "--parallelism.pipeline_parallel_schedule",
+        "TeraPipe",
+        "--sequence_pipeline.partition",
+        "latency",
+        "--sequence_pipeline.length_multiple",
+        "16",
+        dump_folder=tmp_path / "tera",
+        check=False,
+    )
     ref, _ = shared_run(*REFERENCE, "--parallelism.pipeline_parallel_schedule", "1F1B")
     assert_trained(tera, 5)
     assert_trained(ref, 10)

@@ -1,6 +1,7 @@
 """Training through torchtitan with ./run_train.sh (2 CPU ranks, gloo)."""
 
 import pytest
+
 from titan import REFERENCE, assert_same_losses, assert_trained, max_diff, run_train
 
 SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4")
@@ -24,8 +25,15 @@ def test_seq1f1b_logs_the_losses_of_1f1b(shared_run):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["GPipe", "TeraPipe"])
 def test_other_schedules_train(schedule, tmp_path):
-    run = run_train(*SMALL, "--training.steps", "2", "--parallelism.pipeline_parallel_schedule", schedule,
-                    dump_folder=tmp_path, check=False)
+    run = run_train(
+        *SMALL,
+        "--training.steps",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        dump_folder=tmp_path,
+        check=False,
+    )
     assert_trained(run, 2)
 
 
@@ -40,8 +48,9 @@ def test_interleaved_1f1b_trains(shared_run):
 def test_seq1f1b_holds_fewer_activations_than_1f1b(tmp_path):
     """seq 1024, 4 microbatches, k=4, rank 0 (measured saved-activation peaks)."""
     common = ("--training.steps", "1", "--training.seq_len", "1024", "--training.local_batch_size", "4")
-    one_f_one_b = run_train(*common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "a",
-                            check=False)
+    one_f_one_b = run_train(
+        *common, "--parallelism.pipeline_parallel_schedule", "1F1B", dump_folder=tmp_path / "a", check=False
+    )
     compute = run_train(*common, dump_folder=tmp_path / "b", check=False)
     even = run_train(*common, "--sequence_pipeline.partition", "even", dump_folder=tmp_path / "c", check=False)
     for run in (one_f_one_b, compute, even):
@@ -63,8 +72,12 @@ def test_tensorboard_events_hold_the_metrics(shared_run):
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"loss_metrics/global_avg_loss", "throughput(tps)", "memory/peak_activation_bytes/rank0",
-            "memory/peak_activation_bytes/rank1"} <= tags, tags
+    assert {
+        "loss_metrics/global_avg_loss",
+        "throughput(tps)",
+        "memory/peak_activation_bytes/rank0",
+        "memory/peak_activation_bytes/rank1",
+    } <= tags, tags
 
 
 # run_train.sh's own check (a missing config) and its start-up run of the job check; the
@@ -90,13 +103,32 @@ def test_block_causal_training_and_validation_log_the_losses_of_1f1b(tmp_path):
     block-causal flavor debugmodel_flex_attn) reach every stage and unit of Seq1F1B as
     torchtitan hands them to torch's 1F1B, in training and in validation, which runs the
     training pipeline (same cut); every rank reports the last stage's loss."""
-    validation = ("--training.steps", "2", "--training.seq_len", "512", "--validation.enable",
-                  "--validation.seq_len", "512", "--validation.local_batch_size", "4", "--validation.steps", "1",
-                  "--validation.freq", "1", "--validation.dataset", "seqpp_packed_validation")
+    validation = (
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "512",
+        "--validation.enable",
+        "--validation.seq_len",
+        "512",
+        "--validation.local_batch_size",
+        "4",
+        "--validation.steps",
+        "1",
+        "--validation.freq",
+        "1",
+        "--validation.dataset",
+        "seqpp_packed_validation",
+    )
     runs = {
-        schedule: run_train(*validation, "--parallelism.pipeline_parallel_schedule", schedule,
-                            env={"CONFIG_FILE": "train_configs/debug_block_causal.toml"},
-                            dump_folder=tmp_path / schedule, check=False)
+        schedule: run_train(
+            *validation,
+            "--parallelism.pipeline_parallel_schedule",
+            schedule,
+            env={"CONFIG_FILE": "train_configs/debug_block_causal.toml"},
+            dump_folder=tmp_path / schedule,
+            check=False,
+        )
         for schedule in ("Seq1F1B", "1F1B")
     }
     for run in runs.values():

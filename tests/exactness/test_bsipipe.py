@@ -2,6 +2,7 @@
 copies kept identical, composed with TP and FSDP2."""
 
 import pytest
+
 from harness import Variant, assert_exact, run_variants
 
 
@@ -21,8 +22,9 @@ def _variants(pp: int) -> list[Variant]:
     ]
 
 
-@pytest.fixture(scope="module", params=[pytest.param(p, marks=pytest.mark.slow) for p in (2, 4)],
-                ids=lambda p: f"pp{p}")
+@pytest.fixture(
+    scope="module", params=[pytest.param(p, marks=pytest.mark.slow) for p in (2, 4)], ids=lambda p: f"pp{p}"
+)
 def results(request, tmp_path_factory):
     pp = request.param
     return {r["name"]: r for r in run_variants(_variants(pp), tmp_path_factory.mktemp(f"pp{pp}"))}

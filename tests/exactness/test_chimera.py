@@ -2,6 +2,7 @@
 copies kept identical, composed with TP and FSDP2."""
 
 import pytest
+
 from harness import Variant, assert_exact, run_variants
 
 pytestmark = pytest.mark.slow

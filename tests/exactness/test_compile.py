@@ -7,6 +7,7 @@ graphs these variants share. The eager exactness tests hold the wider matrix.
 """
 
 import pytest
+
 from harness import TOL, Variant, assert_breaks_exactness, assert_exact, run_variants
 
 pytestmark = pytest.mark.slow
@@ -32,8 +33,14 @@ PP2_FSDP = [
 ]
 MUTATED = [
     Variant("prefix_dk_dropped", k=4, partition="compute", compile="inductor", mutation="prefix_dk_dropped"),
-    Variant("recompute_without_prefix", k=3, partition="compute", ac="full", compile="inductor",
-            mutation="recompute_without_prefix"),
+    Variant(
+        "recompute_without_prefix",
+        k=3,
+        partition="compute",
+        ac="full",
+        compile="inductor",
+        mutation="recompute_without_prefix",
+    ),
 ]
 
 

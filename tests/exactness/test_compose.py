@@ -1,6 +1,7 @@
 """Sequence schedules composed with torchtitan's activation checkpointing, FSDP2, TP and DCP."""
 
 import pytest
+
 from harness import Variant, assert_exact, run_variants
 
 pytestmark = pytest.mark.slow
@@ -12,7 +13,13 @@ def ac_results(tmp_path_factory):
     # backward into I and W (check_job refuses that pair).
     variants = [
         Variant(f"{ac}-{split}", k=3, partition="compute", ac=ac, split_backward=split == "IW")
-        for ac, split in [("full", "B"), ("full", "IW"), ("selective:1", "B"), ("selective:1", "IW"), ("selective:op", "B")]
+        for ac, split in [
+            ("full", "B"),
+            ("full", "IW"),
+            ("selective:1", "B"),
+            ("selective:1", "IW"),
+            ("selective:op", "B"),
+        ]
     ] + [
         # every other schedule: GPipe order, several stages per rank, two chains sharing ranks
         Variant(f"full-{schedule}", schedule=schedule, k=3, partition="compute", ac="full")
@@ -33,8 +40,16 @@ def test_activation_checkpointing_is_exact(ac_results):
 )
 def test_fsdp_and_tp_are_exact(dp_shard, tp, tmp_path):
     variants = [
-        Variant(f"fsdp{dp_shard}-tp{tp}-{part}-{split}", k=4, partition=part, dp_shard=dp_shard, tp=tp,
-                seq_len=64, split_backward=split == "IW", microbatches=2)
+        Variant(
+            f"fsdp{dp_shard}-tp{tp}-{part}-{split}",
+            k=4,
+            partition=part,
+            dp_shard=dp_shard,
+            tp=tp,
+            seq_len=64,
+            split_backward=split == "IW",
+            microbatches=2,
+        )
         for part, split in [("even", "B"), ("compute", "B"), ("compute", "IW")]
     ]
     for r in run_variants(variants, tmp_path):

@@ -3,8 +3,8 @@
 import itertools
 
 import pytest
-from harness import Variant, assert_exact, run_variants
 
+from harness import Variant, assert_exact, run_variants
 
 EXACT = [
     Variant(f"k{k}-{part}", k=k, partition=part)
@@ -19,14 +19,16 @@ EXACT = [
 def _interleaved(variants, pp):
     # 2 pp stages of at least one layer each (torchtitan counts embeddings and output as one layer).
     return [
-        Variant(**{**v.__dict__, "pp": pp, "schedule": "InterleavedSeq1F1B", "layers": 2 * pp,
-                   "name": f"pp{pp}-{v.name}"})
+        Variant(
+            **{**v.__dict__, "pp": pp, "schedule": "InterleavedSeq1F1B", "layers": 2 * pp, "name": f"pp{pp}-{v.name}"}
+        )
         for v in variants
     ]
 
 
-@pytest.fixture(scope="module", params=[pytest.param(p, marks=pytest.mark.slow) for p in (2, 4)],
-                ids=lambda p: f"pp{p}")
+@pytest.fixture(
+    scope="module", params=[pytest.param(p, marks=pytest.mark.slow) for p in (2, 4)], ids=lambda p: f"pp{p}"
+)
 def results(request, tmp_path_factory):
     pp = request.param
     variants = _interleaved(EXACT, pp)

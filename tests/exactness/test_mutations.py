@@ -11,6 +11,7 @@ the mutation alone.
 """
 
 import pytest
+
 from harness import TOL, Variant, assert_breaks_exactness, run_variants
 from mutations import MUTATIONS
 

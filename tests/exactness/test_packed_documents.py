@@ -8,6 +8,7 @@ The mutation of a unit attending across a document boundary is in test_mutations
 """
 
 import pytest
+
 from harness import Variant, assert_exact, run_variants
 
 pytestmark = pytest.mark.slow
@@ -33,4 +34,3 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", [v.name for v in EXACT])
 def test_exact_against_dense_document_mask(results, name):
     assert_exact(results[name], n_losses=2)
-

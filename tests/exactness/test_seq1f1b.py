@@ -5,6 +5,7 @@ Their mutations (each mechanism broken on purpose) are in test_mutations.py."""
 import itertools
 
 import pytest
+
 from harness import Variant, assert_exact, run_variants
 
 pytestmark = pytest.mark.slow

@@ -60,9 +60,7 @@ def test_tokenizer_round_trips(tokenizer: HuggingFaceTokenizer) -> None:
 
 @pytest.mark.usefixtures("offline")
 @pytest.mark.parametrize("name", [DATASET_NAME, VALIDATION_DATASET_NAME])
-def test_first_sequence_comes_from_one_document(
-    name: str, tokenizer: HuggingFaceTokenizer
-) -> None:
+def test_first_sequence_comes_from_one_document(name: str, tokenizer: HuggingFaceTokenizer) -> None:
     dataset = text_datasets.HuggingFaceTextDataset(
         dataset_name=name, dataset_path=None, tokenizer=tokenizer, seq_len=SEQ_LEN
     )
@@ -91,12 +89,8 @@ def test_packed_corpus_has_many_short_documents(
 
 
 @pytest.mark.usefixtures("offline")
-@pytest.mark.parametrize(
-    "name", [PACKED_DATASET_NAME, PACKED_VALIDATION_DATASET_NAME]
-)
-def test_packed_sequence_holds_several_documents(
-    name: str, tokenizer: HuggingFaceTokenizer
-) -> None:
+@pytest.mark.parametrize("name", [PACKED_DATASET_NAME, PACKED_VALIDATION_DATASET_NAME])
+def test_packed_sequence_holds_several_documents(name: str, tokenizer: HuggingFaceTokenizer) -> None:
     dataset = text_datasets.HuggingFaceTextDataset(
         dataset_name=name, dataset_path=None, tokenizer=tokenizer, seq_len=2048
     )

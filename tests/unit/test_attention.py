@@ -4,10 +4,10 @@ import weakref
 
 import pytest
 import torch
-from harness import TOL, init_test_weights, model_args
-from mutations import MutationContext, patches
 from torchtitan.models.llama3 import Transformer
 
+from harness import TOL, init_test_weights, model_args
+from mutations import MutationContext, patches
 from torchtitan_seq.attention import bind_kv_context
 from torchtitan_seq.kernels import select_kernel
 from torchtitan_seq.kv_context import KVContext, Phase, Unit
@@ -37,10 +37,10 @@ def _run_units(seq, tokens, weight, lengths, dtype=torch.float32) -> torch.Tenso
     outs = []
     for u in units:
         with context.running(u):
-            outs.append(seq(tokens[:, u.offset:u.offset + u.length]))
+            outs.append(seq(tokens[:, u.offset : u.offset + u.length]))
     for u in reversed(units):  # last subsequence first
         with context.backward(u):
-            (outs[u.index].float() * weight[:, u.offset:u.offset + u.length]).sum().backward()
+            (outs[u.index].float() * weight[:, u.offset : u.offset + u.length]).sum().backward()
     assert len(context) == 0  # nothing kept once every unit's backward ran
     return torch.cat(outs, 1)
 
@@ -166,7 +166,9 @@ def _bf16_errors(mutation: str | None) -> tuple[float, float]:
         for p in mutated:
             p.stop()
     units = [_relative(out, exact)] + [_relative(p.grad, q.grad) for p, q in zip(seq.parameters(), ref.parameters())]
-    whole = [_relative(whole_out, exact)] + [_relative(p.grad, q.grad) for p, q in zip(whole.parameters(), ref.parameters())]
+    whole = [_relative(whole_out, exact)] + [
+        _relative(p.grad, q.grad) for p, q in zip(whole.parameters(), ref.parameters())
+    ]
     assert all(p.grad.dtype == torch.bfloat16 for p in seq.parameters())
     return max(units), max(whole)
 
@@ -252,8 +254,9 @@ def _units_of_one_layer(kernel, lengths: list[int], ids: torch.Tensor | None):
 
     seq_len = sum(lengths)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(5, h, seq_len, 8, generator=g, dtype=torch.float64).float().requires_grad_()
-               for h in (4, 2, 2))
+    q, k, v = (
+        torch.randn(5, h, seq_len, 8, generator=g, dtype=torch.float64).float().requires_grad_() for h in (4, 2, 2)
+    )
     weight = torch.randn(5, 4, seq_len, 8, generator=g)
     mask = document_mask(ids) if ids is not None else None
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
@@ -273,7 +276,7 @@ def _units_of_one_layer(kernel, lengths: list[int], ids: torch.Tensor | None):
     for u in reversed(units):
         kernel.unit = u.index
         with context.backward(u):
-            (outs[u.index] * weight[:, :, u.offset:u.offset + u.length]).sum().backward()
+            (outs[u.index] * weight[:, :, u.offset : u.offset + u.length]).sum().backward()
     assert len(context) == 0
     out = torch.cat([outs[u.index] for u in units], 2)
     return max(_relative(a, b) for a, b in zip((out, q.grad, k.grad, v.grad), (ref, *ref_grads)))
@@ -292,7 +295,6 @@ def test_kernel_calls_per_unit(aligned, lengths, packed):
     batch row: one causal call per document piece in the unit, plus (top-left) one unmasked
     call where the document continuing into the unit started before it."""
     from harness import EOS, packed_tokens
-
     from torchtitan_seq.documents import Documents, document_ids
 
     ids = document_ids(packed_tokens(5, 32, torch.Generator().manual_seed(0)), EOS) if packed else None
@@ -322,7 +324,8 @@ def test_a_slab_is_the_one_copy_of_kv_and_lives_until_the_first_units_backward()
     q = [torch.randn(1, 2, 4, 2, requires_grad=True) for _ in units]
     k, v = ([torch.randn(1, 1, 4, 2, requires_grad=True) for _ in units] for _ in range(2))
     outs, saved = [], []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+    # (the hook runs only inside the block; ``saved`` is deleted after it)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):  # noqa: F821
         for u in units:
             with context.running(u):
                 outs.append(layer(q[u.index], k[u.index], v[u.index], enable_gqa=True))

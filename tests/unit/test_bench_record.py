@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import bench
 import pytest
-import training_run
 from torch.distributed.pipelining.schedules import _Action
 
+import training_run
 from torchtitan_seq import metrics, timeline
 from torchtitan_seq.ordering import B, F
 from torchtitan_seq.render import bubble_ratios, chrome_trace, timeline_figure
@@ -25,12 +25,28 @@ def test_run_reads_the_latest_record_steps_times_bytes_bubbles_and_lengths(tmp_p
     record.log({"loss_metrics/global_avg_loss": 9.0}, 1)
     record.append({"event": "start", "time": next(clock), "schedule": "Seq1F1B", "lengths": [128, 128]})
     common = {"memory/max_reserved(GiB)": 0.82, "memory/peak_activation_bytes/rank0": 2097152}
-    record.log({**common, "loss_metrics/global_avg_loss": 8.1, "throughput(tps)": 428.0,
-                "memory/peak_activation_bytes/rank1": 1048576, "pipeline/bubble_ratio/rank0": 0.25,
-                "pipeline/bubble_ratio/rank1": 0.125, "pipeline/makespan(s)": 2.2505}, 1)
+    record.log(
+        {
+            **common,
+            "loss_metrics/global_avg_loss": 8.1,
+            "throughput(tps)": 428.0,
+            "memory/peak_activation_bytes/rank1": 1048576,
+            "pipeline/bubble_ratio/rank0": 0.25,
+            "pipeline/bubble_ratio/rank1": 0.125,
+            "pipeline/makespan(s)": 2.2505,
+        },
+        1,
+    )
     record.log({"validation_metrics/loss": 8.0}, 1)
-    record.log({**common, "loss_metrics/global_avg_loss": 7.9, "throughput(tps)": 1380.0,
-                "memory/peak_activation_bytes/rank1": 1048577}, 2)
+    record.log(
+        {
+            **common,
+            "loss_metrics/global_avg_loss": 7.9,
+            "throughput(tps)": 1380.0,
+            "memory/peak_activation_bytes/rank1": 1048577,
+        },
+        2,
+    )
     run = training_run.Run.from_record(0, "", training_run.read_record(tmp_path / metrics.RECORD_FILE))
     assert run.losses == [8.1, 7.9]
     assert run.tps == [428, 1380]
@@ -62,15 +78,32 @@ def test_instrumentation_ab_alternates_and_reports_the_step_time_ratio():
     on, off = bench.parse_variants("Seq1F1B:4", 4, "compute", instrumentation="both")
     assert on.instrumented and not off.instrumented and off.label == "Seq1F1B k=4 compute uninstrumented"
     assert on.overrides()[-2:] == ["--sequence_pipeline.activation_memory_freq", "1"]
-    assert off.overrides()[-3:] == ["--sequence_pipeline.activation_memory_freq", "0",
-                                    "--sequence_pipeline.no-pipeline-timeline"]
+    assert off.overrides()[-3:] == [
+        "--sequence_pipeline.activation_memory_freq",
+        "0",
+        "--sequence_pipeline.no-pipeline-timeline",
+    ]
 
     def record(variant, step_time, peaks):
         return bench.Record(
-            schedule=variant.schedule, label=variant.label, compiled=False, seq_len=256, num_subsequences=4,
-            partition="compute", lengths=[64] * 4, pp=2, microbatches=2, steps_measured=1, step_times_s=[step_time],
-            step_time_s=step_time, tokens_per_s=512 / step_time, peak_activation_bytes=peaks, bubble_ratio=None,
-            pipeline_time_s=None, first_step_s=1.0, instrumented=variant.instrumented,
+            schedule=variant.schedule,
+            label=variant.label,
+            compiled=False,
+            seq_len=256,
+            num_subsequences=4,
+            partition="compute",
+            lengths=[64] * 4,
+            pp=2,
+            microbatches=2,
+            steps_measured=1,
+            step_times_s=[step_time],
+            step_time_s=step_time,
+            tokens_per_s=512 / step_time,
+            peak_activation_bytes=peaks,
+            bubble_ratio=None,
+            pipeline_time_s=None,
+            first_step_s=1.0,
+            instrumented=variant.instrumented,
         )
 
     records = [record(on, 1.1, [2, 1]), record(off, 1.0, None)]
@@ -85,8 +118,9 @@ def test_the_unit_fit_of_a_length_goes_into_its_cost_files_and_records(tmp_path)
     for name, lengths in cuts.items():
         times = [0.1 + 1e-3 * n for n in lengths]
         path = tmp_path / f"cost_{name}.json"
-        path.write_text(json.dumps({"F": [t / 3 for t in times], "B": [2 * t / 3 for t in times],
-                                    "lengths": lengths, "unit": "s"}))
+        path.write_text(
+            json.dumps({"F": [t / 3 for t in times], "B": [2 * t / 3 for t in times], "lengths": lengths, "unit": "s"})
+        )
         paths.append(path)
         records.append(SimpleNamespace(lengths=lengths, unit_fit=None, fixed_cost_share=None))
     bench.add_unit_fit(records, paths)
@@ -127,10 +161,18 @@ def test_timeline_export_follows_the_profiler_or_the_environment(monkeypatch):
 
 def test_measured_timeline_goes_through_the_simulator_writers():
     timelines = {
-        0: [(0.0, 1.0, _Action(0, F, 0)), (1.0, 2.0, _Action(0, F, 1)), (4.0, 6.0, _Action(0, B, 1)),
-            (6.0, 8.0, _Action(0, B, 0))],
-        1: [(1.0, 2.0, _Action(1, F, 0)), (2.0, 3.0, _Action(1, F, 1)), (3.0, 4.0, _Action(1, B, 1)),
-            (4.0, 5.0, _Action(1, B, 0))],
+        0: [
+            (0.0, 1.0, _Action(0, F, 0)),
+            (1.0, 2.0, _Action(0, F, 1)),
+            (4.0, 6.0, _Action(0, B, 1)),
+            (6.0, 8.0, _Action(0, B, 0)),
+        ],
+        1: [
+            (1.0, 2.0, _Action(1, F, 0)),
+            (2.0, 3.0, _Action(1, F, 1)),
+            (3.0, 4.0, _Action(1, B, 1)),
+            (4.0, 5.0, _Action(1, B, 0)),
+        ],
     }
     assert bubble_ratios([6.0, 4.0], [8.0, 5.0]) == [0.25, 0.5]
     result = timeline.measured_result(timelines, "Seq1F1B", 2)
@@ -149,17 +191,32 @@ def test_calibration_writes_a_cost_file_the_simulator_reads(tmp_path):
     assert first["I"] == [0.0] * 3 and min(last["I"]) > 0  # torch's first stage has no I pass
     assert cost["F"] == cost["stages"][cost["stage"]]["F"]
     # Calibrations of several rounds merge pass by pass: the median of each unit's times.
-    slower = {**cost, "chunk_times": [[{p: [2 * x for x in t[p]] for p in "FBIW"} for t in rank]
-                                      for rank in cost["chunk_times"]]}
+    slower = {
+        **cost,
+        "chunk_times": [[{p: [2 * x for x in t[p]] for p in "FBIW"} for t in rank] for rank in cost["chunk_times"]],
+    }
     merged = bench.merge([slower, cost, slower])
     assert merged["rounds"] == 3 and merged["lengths"] == [128, 64, 64]
     assert merged["stages"] == [{p: [2 * x for x in st[p]] for p in "FBIW"} for st in cost["stages"]]
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(cost))
     record = bench.Record(
-        schedule="Seq1F1B", label="Seq1F1B k=3 even", compiled=False, seq_len=256, num_subsequences=3, partition="even",
-        lengths=[128, 64, 64], pp=2, microbatches=2, steps_measured=1, step_times_s=[1.0], step_time_s=1.0,
-        tokens_per_s=512.0, peak_activation_bytes=[1, 1], bubble_ratio=None, pipeline_time_s=None,
+        schedule="Seq1F1B",
+        label="Seq1F1B k=3 even",
+        compiled=False,
+        seq_len=256,
+        num_subsequences=3,
+        partition="even",
+        lengths=[128, 64, 64],
+        pp=2,
+        microbatches=2,
+        steps_measured=1,
+        step_times_s=[1.0],
+        step_time_s=1.0,
+        tokens_per_s=512.0,
+        peak_activation_bytes=[1, 1],
+        bubble_ratio=None,
+        pipeline_time_s=None,
         first_step_s=1.0,
     )
     # Rank 0 alone runs F and B of every unit of both microbatches.

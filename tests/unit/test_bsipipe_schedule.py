@@ -5,7 +5,13 @@ import itertools
 import pytest
 from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_send_recv, _add_unshard_reshard
 
-from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, BidirectionalLayout, bsipipe_actions, lower_chains, seq1f1b_actions
+from torchtitan_seq.schedules import (
+    SEQUENCE_SCHEDULES,
+    BidirectionalLayout,
+    bsipipe_actions,
+    lower_chains,
+    seq1f1b_actions,
+)
 
 
 def test_layout_places_chains_in_mirrored_vs():
@@ -37,11 +43,26 @@ def test_no_transfer_crosses_a_chain_end():
     lay = BidirectionalLayout(4)
     order = {lay.rank_of_position(q): acts for q, acts in bsipipe_actions(4, 8, 2).items()}
     lowered = lower_chains(order, lay.stage_to_rank(), lay.chain_length, 8)
-    comms = {(a.computation_type.name, a.stage_index) for acts in lowered.values() for a in acts
-             if a.computation_type.name in ("SEND_F", "RECV_F", "SEND_B", "RECV_B")}
+    comms = {
+        (a.computation_type.name, a.stage_index)
+        for acts in lowered.values()
+        for a in acts
+        if a.computation_type.name in ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+    }
     ends = {0, 7, 8, 15}  # first and last stage of each chain
-    assert not {("SEND_F", 7), ("SEND_F", 15), ("RECV_F", 0), ("RECV_F", 8),
-                ("SEND_B", 0), ("SEND_B", 8), ("RECV_B", 7), ("RECV_B", 15)} & comms
+    assert (
+        not {
+            ("SEND_F", 7),
+            ("SEND_F", 15),
+            ("RECV_F", 0),
+            ("RECV_F", 8),
+            ("SEND_B", 0),
+            ("SEND_B", 8),
+            ("RECV_B", 7),
+            ("RECV_B", 15),
+        }
+        & comms
+    )
     # The V turns (stages 3/4 and 11/12) are on one rank: no transfer there either.
     assert not {("SEND_F", 3), ("SEND_F", 11), ("SEND_B", 4), ("SEND_B", 12)} & comms
     assert {("SEND_F", s) for s in range(16) if s not in ends | {3, 11}} <= comms

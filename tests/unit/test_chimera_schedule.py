@@ -25,8 +25,12 @@ def test_layout_runs_the_chains_straight_in_opposite_directions():
     paired = BidirectionalLayout(4, stages_per_rank=2)
     assert all(abs(r - paired.mirror(r)) == 1 for r in range(4))  # pairs are neighbours
     assert "rank 1: position 3, chunks A [3] B [0], mirrored with rank 0" in paired.describe()
-    assert CHIMERA.place_stages(4, 4, placement="linear") == [[(0, 0), (7, 3)], [(1, 1), (6, 2)],
-                                                              [(2, 2), (5, 1)], [(3, 3), (4, 0)]]
+    assert CHIMERA.place_stages(4, 4, placement="linear") == [
+        [(0, 0), (7, 3)],
+        [(1, 1), (6, 2)],
+        [(2, 2), (5, 1)],
+        [(3, 3), (4, 0)],
+    ]
     with pytest.raises(ValueError, match="cuts the model into 4 chunks"):
         CHIMERA.place_stages(4, 8)
 
@@ -35,10 +39,25 @@ def test_no_transfer_crosses_a_chain_end():
     lay = BidirectionalLayout(4, stages_per_rank=2)
     order = {lay.rank_of_position(q): acts for q, acts in chimera_actions(4, 8, 2).items()}
     lowered = lower_chains(order, lay.stage_to_rank(), lay.chain_length, 8)
-    comms = {(a.computation_type.name, a.stage_index) for acts in lowered.values() for a in acts
-             if a.computation_type.name in ("SEND_F", "RECV_F", "SEND_B", "RECV_B")}
-    assert not {("SEND_F", 3), ("SEND_F", 7), ("RECV_F", 0), ("RECV_F", 4),
-                ("SEND_B", 0), ("SEND_B", 4), ("RECV_B", 3), ("RECV_B", 7)} & comms
+    comms = {
+        (a.computation_type.name, a.stage_index)
+        for acts in lowered.values()
+        for a in acts
+        if a.computation_type.name in ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+    }
+    assert (
+        not {
+            ("SEND_F", 3),
+            ("SEND_F", 7),
+            ("RECV_F", 0),
+            ("RECV_F", 4),
+            ("SEND_B", 0),
+            ("SEND_B", 4),
+            ("RECV_B", 3),
+            ("RECV_B", 7),
+        }
+        & comms
+    )
     assert {("SEND_F", s) for s in (0, 1, 2, 4, 5, 6)} <= comms
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -35,7 +36,8 @@ from torchtitan_seq.kernels import (
     FlashAttnKernel,
     select_kernel,
 )
-from torchtitan_seq.ordering import B, F as FWD
+from torchtitan_seq.ordering import B
+from torchtitan_seq.ordering import F as FWD
 from torchtitan_seq.render import busy_and_end
 from torchtitan_seq.timeline import StepTimeline
 
@@ -192,7 +194,7 @@ class FakeAtenOp:
             if isinstance(g, Tensor):
                 assert (g.shape, g.dtype) == (e.shape, e.dtype), (self.op, g.shape, e.shape)
         self.calls += 1
-        return (*got, *expected[len(got):])
+        return (*got, *expected[len(got) :])
 
 
 def _no_extras(a: dict[str, Any]) -> None:
@@ -254,24 +256,50 @@ def _fake_flash_attn() -> types.ModuleType:
     """flash-attn 2's ``flash_attn_interface`` (the signatures of its 2.6+ source),
     layout (B, L, H, D), GQA native; backward writes into the dq, dk, dv it is given."""
 
-    def _flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: float,
-                            causal: bool, window_size_left: int, window_size_right: int, softcap: float,
-                            alibi_slopes: Tensor | None, return_softmax: bool):
+    def _flash_attn_forward(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+        alibi_slopes: Tensor | None,
+        return_softmax: bool,
+    ):
         assert dropout_p == 0.0 and (window_size_left, window_size_right) == (-1, -1) and softcap == 0.0
         assert alibi_slopes is None and not return_softmax
         out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale)
         return out.transpose(1, 2), lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
-    def _flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
-                             dq: Tensor | None, dk: Tensor | None, dv: Tensor | None, dropout_p: float,
-                             softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
-                             softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
-                             rng_state: Tensor | None = None):
+    def _flash_attn_backward(
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        softmax_lse: Tensor,
+        dq: Tensor | None,
+        dk: Tensor | None,
+        dv: Tensor | None,
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+        alibi_slopes: Tensor | None,
+        deterministic: bool,
+        rng_state: Tensor | None = None,
+    ):
         assert dropout_p == 0.0 and (window_size_left, window_size_right) == (-1, -1) and softcap == 0.0
         assert out.shape == q.shape and softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
         t = lambda x: x.transpose(1, 2)  # noqa: E731
-        for buffer, grad, like in zip((dq, dk, dv), _attention_grads(t(dout), t(q), t(k), t(v), causal,
-                                                                     softmax_scale), (q, k, v)):
+        for buffer, grad, like in zip(
+            (dq, dk, dv), _attention_grads(t(dout), t(q), t(k), t(v), causal, softmax_scale), (q, k, v)
+        ):
             assert buffer.shape == like.shape
             buffer.copy_(t(grad))
         return q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)  # softmax_d
@@ -299,8 +327,9 @@ def test_cuda_adapter_equals_the_cpu_kernel(adapter, block, fake_aten, fake_flas
     # (B, L, H, D) transposed, as the model lays q, k, v out; 4 query heads on 2 K/V heads
     q, dout = (torch.randn(2, lq, 4, 8, generator=gen).transpose(1, 2) for _ in range(2))
     k, v = (torch.randn(2, lk, 2, 8, generator=gen).transpose(1, 2) for _ in range(2))
-    kernel = {"CudaSdpaKernel": CudaSdpaKernel, "CudnnSdpaKernel": CudnnSdpaKernel,
-              "FlashAttnKernel": FlashAttnKernel}[adapter]()
+    kernel = {"CudaSdpaKernel": CudaSdpaKernel, "CudnnSdpaKernel": CudnnSdpaKernel, "FlashAttnKernel": FlashAttnKernel}[
+        adapter
+    ]()
     cpu = CpuSdpaKernel()
     out, lse = kernel.forward(q, k, v, causal, 0.3)
     ref_out, ref_lse = cpu.forward(q, k, v, causal, 0.3)
@@ -345,18 +374,21 @@ def gpu(monkeypatch) -> Callable[..., None]:
     return make
 
 
-@pytest.mark.parametrize("capability, cudnn, flash_attn, backend, expected", [
-    ((9, 0), True, True, "auto", CudnnSdpaKernel),  # Hopper: cuDNN, flash-attn or not
-    ((9, 0), True, False, "auto", CudnnSdpaKernel),
-    ((10, 0), True, False, "auto", CudnnSdpaKernel),  # Blackwell counts as "Hopper and newer"
-    ((9, 0), True, True, "sdpa", CudnnSdpaKernel),
-    ((9, 0), True, True, "flash", FlashAttnKernel),
-    ((9, 0), False, False, "auto", CudaSdpaKernel),  # no cuDNN: torch's flash kernel
-    ((8, 0), True, True, "auto", FlashAttnKernel),  # Ampere: flash-attn when it imports
-    ((8, 0), True, False, "auto", CudaSdpaKernel),
-    ((8, 0), True, True, "sdpa", CudaSdpaKernel),
-    ((8, 6), True, True, "flash", FlashAttnKernel),
-])
+@pytest.mark.parametrize(
+    "capability, cudnn, flash_attn, backend, expected",
+    [
+        ((9, 0), True, True, "auto", CudnnSdpaKernel),  # Hopper: cuDNN, flash-attn or not
+        ((9, 0), True, False, "auto", CudnnSdpaKernel),
+        ((10, 0), True, False, "auto", CudnnSdpaKernel),  # Blackwell counts as "Hopper and newer"
+        ((9, 0), True, True, "sdpa", CudnnSdpaKernel),
+        ((9, 0), True, True, "flash", FlashAttnKernel),
+        ((9, 0), False, False, "auto", CudaSdpaKernel),  # no cuDNN: torch's flash kernel
+        ((8, 0), True, True, "auto", FlashAttnKernel),  # Ampere: flash-attn when it imports
+        ((8, 0), True, False, "auto", CudaSdpaKernel),
+        ((8, 0), True, True, "sdpa", CudaSdpaKernel),
+        ((8, 6), True, True, "flash", FlashAttnKernel),
+    ],
+)
 def test_kernel_selection_on_cuda(gpu, capability, cudnn, flash_attn, backend, expected):
     gpu(capability, cudnn, flash_attn)
     assert type(select_kernel(CUDA, backend)) is expected
@@ -405,20 +437,23 @@ def test_fsdp_sum_reduction_only_for_gloo(monkeypatch, cuda):
 # The job check on CUDA
 
 
-@pytest.mark.parametrize("overrides, world, refused", [
-    ((), 2, True),  # the shipped config, pp = 2 and no FSDP: float32 activations
-    (("--parallelism.data_parallel_shard_degree", "2"), 4, False),
-    (("--parallelism.data_parallel_shard_degree", "-1"), 4, False),
-    (("--parallelism.data_parallel_shard_degree", "2", "--training.mixed_precision_param", "float32"), 4, True),
-    (("--parallelism.pipeline_parallel_schedule", "1F1B"), 2, False),  # torch's: SDPA takes float32
-    (("--parallelism.pipeline_parallel_degree", "1"), 1, False),  # no pipeline: torchtitan's AMP, SDPA
-])
+@pytest.mark.parametrize(
+    "overrides, world, refused",
+    [
+        ((), 2, True),  # the shipped config, pp = 2 and no FSDP: float32 activations
+        (("--parallelism.data_parallel_shard_degree", "2"), 4, False),
+        (("--parallelism.data_parallel_shard_degree", "-1"), 4, False),
+        (("--parallelism.data_parallel_shard_degree", "2", "--training.mixed_precision_param", "float32"), 4, True),
+        (("--parallelism.pipeline_parallel_schedule", "1F1B"), 2, False),  # torch's: SDPA takes float32
+        (("--parallelism.pipeline_parallel_degree", "1"), 1, False),  # no pipeline: torchtitan's AMP, SDPA
+    ],
+)
 def test_job_check_on_cuda_refuses_float32_units(monkeypatch, overrides, world, refused):
     from torchtitan.config import ConfigManager
 
+    from torchtitan_seq.job_check import check_job
     from torchtitan_seq.registration import register
     from torchtitan_seq.train import resolve_args
-    from torchtitan_seq.job_check import check_job
 
     register()
     job = ConfigManager().parse_args(resolve_args(["--job.config_file", "train_configs/debug_model.toml", *overrides]))

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 import torch
-from harness import EOS, init_test_weights, model_args, packed_tokens
 
+from harness import EOS, init_test_weights, model_args, packed_tokens
 from torchtitan_seq.documents import Documents, document_ids, document_mask
 from torchtitan_seq.kv_context import KVContext, Unit
 

@@ -27,6 +27,7 @@ def test_chunk_split_is_torchtitans(n_layers):
             assert chunk_split(n_layers, num_chunks) is None, num_chunks
             continue
         expected = tuple(
-            (sum(n.startswith("layers.") for n in chunk), "tok_embeddings" in chunk, "output" in chunk) for chunk in names
+            (sum(n.startswith("layers.") for n in chunk), "tok_embeddings" in chunk, "output" in chunk)
+            for chunk in names
         )
         assert chunk_split(n_layers, num_chunks) == expected, num_chunks

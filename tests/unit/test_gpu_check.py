@@ -22,9 +22,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300
-    )
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +35,18 @@ def dry_run(tmp_path_factory) -> tuple[Path, dict]:
 
 def test_dry_run_reports_every_figure(dry_run):
     _, results = dry_run
-    for key in ("date", "device", "torch", "cuda", "flash_attn", "attention", "overhead", "sequence_step",
-                "training", "elapsed_s"):
+    for key in (
+        "date",
+        "device",
+        "torch",
+        "cuda",
+        "flash_attn",
+        "attention",
+        "overhead",
+        "sequence_step",
+        "training",
+        "elapsed_s",
+    ):
         assert key in results, key
     cases = results["attention"]["cases"]
     assert {(c["mask"], c["status"]) for c in cases} == {("causal", "ok"), ("block_causal", "ok")}

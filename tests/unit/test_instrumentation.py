@@ -58,10 +58,16 @@ def _trainer(freq: int, step: int, timeline_on: bool = True) -> SeqTrainer:
     return trainer
 
 
-@pytest.mark.parametrize("freq,step,timeline_on,metered,timed", [
-    (10, 1, True, True, True), (10, 2, True, False, True), (10, 10, True, True, True),
-    (0, 1, True, False, True), (1, 3, False, True, False),
-])
+@pytest.mark.parametrize(
+    "freq,step,timeline_on,metered,timed",
+    [
+        (10, 1, True, True, True),
+        (10, 2, True, False, True),
+        (10, 10, True, True, True),
+        (0, 1, True, False, True),
+        (1, 3, False, True, False),
+    ],
+)
 def test_the_trainer_arms_meter_and_timeline_for_the_step_only(freq, step, timeline_on, metered, timed, monkeypatch):
     """train_step arms the recorder and the meter for the steps that report them; forward and
     backward run under the meter's saved-tensor hook on those steps and under none on the others."""
@@ -90,8 +96,9 @@ def test_the_trainer_arms_meter_and_timeline_for_the_step_only(freq, step, timel
 def _logged(processor: SeqMetricsProcessor, step: int, monkeypatch, tmp_path) -> tuple[dict, dict]:
     """The metrics ``processor.log`` hands torchtitan, and the record they make."""
     handed = {}
-    monkeypatch.setattr(MetricsProcessor, "log", lambda self, step, *a, extra_metrics=None: handed.update(
-        extra_metrics))
+    monkeypatch.setattr(
+        MetricsProcessor, "log", lambda self, step, *a, extra_metrics=None: handed.update(extra_metrics)
+    )
     processor.log(step, 1.0, 1.0, 1.0)
     record = MetricsRecord(tmp_path / "metrics.jsonl")
     record.log(handed, step)

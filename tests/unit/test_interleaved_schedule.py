@@ -23,8 +23,10 @@ def _job(schedule, layers_per_stage):
     from types import SimpleNamespace
 
     par = SimpleNamespace(
-        pipeline_parallel_schedule=schedule, pipeline_parallel_layers_per_stage=layers_per_stage,
-        pipeline_parallel_first_stage_less_layers=1, pipeline_parallel_last_stage_less_layers=1,
+        pipeline_parallel_schedule=schedule,
+        pipeline_parallel_layers_per_stage=layers_per_stage,
+        pipeline_parallel_first_stage_less_layers=1,
+        pipeline_parallel_last_stage_less_layers=1,
     )
     return SimpleNamespace(parallelism=par)
 
@@ -48,8 +50,13 @@ def test_schedule_class_describes_its_placement():
 
 @pytest.mark.parametrize(
     "schedule,layers_per_stage,v",
-    [("InterleavedSeq1F1B", None, 2), ("Seq1F1B", None, 1), ("InterleavedSeq1F1B", 2, 2),
-     ("InterleavedSeq1F1B", 1, 4), ("Seq1F1B", 4, 1)],
+    [
+        ("InterleavedSeq1F1B", None, 2),
+        ("Seq1F1B", None, 1),
+        ("InterleavedSeq1F1B", 2, 2),
+        ("InterleavedSeq1F1B", 1, 4),
+        ("Seq1F1B", 4, 1),
+    ],
 )
 def test_stages_per_rank_as_torchtitan_picks_them(schedule, layers_per_stage, v):
     """6 layers + embeddings + output on 2 ranks: torchtitan's pipeline_llm arithmetic."""
@@ -59,8 +66,9 @@ def test_stages_per_rank_as_torchtitan_picks_them(schedule, layers_per_stage, v)
     assert stages_per_rank(_job(schedule, layers_per_stage), seq_llama3_flavors["debugmodel"], 2) == v
 
 
-@pytest.mark.parametrize("schedule,layers_per_stage,pp", [("Seq1F1B", 2, 2), ("InterleavedSeq1F1B", 4, 2),
-                                                          ("InterleavedSeq1F1B", 1, 3)])
+@pytest.mark.parametrize(
+    "schedule,layers_per_stage,pp", [("Seq1F1B", 2, 2), ("InterleavedSeq1F1B", 4, 2), ("InterleavedSeq1F1B", 1, 3)]
+)
 def test_stages_per_rank_rejects_a_layout_the_schedule_cannot_run(schedule, layers_per_stage, pp):
     from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
     from torchtitan_seq.pipeline import stages_per_rank
@@ -69,9 +77,7 @@ def test_stages_per_rank_rejects_a_layout_the_schedule_cannot_run(schedule, laye
         stages_per_rank(_job(schedule, layers_per_stage), seq_llama3_flavors["debugmodel"], pp)
 
 
-@pytest.mark.parametrize(
-    "p,n,k", [(2, 4, 2), (4, 4, 1), (4, 4, 4), (4, 8, 2), (8, 8, 4), (4, 6, 3), (4, 9, 1)]
-)
+@pytest.mark.parametrize("p,n,k", [(2, 4, 2), (4, 4, 1), (4, 4, 4), (4, 8, 2), (8, 8, 4), (4, 6, 3), (4, 9, 1)])
 def test_bubble_ratio(p, n, k):
     """Uniform unit costs: (p-1)/(vNk+p-1) when p divides N, and no worse with a remainder."""
     from torchtitan_seq.simulate import SimConfig, simulate

@@ -2,12 +2,11 @@
 and then crash on the ranks (torchtitan_seq.job_check.check_job, in this process)."""
 
 import pytest
-
 from torchtitan.config import ConfigManager
 
+from torchtitan_seq.job_check import check_job
 from torchtitan_seq.registration import register
 from torchtitan_seq.train import resolve_args
-from torchtitan_seq.job_check import check_job
 
 CONFIG = ("--job.config_file", "train_configs/debug_model.toml")
 
@@ -25,29 +24,52 @@ def test_the_shipped_config_passes():
 @pytest.mark.parametrize("flavor", ["debugmodel_flex_attn", "debugmodel_varlen_attn"])
 @pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B", "BSIPipe", "Chimera", "TeraPipe", "1F1B"])
 def test_block_causal_flavors_pass(flavor, schedule):
-    _check("--model.flavor", flavor, "--parallelism.pipeline_parallel_schedule", schedule,
-           "--sequence_pipeline.expected_document_length", "512")
+    _check(
+        "--model.flavor",
+        flavor,
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        "--sequence_pipeline.expected_document_length",
+        "512",
+    )
 
 
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        (("--activation_checkpoint.mode", "memory_budget"), "activation_checkpoint.mode = 'memory_budget' needs torch.compile"),
-        (("--activation_checkpoint.mode", "memory_budget", "--parallelism.pipeline_parallel_schedule", "1F1B"),
-         "activation_checkpoint.mode = 'memory_budget' needs torch.compile"),
+        (
+            ("--activation_checkpoint.mode", "memory_budget"),
+            "activation_checkpoint.mode = 'memory_budget' needs torch.compile",
+        ),
+        (
+            ("--activation_checkpoint.mode", "memory_budget", "--parallelism.pipeline_parallel_schedule", "1F1B"),
+            "activation_checkpoint.mode = 'memory_budget' needs torch.compile",
+        ),
         (("--model.flavor", "debugmodel_flash"), "model.flavor = 'debugmodel_flash' is not a flavor"),
         (("--parallelism.pipeline_parallel_schedule", "Bogus"), "parallelism.pipeline_parallel_schedule = 'Bogus'"),
         (("--sequence_pipeline.num_subsequences", "4096"), "sequence_pipeline.num_subsequences = 4096"),
         (("--model.name", "llama3"), 'set [model] name = "llama3_seq"'),
-        (("--sequence_pipeline.expected_document_length", "512"),
-         "sequence_pipeline.expected_document_length = 512 needs a block-causal flavor"),
+        (
+            ("--sequence_pipeline.expected_document_length", "512"),
+            "sequence_pipeline.expected_document_length = 512 needs a block-causal flavor",
+        ),
         (("--validation.enable", "--validation.seq_len", "1024"), "validation.seq_len = 1024 differs"),
-        (("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "3"),
-         "validation.local_batch_size = 3"),
+        (
+            ("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "3"),
+            "validation.local_batch_size = 3",
+        ),
     ],
-    ids=["memory_budget", "memory_budget-without-compile", "unknown-flavor", "bogus-schedule", "k-too-large", "model-without-chunk-aware-attention",
-         "document-length-causal",
-         "validation-seq_len", "validation-batch"],
+    ids=[
+        "memory_budget",
+        "memory_budget-without-compile",
+        "unknown-flavor",
+        "bogus-schedule",
+        "k-too-large",
+        "model-without-chunk-aware-attention",
+        "document-length-causal",
+        "validation-seq_len",
+        "validation-batch",
+    ],
 )
 def test_refused_in_one_message_naming_the_setting(overrides, needle):
     with pytest.raises(ValueError, match=None) as e:
@@ -58,8 +80,14 @@ def test_refused_in_one_message_naming_the_setting(overrides, needle):
 def test_compile_with_tp_in_a_pipeline_is_refused():
     for schedule in ("Seq1F1B", "1F1B"):  # torch's own fails the same way
         with pytest.raises(ValueError) as e:
-            _check("--compile.enable", "--parallelism.tensor_parallel_degree", "2",
-                   "--parallelism.pipeline_parallel_schedule", schedule, world=4)
+            _check(
+                "--compile.enable",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                schedule,
+                world=4,
+            )
         assert "compile.enable = true cannot run with parallelism.tensor_parallel_degree = 2" in str(e.value)
     _check("--compile.enable", "--parallelism.data_parallel_shard_degree", "2", world=4)  # FSDP2 runs
 

@@ -12,8 +12,20 @@ import torchtitan_seq
 
 PACKAGE = Path(torchtitan_seq.__file__).parent
 RUNTIME = ["stage", "schedules", "trainer", "metrics", "pipeline", "kv_context", "attention", "kernels", "timeline"]
-CORE = ["kv_context", "attention", "kernels", "partition", "shape", "stage", "schedules", "loss", "ordering", "memory",
-        "timeline", "render"]
+CORE = [
+    "kv_context",
+    "attention",
+    "kernels",
+    "partition",
+    "shape",
+    "stage",
+    "schedules",
+    "loss",
+    "ordering",
+    "memory",
+    "timeline",
+    "render",
+]
 
 
 def _modules() -> list[str]:
@@ -61,7 +73,7 @@ def test_no_import_circles():
         state[m] = 1
         for n in graph[m]:
             if state.get(n) == 1:
-                raise AssertionError("import circle: " + " -> ".join(path[path.index(n):] + [n]))
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(n) :] + [n]))
             if n not in state:
                 visit(n, path + [n])
         state[m] = 2

@@ -40,9 +40,16 @@ def _recorded(mode: str) -> list[dict]:
 
 def _config(row: dict, mode: str) -> mm.MemoryConfig:
     return mm.MemoryConfig(
-        "debugmodel", row["seq_len"], row["schedule"], pp=row["pp"], microbatches=row["microbatches"],
-        subsequences=row["num_subsequences"], partition=row["partition"] or "even", device="cpu",
-        activation_checkpoint=mode, length_multiple=64,  # the runs' train_configs/debug_model.toml
+        "debugmodel",
+        row["seq_len"],
+        row["schedule"],
+        pp=row["pp"],
+        microbatches=row["microbatches"],
+        subsequences=row["num_subsequences"],
+        partition=row["partition"] or "even",
+        device="cpu",
+        activation_checkpoint=mode,
+        length_multiple=64,  # the runs' train_configs/debug_model.toml
     )
 
 
@@ -105,8 +112,16 @@ def _uniform_weights(plan: mm._Plan, lengths: list[int], share: float) -> dict:
 
 @pytest.mark.parametrize(
     "schedule,p,n,k",
-    [("1F1B", 4, 8, 1), ("Interleaved1F1B", 4, 8, 1), ("GPipe", 2, 4, 1), ("Seq1F1B", 4, 8, 4),
-     ("TeraPipe", 2, 4, 3), ("InterleavedSeq1F1B", 4, 6, 2), ("BSIPipe", 4, 8, 2), ("Chimera", 4, 8, 2)],
+    [
+        ("1F1B", 4, 8, 1),
+        ("Interleaved1F1B", 4, 8, 1),
+        ("GPipe", 2, 4, 1),
+        ("Seq1F1B", 4, 8, 4),
+        ("TeraPipe", 2, 4, 3),
+        ("InterleavedSeq1F1B", 4, 6, 2),
+        ("BSIPipe", 4, 8, 2),
+        ("Chimera", 4, 8, 2),
+    ],
 )
 def test_walk_reproduces_the_simulators_peak(schedule, p, n, k):
     """Unit weights in M, L_j / S on a stage with 1/p of the layers: the simulator's peak."""
@@ -119,8 +134,17 @@ def test_walk_reproduces_the_simulators_peak(schedule, p, n, k):
 
 @pytest.mark.parametrize(
     "schedule,n,k",
-    [("1F1B", 20, 1), ("Interleaved1F1B", 20, 1), ("GPipe", 20, 1), ("Seq1F1B", 23, 3), ("TeraPipe", 20, 2),
-     ("InterleavedSeq1F1B", 20, 2), ("InterleavedSeq1F1B", 22, 1), ("BSIPipe", 20, 2), ("Chimera", 22, 2)],
+    [
+        ("1F1B", 20, 1),
+        ("Interleaved1F1B", 20, 1),
+        ("GPipe", 20, 1),
+        ("Seq1F1B", 23, 3),
+        ("TeraPipe", 20, 2),
+        ("InterleavedSeq1F1B", 20, 2),
+        ("InterleavedSeq1F1B", 22, 1),
+        ("BSIPipe", 20, 2),
+        ("Chimera", 22, 2),
+    ],
 )
 def test_peak_from_fewer_microbatches(schedule, n, k):
     """N on p = 4 is built as 2p + N mod p microbatches: the same peaks as the whole step (GPipe
@@ -130,8 +154,13 @@ def test_peak_from_fewer_microbatches(schedule, n, k):
     assert plan.built_microbatches == 2 * p + n % p
     built = build(SimConfig(schedule, p, n, k))
     whole = mm._Plan(
-        {r: tuple(leaf for a in acts if a is not None for leaf in compute_leaves(a)) for r, acts in built.order.items()},
-        plan.chain_length, plan.parameter_copies, n,
+        {
+            r: tuple(leaf for a in acts if a is not None for leaf in compute_leaves(a))
+            for r, acts in built.order.items()
+        },
+        plan.chain_length,
+        plan.parameter_copies,
+        n,
     )
     lengths = [1] * k
     weights = _uniform_weights(plan, lengths, 1.0)

@@ -104,8 +104,11 @@ def test_each_unit_sends_its_own_bytes():
     net = sim.Network(inter_node=sim.Link(bandwidth=600 * args.dim * 2 / 2.0), gpus_per_node=1)
     transfers = sim.Transfers.for_model(net, args, [200, 600], 2, 1.0)
     r = sim.simulate_order(
-        seq1f1b_actions(2, 1, 2), lengths=[200, 600], times=sim.UnitTimes(F=(0.25, 0.75), B=(0.5, 1.5)),
-        microbatches=1, transfers=transfers,
+        seq1f1b_actions(2, 1, 2),
+        lengths=[200, 600],
+        times=sim.UnitTimes(F=(0.25, 0.75), B=(0.5, 1.5)),
+        microbatches=1,
+        transfers=transfers,
     )
     forwards = [start for start, _, a in r.timeline[1] if a.computation_type == F]
     assert forwards == pytest.approx([0.25 + 2 / 3, 1.0 + 2.0])
@@ -126,8 +129,16 @@ def test_a_cost_file_in_seconds_needs_no_conversion(tmp_path):
 def test_a_slower_inter_node_link_lengthens_the_step(gpt):
     """Seq1F1B, p = 4 on nodes of 2 GPUs: one inter-node hop, the step grows with its cost."""
     makespans = [
-        _run("Seq1F1B", 4, 8, 4, cost="transformer", flavor=gpt, seq_len=8192,
-             network=sim.Network(NVLINK, inter, gpus_per_node=2, flops_per_gpu=FLOPS)).makespan
+        _run(
+            "Seq1F1B",
+            4,
+            8,
+            4,
+            cost="transformer",
+            flavor=gpt,
+            seq_len=8192,
+            network=sim.Network(NVLINK, inter, gpus_per_node=2, flops_per_gpu=FLOPS),
+        ).makespan
         for inter in (sim.Link(), NVLINK, INFINIBAND, sim.Link(5e9, 1e-5), sim.Link(5e9, 1e-3))
     ]
     assert makespans == sorted(makespans) and len(set(makespans)) == len(makespans), makespans
@@ -155,8 +166,18 @@ def test_paired_placement_beats_linear_across_nodes(gpt, schedule, k):
 
     def makespan(placement: str, gpus_per_node: int) -> float:
         net = sim.Network(NVLINK, INFINIBAND, gpus_per_node=gpus_per_node, flops_per_gpu=FLOPS)
-        return _run(schedule, 8, 16, k, cost="transformer", flavor=gpt, seq_len=20480,
-                    partition="compute", network=net, bidirectional_placement=placement).makespan
+        return _run(
+            schedule,
+            8,
+            16,
+            k,
+            cost="transformer",
+            flavor=gpt,
+            seq_len=20480,
+            partition="compute",
+            network=net,
+            bidirectional_placement=placement,
+        ).makespan
 
     gain = makespan("linear", 4) / makespan("paired", 4) - 1
     assert 0.002 < gain < 0.03, gain
@@ -164,8 +185,19 @@ def test_paired_placement_beats_linear_across_nodes(gpt, schedule, k):
 
 
 def test_cli_links(capsys):
-    common = ["--schedule", "Chimera", "--pp", "2", "--microbatches", "2", "--json",
-              "--inter-node-bandwidth", "25e9", "--gpus-per-node", "1"]
+    common = [
+        "--schedule",
+        "Chimera",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        "--json",
+        "--inter-node-bandwidth",
+        "25e9",
+        "--gpus-per-node",
+        "1",
+    ]
     assert sim.main(common) == 2
     assert "--flops-per-gpu" in capsys.readouterr().err
     runs = {}

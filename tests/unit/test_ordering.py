@@ -25,7 +25,9 @@ def _one_rank(actions):
 
 def test_rejects_backward_first_subsequence_first():
     order = _one_rank([(F, 0), (F, 1), (B, 0), (B, 1)])
-    with pytest.raises(ScheduleOrderError, match=r"rule 2 \(backward last-subsequence-first\).*microbatch 0, subsequence 0"):
+    with pytest.raises(
+        ScheduleOrderError, match=r"rule 2 \(backward last-subsequence-first\).*microbatch 0, subsequence 0"
+    ):
         validate_unit_order(order, 2)
 
 
@@ -37,5 +39,3 @@ def test_rejects_forward_out_of_order():
 def test_rejects_backward_before_last_forward():
     with pytest.raises(ScheduleOrderError, match=r"rule 2 \(backward after the microbatch's forwards\)"):
         validate_unit_order(_one_rank([(F, 0), (B, 0), (F, 1), (B, 1)]), 2)
-
-

@@ -74,9 +74,7 @@ def test_latency_partition_can_beat_rounded_compute_partition():
 
 
 @pytest.mark.parametrize("seq_len,k,multiple", [(96, 4, 8), (64, 3, 4), (40, 5, 2)])
-@pytest.mark.parametrize(
-    "cost", [DEBUG, EIGHT_B, UnitCost(linear=1.0, attention=0.5)], ids=["debug", "8B", "toy"]
-)
+@pytest.mark.parametrize("cost", [DEBUG, EIGHT_B, UnitCost(linear=1.0, attention=0.5)], ids=["debug", "8B", "toy"])
 def test_latency_partition_is_optimal_on_the_grid(seq_len, k, multiple, cost):
     """Against every cut into k units of whole multiples (brute force)."""
     lat = partition_sequence(seq_len, k, "latency", multiple=multiple, cost=cost)
@@ -133,7 +131,7 @@ def test_document_pairs_are_those_of_random_packed_documents():
         starts = starts[starts < seq_len].astype(int)
         positions = np.arange(seq_len)
         keys = positions - starts[np.searchsorted(starts, positions, side="right") - 1] + 1
-        counted += [keys[prefix:prefix + length].sum() / 2000 for prefix, length in units]
+        counted += [keys[prefix : prefix + length].sum() / 2000 for prefix, length in units]
     for (prefix, length), mean in zip(units, counted):
         assert abs(cost.pairs(length, prefix) - mean) / mean < 0.03, (prefix, cost.pairs(length, prefix), mean)
     causal = UnitCost(linear=0.0, attention=1.0)
@@ -143,9 +141,12 @@ def test_document_pairs_are_those_of_random_packed_documents():
 
 def test_short_documents_even_out_the_compute_partition():
     """A unit's attention no longer grows with its offset once documents are short."""
-    cut = {d: partition_sequence(4096, 4, "compute", multiple=64,
-                                 cost=UnitCost.from_model_args(seq_llama3_flavors["debugmodel"], d))
-           for d in (None, 4096, 512, 64)}
+    cut = {
+        d: partition_sequence(
+            4096, 4, "compute", multiple=64, cost=UnitCost.from_model_args(seq_llama3_flavors["debugmodel"], d)
+        )
+        for d in (None, 4096, 512, 64)
+    }
     assert cut[None] == [1600, 960, 832, 704] and cut[64] == [1024] * 4
     spreads = [max(c) - min(c) for c in cut.values()]
     assert spreads == sorted(spreads, reverse=True)

@@ -1,4 +1,5 @@
-"""The planner: its search, the shape of its answers and its one-line refusals; its agreement with a recorded benchmark."""
+"""The planner: its search, the shape of its answers and its one-line refusals; its agreement with a
+recorded benchmark."""
 
 from __future__ import annotations
 
@@ -24,8 +25,19 @@ def _json(capsys, *argv: str) -> dict:
 def test_json_ranks_plans_that_fit_and_gives_the_best_as_overrides(capsys):
     out = _json(capsys, *SMALL, "--gpu-memory-gib", "4")
     plans = out["plans"]
-    keys = {"schedule", "pp", "tp", "dp_shard", "num_subsequences", "partition", "stages_per_rank",
-            "activation_checkpoint", "tokens_per_s", "peak_memory_gib", "fits"}
+    keys = {
+        "schedule",
+        "pp",
+        "tp",
+        "dp_shard",
+        "num_subsequences",
+        "partition",
+        "stages_per_rank",
+        "activation_checkpoint",
+        "tokens_per_s",
+        "peak_memory_gib",
+        "fits",
+    }
     assert plans and all(keys <= set(p) for p in plans)
     assert all(p["fits"] and p["peak_memory_gib"] <= 4 for p in plans)
     speeds = [p["tokens_per_s"] for p in plans]
@@ -42,8 +54,9 @@ def test_a_tight_budget_leaves_only_what_fits_and_picks_a_sequence_schedule(caps
     FLOPs, and one-unit schedules win there whatever the budget."""
     flops_only = [*SMALL, "--unit-overhead-ms", "0", "--tp", "1"]
     roomy = _json(capsys, *flops_only, "--gpu-memory-gib", "64", "--top", "200")["plans"]
-    one_f_one_b = min(p["peak_memory_gib"] for p in roomy
-                      if p["schedule"] == "1F1B" and p["activation_checkpoint"] == "none")
+    one_f_one_b = min(
+        p["peak_memory_gib"] for p in roomy if p["schedule"] == "1F1B" and p["activation_checkpoint"] == "none"
+    )
     tight = _json(capsys, *flops_only, "--gpu-memory-gib", f"{0.98 * one_f_one_b}")["plans"]
     fitting = [p for p in tight if p["fits"]]
     assert fitting and all(p["peak_memory_gib"] <= 0.98 * one_f_one_b for p in fitting)
@@ -71,14 +84,28 @@ def test_the_step_extended_from_fewer_microbatches_equals_the_simulated_one():
     job = planner.Job("debugmodel", 2048, 24)
     cluster = planner.Cluster(gpus=4, gpu_memory_gib=80)
     costs = planner._Costs((), cluster.flops_per_gpu)
-    for choice in (planner.ScheduleChoice("Seq1F1B", 4, "compute"), planner.ScheduleChoice("1F1B"),
-                  planner.ScheduleChoice("InterleavedSeq1F1B", 2, "even", 2)):
+    for choice in (
+        planner.ScheduleChoice("Seq1F1B", 4, "compute"),
+        planner.ScheduleChoice("1F1B"),
+        planner.ScheduleChoice("InterleavedSeq1F1B", 2, "even", 2),
+    ):
         step = planner._simulated_step(choice, 2, 1, 2, "full", 24, job, cluster, costs)
-        network = sim.Network(cluster.intra_node, cluster.inter_node, 8, gpus_per_rank=2,
-                              flops_per_gpu=cluster.flops_per_gpu)
-        config = sim.SimConfig(choice.schedule, 2, 24, choice.num_subsequences, stages_per_rank=choice.stages_per_rank,
-                               cost="transformer", flavor="debugmodel", seq_len=2048, partition=choice.partition,
-                               network=network, recompute=1.0)
+        network = sim.Network(
+            cluster.intra_node, cluster.inter_node, 8, gpus_per_rank=2, flops_per_gpu=cluster.flops_per_gpu
+        )
+        config = sim.SimConfig(
+            choice.schedule,
+            2,
+            24,
+            choice.num_subsequences,
+            stages_per_rank=choice.stages_per_rank,
+            cost="transformer",
+            flavor="debugmodel",
+            seq_len=2048,
+            partition=choice.partition,
+            network=network,
+            recompute=1.0,
+        )
         whole = sim.simulate(config)
         seconds = whole.makespan * seconds_per_time_unit(config)
         assert step.seconds == pytest.approx(seconds, rel=1e-2), choice
@@ -91,8 +118,16 @@ def test_the_step_extended_from_fewer_microbatches_equals_the_simulated_one():
 
 @pytest.mark.parametrize(
     "schedule,p,n,k",
-    [("1F1B", 4, 8, 1), ("GPipe", 4, 8, 1), ("Interleaved1F1B", 4, 8, 1), ("Seq1F1B", 4, 8, 4),
-     ("InterleavedSeq1F1B", 4, 8, 2), ("TeraPipe", 4, 8, 3), ("BSIPipe", 4, 8, 2), ("Chimera", 4, 8, 2)],
+    [
+        ("1F1B", 4, 8, 1),
+        ("GPipe", 4, 8, 1),
+        ("Interleaved1F1B", 4, 8, 1),
+        ("Seq1F1B", 4, 8, 4),
+        ("InterleavedSeq1F1B", 4, 8, 2),
+        ("TeraPipe", 4, 8, 3),
+        ("BSIPipe", 4, 8, 2),
+        ("Chimera", 4, 8, 2),
+    ],
 )
 def test_timing_without_torchs_lowering_is_the_same(schedule, p, n, k):
     """The planner skips torch's lowering passes: the compute-only lists with a SEND after each
@@ -110,7 +145,7 @@ def test_timing_without_torchs_lowering_is_the_same(schedule, p, n, k):
 def test_the_toml_snippet_says_what_the_overrides_say():
     p = planner.Plan("Seq1F1B", 4, 2, 8, 8, "compute", 1, "full", 1.0, 1.0, 0.1, True)
     toml = p.toml("8B", 32768, 16)
-    assert '[parallelism]\npipeline_parallel_degree = 4' in toml
+    assert "[parallelism]\npipeline_parallel_degree = 4" in toml
     assert 'pipeline_parallel_schedule = "Seq1F1B"' in toml
     assert '[sequence_pipeline]\nnum_subsequences = 8\npartition = "compute"' in toml
     assert '[activation_checkpoint]\nmode = "full"' in toml
@@ -121,14 +156,48 @@ def test_the_toml_snippet_says_what_the_overrides_say():
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["--flavor", "9B", "--seq-len", "2048", "--gpus", "4", "--gpu-memory-gib", "80", "--local-batch-size", "8"],
-         "--flavor '9B' does not exist"),
-        (["--flavor", "debugmodel", "--seq-len", "2048", "--gpus", "6", "--tp", "4", "--gpu-memory-gib", "80",
-          "--local-batch-size", "8"], "--gpus 6 is not a multiple of --tp 4"),
-        (["--flavor", "debugmodel", "--seq-len", "2048", "--gpus", "7", "--tp", "1", "--gpu-memory-gib", "80",
-          "--local-batch-size", "8"], "--gpus 7: no pipeline degree"),  # 7 > the 6 layers
-        (["--flavor", "8B", "--seq-len", "32768", "--gpus", "4", "--gpu-memory-gib", "1", "--local-batch-size", "4"],
-         "--gpu-memory-gib 1: nothing fits; the smallest configuration"),
+        (
+            ["--flavor", "9B", "--seq-len", "2048", "--gpus", "4", "--gpu-memory-gib", "80", "--local-batch-size", "8"],
+            "--flavor '9B' does not exist",
+        ),
+        (
+            [
+                "--flavor",
+                "debugmodel",
+                "--seq-len",
+                "2048",
+                "--gpus",
+                "6",
+                "--tp",
+                "4",
+                "--gpu-memory-gib",
+                "80",
+                "--local-batch-size",
+                "8",
+            ],
+            "--gpus 6 is not a multiple of --tp 4",
+        ),
+        (
+            [
+                "--flavor",
+                "debugmodel",
+                "--seq-len",
+                "2048",
+                "--gpus",
+                "7",
+                "--tp",
+                "1",
+                "--gpu-memory-gib",
+                "80",
+                "--local-batch-size",
+                "8",
+            ],
+            "--gpus 7: no pipeline degree",
+        ),  # 7 > the 6 layers
+        (
+            ["--flavor", "8B", "--seq-len", "32768", "--gpus", "4", "--gpu-memory-gib", "1", "--local-batch-size", "4"],
+            "--gpu-memory-gib 1: nothing fits; the smallest configuration",
+        ),
     ],
 )
 def test_bad_input_gets_one_line_naming_the_setting(argv, needle, capsys):

@@ -31,8 +31,17 @@ def test_the_simulator_and_the_memory_model_cut_as_the_runtime():
     assert SimConfig("Seq1F1B", 2, 4).length_multiple == MemoryConfig("debugmodel", 2048).length_multiple == 1
     assert LENGTH_MULTIPLE == 1
     runtime = JobShape.of_model(DEBUG, 2048, 4, "compute", length_multiple=16, tp=2)
-    sim = SimConfig("Seq1F1B", 2, 4, 4, cost="transformer", seq_len=2048, partition="compute", length_multiple=16,
-                    network=Network(gpus_per_rank=2, tensor_parallel=2))
+    sim = SimConfig(
+        "Seq1F1B",
+        2,
+        4,
+        4,
+        cost="transformer",
+        seq_len=2048,
+        partition="compute",
+        length_multiple=16,
+        network=Network(gpus_per_rank=2, tensor_parallel=2),
+    )
     memory = MemoryConfig("debugmodel", 2048, "Seq1F1B", 2, 4, 4, "compute", tp=2, length_multiple=16)
     assert job_shape(sim).lengths == memory.shape.lengths == runtime.lengths
 

@@ -76,7 +76,9 @@ def test_sweep_no_deadlock_no_ordering_violation():
     torch's lowering, so a pass here means both hold.
     """
     for name in SEQUENCE_SCHEDULES:
-        pairs = SEQUENCE_SCHEDULES[name].parameter_copies == 2  # even p and N, full backward only; k <= 4 keeps it quick
+        pairs = (
+            SEQUENCE_SCHEDULES[name].parameter_copies == 2
+        )  # even p and N, full backward only; k <= 4 keeps it quick
         for p in range(2 if pairs else 1, 9, 2 if pairs else 1):
             for split in (False, True) if p <= 4 and not pairs else (False,):
                 for n in [*range(1, 11), 12, 16]:
@@ -95,9 +97,7 @@ def _first_subsequence_first(order):
     """Reorder each rank's backwards to run subsequence 0 first (wrong)."""
     out = {}
     for rank, actions in order.items():
-        backs = iter(
-            sorted((a for a in actions if a.computation_type == B), key=lambda a: a.microbatch_index)
-        )
+        backs = iter(sorted((a for a in actions if a.computation_type == B), key=lambda a: a.microbatch_index))
         out[rank] = [next(backs) if a.computation_type == B else a for a in actions]
     return out
 
@@ -110,9 +110,7 @@ def test_validator_rejects_first_subsequence_first_backward():
 
 def test_simulate_rejects_a_misordered_schedule_by_name(monkeypatch):
     class Misordered(SequenceSchedule):
-        actions_fn = staticmethod(
-            lambda p, n, k, **kw: _first_subsequence_first(seq1f1b_actions(p, n, k, **kw))
-        )
+        actions_fn = staticmethod(lambda p, n, k, **kw: _first_subsequence_first(seq1f1b_actions(p, n, k, **kw)))
 
     monkeypatch.setitem(SEQUENCE_SCHEDULES, "Misordered", Misordered)
     with pytest.raises(ScheduleOrderError, match="rule 2"):
@@ -229,9 +227,7 @@ def test_transformer_cost_and_compute_partition():
     times = sim.unit_times(sim.SimConfig("Seq1F1B", 2, 2, 4, cost="transformer", seq_len=4096), even.lengths)
     assert list(times.F) == sorted(times.F)  # later units attend to longer prefixes
     assert times.B == pytest.approx([i + w for i, w in zip(times.I, times.W)])
-    balanced = sim.simulate(
-        sim.SimConfig("Seq1F1B", 2, 2, 4, cost="transformer", seq_len=4096, partition="compute")
-    )
+    balanced = sim.simulate(sim.SimConfig("Seq1F1B", 2, 2, 4, cost="transformer", seq_len=4096, partition="compute"))
     assert balanced.lengths[0] > balanced.lengths[-1]
     assert balanced.makespan < even.makespan
 
@@ -306,9 +302,9 @@ def test_schedules_folder_is_fresh(tmp_path):
     sim.regenerate(tmp_path)
     committed = REPO / "schedules"
     fresh = sorted(p.name for p in tmp_path.iterdir())
-    assert fresh == sorted(
-        p.name for p in committed.iterdir()
-    ), "run: python -m torchtitan_seq.simulate --regenerate schedules"
+    assert fresh == sorted(p.name for p in committed.iterdir()), (
+        "run: python -m torchtitan_seq.simulate --regenerate schedules"
+    )
     for name in fresh:
         assert (tmp_path / name).read_bytes() == (committed / name).read_bytes(), name
 
@@ -316,8 +312,23 @@ def test_schedules_folder_is_fresh(tmp_path):
 def test_packed_documents_cost_less_attention_and_cut_more_evenly(capsys):
     """--document-length D: the transformer cost scores the pairs of packed documents, and
     the compute partition follows; short documents leave less work and a more even cut."""
-    common = ["--schedule", "Seq1F1B", "--pp", "2", "--microbatches", "4", "--subsequences", "4",
-              "--cost", "transformer", "--partition", "compute", "--seq-len", "4096", "--json"]
+    common = [
+        "--schedule",
+        "Seq1F1B",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--subsequences",
+        "4",
+        "--cost",
+        "transformer",
+        "--partition",
+        "compute",
+        "--seq-len",
+        "4096",
+        "--json",
+    ]
     runs = {}
     for d in ("0", "4096", "512"):
         assert sim.main([*common, "--document-length", d]) == 0
@@ -337,8 +348,9 @@ def test_the_fit_recovers_a_fixed_cost_per_unit_and_costs_per_token_and_pair(doc
 
     pairs = UnitCost(0.0, 0.0, document_length).pairs
     cuts = [[2048], [1024, 1024], [704, 512, 448, 384], [256] * 8]
-    units = [(n, sum(cut[:j]), 5e-3 + 2e-6 * n + 3e-10 * pairs(n, sum(cut[:j])))
-             for cut in cuts for j, n in enumerate(cut)]
+    units = [
+        (n, sum(cut[:j]), 5e-3 + 2e-6 * n + 3e-10 * pairs(n, sum(cut[:j]))) for cut in cuts for j, n in enumerate(cut)
+    ]
     fit = fit_unit_costs(units, document_length)
     assert (fit.fixed, fit.per_token, fit.per_pair) == pytest.approx((5e-3, 2e-6, 3e-10), rel=1e-6)
     # k x fixed over the cut's F + B
@@ -347,7 +359,7 @@ def test_the_fit_recovers_a_fixed_cost_per_unit_and_costs_per_token_and_pair(doc
     with pytest.raises(ValueError, match="cannot separate"):
         fit_unit_costs(units[7:])  # one even cut: fixed and per-token cost are one
     # Units that cost more than linearly in their tokens get no negative fixed cost.
-    convex = [(n, 0, 1e-6 * n ** 1.2) for n in (128, 256, 512, 1024, 2048)]
+    convex = [(n, 0, 1e-6 * n**1.2) for n in (128, 256, 512, 1024, 2048)]
     assert fit_unit_costs(convex).fixed == 0.0
 
 

@@ -22,17 +22,41 @@ from __future__ import annotations
 from torch.distributed.pipelining import schedules as _torch_schedules
 
 from .base import ActionLists, SequenceSchedule, StagePlacement
-from .bidirectional import PLACEMENTS, BidirectionalLayout, Placement, BidirectionalSchedule, MirroredCopies, lower_chains
+from .bidirectional import (
+    PLACEMENTS,
+    BidirectionalLayout,
+    BidirectionalSchedule,
+    MirroredCopies,
+    Placement,
+    lower_chains,
+)
 from .bsipipe import ScheduleBSIPipe, bsipipe_actions
 from .chimera import ScheduleChimera, chimera_actions
 from .interleaved import ScheduleInterleavedSeq1F1B, interleaved_seq1f1b_actions
 from .seq1f1b import ScheduleSeq1F1B, ScheduleTeraPipe, seq1f1b_actions, terapipe_actions
 
 __all__ = [
-    "ActionLists", "SequenceSchedule", "StagePlacement", "seq1f1b_actions", "terapipe_actions",
-    "interleaved_seq1f1b_actions", "bsipipe_actions", "chimera_actions", "ScheduleSeq1F1B", "ScheduleTeraPipe",
-    "ScheduleInterleavedSeq1F1B", "ScheduleBSIPipe", "ScheduleChimera", "Placement", "PLACEMENTS", "BidirectionalLayout",
-    "BidirectionalSchedule", "MirroredCopies", "lower_chains", "SEQUENCE_SCHEDULES", "TORCH_SCHEDULES",
+    "ActionLists",
+    "SequenceSchedule",
+    "StagePlacement",
+    "seq1f1b_actions",
+    "terapipe_actions",
+    "interleaved_seq1f1b_actions",
+    "bsipipe_actions",
+    "chimera_actions",
+    "ScheduleSeq1F1B",
+    "ScheduleTeraPipe",
+    "ScheduleInterleavedSeq1F1B",
+    "ScheduleBSIPipe",
+    "ScheduleChimera",
+    "Placement",
+    "PLACEMENTS",
+    "BidirectionalLayout",
+    "BidirectionalSchedule",
+    "MirroredCopies",
+    "lower_chains",
+    "SEQUENCE_SCHEDULES",
+    "TORCH_SCHEDULES",
 ]
 
 # Names users select in ``[parallelism] pipeline_parallel_schedule``.

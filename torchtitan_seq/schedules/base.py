@@ -8,7 +8,8 @@ unshard/reshard, gradient reduction) and execution are torch's.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
@@ -45,9 +46,15 @@ class SequenceSchedule(_PipelineScheduleRuntime):
     stage_placement: ClassVar[str] = "loop"
     """Stage -> rank placement (``generate_stage_to_rank_mapping`` style)."""
 
-    def __init__(self, stages: SequencePipelineStage | list[SequencePipelineStage], n_microbatches: int,
-                 loss_fn: Callable[..., torch.Tensor] | None = None, *, split_backward: bool = False,
-                 scale_grads: bool = False) -> None:
+    def __init__(
+        self,
+        stages: SequencePipelineStage | list[SequencePipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        split_backward: bool = False,
+        scale_grads: bool = False,
+    ) -> None:
         stages = stages if isinstance(stages, list) else [stages]
         if wrong := [type(s).__name__ for s in stages if not isinstance(s, SequencePipelineStage)]:
             raise TypeError(f"{type(self).__name__} needs SequencePipelineStage stages, got {wrong[0]}")
@@ -70,20 +77,39 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         self._prepare_schedule_with_comms(order)
 
     @classmethod
-    def compute_order(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *,
-                      split_backward: bool = False, stages_per_rank: int | None = None) -> ActionLists:
+    def compute_order(
+        cls,
+        num_ranks: int,
+        num_microbatches: int,
+        num_subsequences: int,
+        *,
+        split_backward: bool = False,
+        stages_per_rank: int | None = None,
+    ) -> ActionLists:
         """The schedule's compute-only lists, {rank: [action]}, for v = ``stages_per_rank`` (default: the class's)."""
         extra = {"stages_per_rank": stages_per_rank or cls.stages_per_rank} if cls.stages_per_rank > 1 else {}
         return cls.actions_fn(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward, **extra)
 
     @classmethod
-    def check_shape(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *,
-                    split_backward: bool = False, **options: Any) -> None:
+    def check_shape(
+        cls,
+        num_ranks: int,
+        num_microbatches: int,
+        num_subsequences: int,
+        *,
+        split_backward: bool = False,
+        **options: Any,
+    ) -> None:
         """Raise ValueError, naming the setting, for a shape the schedule cannot run
         (``options``: the schedule's own, as :meth:`options_from_config` reads them, and
         ``stages_per_rank``, v)."""
-        cls.compute_order(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward,
-                          stages_per_rank=options.get("stages_per_rank"))
+        cls.compute_order(
+            num_ranks,
+            num_microbatches,
+            num_subsequences,
+            split_backward=split_backward,
+            stages_per_rank=options.get("stages_per_rank"),
+        )
 
     @classmethod
     def check_torch(cls) -> None:
@@ -144,9 +170,15 @@ class SequenceSchedule(_PipelineScheduleRuntime):
             )
         return [unit for mb in t.tensor_split(self.num_microbatches) for unit in mb.split(self.lengths, dim=1)]
 
-    def step(self, *args: torch.Tensor, target: torch.Tensor | None = None, losses: list | None = None,
-             return_outputs: bool = True, attention_masks: torch.Tensor | None = None,
-             **kwargs: Any) -> torch.Tensor | None:
+    def step(
+        self,
+        *args: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        attention_masks: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor | None:
         """Run one step on a whole batch; see the package docstring.
 
         args: the first stage's inputs, each (batch, seq_len, ...); empty on other ranks. target:
@@ -178,8 +210,8 @@ class SequenceSchedule(_PipelineScheduleRuntime):
             for stage in self._stages:
                 stage.kv_context.clear()
         if unit_losses:
-            losses[:] = [sum(unit_losses[m * k:(m + 1) * k]) for m in range(mbs)]
+            losses[:] = [sum(unit_losses[m * k : (m + 1) * k]) for m in range(mbs)]
         outs = next((stage.output_chunks for stage in self._stages if stage.is_last), None)
         if return_outputs and outs is not None:
-            return torch.cat([torch.cat(outs[m * k:(m + 1) * k], dim=1) for m in range(mbs)])
+            return torch.cat([torch.cat(outs[m * k : (m + 1) * k], dim=1) for m in range(mbs)])
         return None

@@ -20,23 +20,30 @@ position q on rank q.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining.schedules import RECV_B, RECV_F, SEND_B, SEND_F, _Action
-from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_unshard_reshard
+from torch.distributed.pipelining.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    _Action,
+    _add_reduce_grad,
+    _add_unshard_reshard,
+)
 from torch.distributed.tensor import DTensor
 
 from ..ordering import B, F, I, fed_by, feeds
 from ..stage import SequencePipelineStage
 from .base import SequenceSchedule, StagePlacement
 
-__all__ = ["Placement", "PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies",
-           "BidirectionalSchedule"]
+__all__ = ["Placement", "PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies", "BidirectionalSchedule"]
 
 Placement = Literal["paired", "linear"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
@@ -123,8 +130,10 @@ def lower_chains(
     for its input, a receive is posted when its send is issued), except that no transfer crosses a
     chain's end.
     """
-    pending = {r: [a for a in _add_reduce_grad(_add_unshard_reshard(acts), units_per_stage) if a is not None]
-               for r, acts in order.items()}
+    pending = {
+        r: [a for a in _add_reduce_grad(_add_unshard_reshard(acts), units_per_stage) if a is not None]
+        for r, acts in order.items()
+    }
     lowered: dict[int, list[_Action]] = {r: [] for r in order}
     seen: dict[int, set[_Action]] = {r: set() for r in order}
 
@@ -236,9 +245,16 @@ class BidirectionalSchedule(SequenceSchedule):
     parameter_copies = 2
     stage_placement = "bidirectional"
 
-    def __init__(self, stages: list[SequencePipelineStage], n_microbatches: int,
-                 loss_fn: Callable[..., torch.Tensor] | None = None, *, split_backward: bool = False,
-                 scale_grads: bool = False, placement: Placement = "paired") -> None:
+    def __init__(
+        self,
+        stages: list[SequencePipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        split_backward: bool = False,
+        scale_grads: bool = False,
+        placement: Placement = "paired",
+    ) -> None:
         self.check_torch()
         self.layout = BidirectionalLayout(stages[0].group_size, placement, self.stages_per_rank)
         held, expected = sorted(s.stage_index for s in stages), self.layout.stages_of_rank(stages[0].group_rank)
@@ -275,8 +291,16 @@ class BidirectionalSchedule(SequenceSchedule):
             )
 
     @classmethod
-    def check_shape(cls, num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False,
-                    placement: Placement = "paired", stages_per_rank: int | None = None) -> None:
+    def check_shape(
+        cls,
+        num_ranks: int,
+        num_microbatches: int,
+        num_subsequences: int,
+        *,
+        split_backward: bool = False,
+        placement: Placement = "paired",
+        stages_per_rank: int | None = None,
+    ) -> None:
         # Without building the lists (BSIPipe's take seconds at large shapes); the actions functions call it too.
         BidirectionalLayout(num_ranks, placement, cls.stages_per_rank)  # an even p, a known placement
         v = cls.stages_per_rank
@@ -313,8 +337,14 @@ class BidirectionalSchedule(SequenceSchedule):
         self.copies.sync_parameters()
         self._copies_synced = True
 
-    def step(self, *args: torch.Tensor, target: torch.Tensor | None = None, losses: list | None = None,
-             return_outputs: bool = True, **kwargs: Any) -> None:
+    def step(
+        self,
+        *args: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        **kwargs: Any,
+    ) -> None:
         if not self._copies_synced:  # the first step: chain B's copies start as chain A's
             self.after_optimizer_step()
         super().step(*args, target=target, losses=losses, return_outputs=False, **kwargs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from torch.distributed.pipelining.schedules import _Action
 
@@ -18,6 +18,7 @@ from .bidirectional import BidirectionalLayout, BidirectionalSchedule
 from .seq1f1b import unit_orders
 
 __all__ = ["Priority", "PRIORITIES", "ListSchedule", "list_schedule", "bsipipe_actions", "ScheduleBSIPipe"]
+
 
 @dataclass(frozen=True)
 class Priority:
@@ -43,8 +44,10 @@ class Priority:
     def __call__(self, is_forward: bool, progress: int, depth: int, microbatch: int, chain_time: float) -> float:
         # One expression, in this order: ties between passes are decided by exact float sums.
         return (
-            self.forward * is_forward + self.progress * progress * 0.1
-            + self.depth * depth * (0.1 if is_forward else -0.1) + self.microbatch * microbatch * 0.1
+            self.forward * is_forward
+            + self.progress * progress * 0.1
+            + self.depth * depth * (0.1 if is_forward else -0.1)
+            + self.microbatch * microbatch * 0.1
             + self.chain_time * chain_time
         )
 
@@ -113,8 +116,9 @@ class _ListScheduler:
     """BSIPipe's list scheduling of one step (:func:`list_schedule`). Per-stage state is
     indexed [stage][kind] with kinds _FORWARD and _BACKWARD."""
 
-    def __init__(self, num_ranks: int, num_microbatches: int, k: int, priority: Priority,
-                 limits: list[list[int]]) -> None:
+    def __init__(
+        self, num_ranks: int, num_microbatches: int, k: int, priority: Priority, limits: list[list[int]]
+    ) -> None:
         p, self.chain, self.k, self.priority = num_ranks, 2 * num_ranks, k, priority
         layout = BidirectionalLayout(p, placement="linear")
         self.positions = [_Position(layout.stages_of_rank(q), list(limits[q])) for q in range(p)]
@@ -125,8 +129,10 @@ class _ListScheduler:
         self.upstream = [[fed_by(_Action(s, kind, 0), self.chain) for kind in _KINDS] for s in stages]
         self.downstream = [[feeds(_Action(s, kind, 0), self.chain) for kind in _KINDS] for s in stages]
         # A position's startable passes change only when it or a neighbour in a chain acts.
-        self.touches = {s: {layout.rank_of_stage(n) for d in (-1, 0, 1)
-                            if (n := chain_neighbour(s, d, self.chain)) is not None} for s in stages}
+        self.touches = {
+            s: {layout.rank_of_stage(n) for d in (-1, 0, 1) if (n := chain_neighbour(s, d, self.chain)) is not None}
+            for s in stages
+        }
         self.cost = (0.5 / k, 1.0 / k)
         # When each unit's pass ended, None before it ran.
         self.finished: list[list[list[float | None]]] = [
@@ -220,7 +226,12 @@ def list_schedule(
 
 
 def bsipipe_actions(
-    num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False, stages_per_rank: int = 4
+    num_ranks: int,
+    num_microbatches: int,
+    num_subsequences: int,
+    *,
+    split_backward: bool = False,
+    stages_per_rank: int = 4,
 ) -> ActionLists:
     """BSIPipe: two V-shaped pipelines in opposite directions (the V shape of :mod:`.bidirectional`).
 

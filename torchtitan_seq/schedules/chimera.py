@@ -16,7 +16,12 @@ __all__ = ["chimera_actions", "ScheduleChimera"]
 
 
 def chimera_actions(
-    num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False, stages_per_rank: int = 2
+    num_ranks: int,
+    num_microbatches: int,
+    num_subsequences: int,
+    *,
+    split_backward: bool = False,
+    stages_per_rank: int = 2,
 ) -> ActionLists:
     """Chimera: two straight Seq1F1B pipelines in opposite directions (the straight shape of
     :mod:`.bidirectional`), merged as Chimera merges them: each pass takes the slot it has in its own
@@ -40,8 +45,9 @@ def chimera_actions(
         for i in range(p):  # depth in the chain
             stage, q = chain * p + i, (i if chain == 0 else p - 1 - i)
             warmup = k + p - 1 - i
-            slotted[q] += [(i + n if n < warmup else i + 1 - k + 2 * n, -i, _Action(stage, F, u))
-                           for n, u in enumerate(fwd)]
+            slotted[q] += [
+                (i + n if n < warmup else i + 1 - k + 2 * n, -i, _Action(stage, F, u)) for n, u in enumerate(fwd)
+            ]
             slotted[q] += [(2 * p - 2 + k - i + 2 * n, -i, _Action(stage, B, u)) for n, u in enumerate(bwd)]
     return {q: [a for *_, a in sorted(passes, key=lambda x: x[:2])] for q, passes in slotted.items()}
 

@@ -9,7 +9,11 @@ __all__ = ["interleaved_seq1f1b_actions", "ScheduleInterleavedSeq1F1B"]
 
 
 def interleaved_seq1f1b_actions(
-    num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False,
+    num_ranks: int,
+    num_microbatches: int,
+    num_subsequences: int,
+    *,
+    split_backward: bool = False,
     stages_per_rank: int = 2,
 ) -> ActionLists:
     """Seq1F1B-I: interleaved 1F1B over units, v = ``stages_per_rank`` chunks per rank.
@@ -34,7 +38,7 @@ def interleaved_seq1f1b_actions(
         sizes = [p] * full + ([rest] if rest else [])
     else:
         sizes = [n // full + (i < n % full) for i in range(full)]
-    orders = [unit_orders(range(sum(sizes[:i]), sum(sizes[:i + 1])), k) for i in range(len(sizes))]
+    orders = [unit_orders(range(sum(sizes[:i]), sum(sizes[: i + 1])), k) for i in range(len(sizes))]
     actions: ActionLists = {}
     for r in range(p):
         fwd = [(c * p + r, u) for f, _ in orders for c in range(v) for u in f]

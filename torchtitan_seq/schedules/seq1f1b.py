@@ -3,7 +3,7 @@ and the unit orders and 1F1B pattern every sequence schedule's lists are built f
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch.distributed.pipelining.schedules import _Action
 
@@ -35,7 +35,7 @@ def one_f_one_b(
     actions: list[_Action | None] = [_Action(s, F, u) for s, u in fwd[:warmup]]
     for (s_f, u_f), (s_b, u_b) in zip(fwd[warmup:], bwd):
         actions += [_Action(s_b, kind, u_b) for kind in backward] + [_Action(s_f, F, u_f)]
-    return actions + [_Action(s, kind, u) for kind in backward for s, u in bwd[len(fwd) - warmup:]]
+    return actions + [_Action(s, kind, u) for kind in backward for s, u in bwd[len(fwd) - warmup :]]
 
 
 def _one_stage_per_rank(
@@ -43,8 +43,10 @@ def _one_stage_per_rank(
 ) -> ActionLists:
     """Stage r on rank r, all units in order; ``warmup(r)`` forwards before rank r's first backward."""
     fwd, bwd = unit_orders(range(num_microbatches), k)
-    return {r: one_f_one_b(min(len(fwd), warmup(r)), [(r, u) for u in fwd], [(r, u) for u in bwd], split_backward)
-            for r in range(num_ranks)}
+    return {
+        r: one_f_one_b(min(len(fwd), warmup(r)), [(r, u) for u in fwd], [(r, u) for u in bwd], split_backward)
+        for r in range(num_ranks)
+    }
 
 
 def seq1f1b_actions(

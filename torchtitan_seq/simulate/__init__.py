@@ -34,8 +34,24 @@ from .network import Link, Network, Transfers
 from .regenerate import regenerate, standard_configs
 
 __all__ = [
-    "TORCH_SCHEDULES", "SimConfig", "MockStage", "UnitTimes", "unit_times", "transformer_times",
-    "Link", "Network", "Transfers", "Deadlock", "StuckRank", "SimResult",
-    "simulate", "simulate_order", "regenerate", "standard_configs", "main",
-    "render_svg", "chrome_trace", "compute_csv",  # torchtitan_seq.render's, for SimResults
+    "TORCH_SCHEDULES",
+    "SimConfig",
+    "MockStage",
+    "UnitTimes",
+    "unit_times",
+    "transformer_times",
+    "Link",
+    "Network",
+    "Transfers",
+    "Deadlock",
+    "StuckRank",
+    "SimResult",
+    "simulate",
+    "simulate_order",
+    "regenerate",
+    "standard_configs",
+    "main",
+    "render_svg",
+    "chrome_trace",
+    "compute_csv",  # torchtitan_seq.render's, for SimResults
 ]

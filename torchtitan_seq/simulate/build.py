@@ -41,8 +41,7 @@ from ..schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ActionLists, Bidire
 from ..shape import LENGTH_MULTIPLE
 from .network import Network
 
-__all__ = ["SimConfig", "MockStage", "Built", "build", "lower", "compute_leaves",
-           "send_after_compute"]
+__all__ = ["SimConfig", "MockStage", "Built", "build", "lower", "compute_leaves", "send_after_compute"]
 
 # The V-shaped ones place two stages per rank as torchtitan does (generate_stage_to_rank_mapping style "v").
 _TORCH_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -154,8 +153,7 @@ def build(config: SimConfig) -> Built:
         v = config.stages_per_rank or (1 if single else 2)
         if (single and v != 1) or (not single and v < 2):
             raise ValueError(
-                f"{config.schedule} runs {'one stage' if single else 'at least 2 stages'} per "
-                f"rank, not {v}"
+                f"{config.schedule} runs {'one stage' if single else 'at least 2 stages'} per rank, not {v}"
             )
         placement = "v" if config.schedule in _TORCH_V_SCHEDULES else "loop"
         mapping = generate_stage_to_rank_mapping(p, p * v, style=placement)
@@ -164,8 +162,7 @@ def build(config: SimConfig) -> Built:
         order = _executed_order(sched.pipeline_order) if single else sched.pipeline_order
     else:
         raise ValueError(
-            f"unknown schedule {config.schedule!r}: use one of "
-            f"{sorted(SEQUENCE_SCHEDULES) + list(TORCH_SCHEDULES)}"
+            f"unknown schedule {config.schedule!r}: use one of {sorted(SEQUENCE_SCHEDULES) + list(TORCH_SCHEDULES)}"
         )
     return Built(order, v, placement, getattr(cls, "parameter_copies", 1))
 
@@ -201,7 +198,6 @@ def _executed_order(ir: ActionLists) -> ActionLists:
                 count[a.computation_type] += 1
             order[rank].append(a)
     return order
-
 
 
 def lower(

@@ -50,25 +50,54 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--flavor", default="debugmodel", help="model flavor (transformer cost, compute partition)")
     ap.add_argument("--seq-len", type=int, default=2048, help="S, tokens per sequence")
     ap.add_argument("--partition", default="even", choices=PARTITIONS)
-    ap.add_argument("--length-multiple", type=int, default=LENGTH_MULTIPLE,
-                    help="every length a multiple of this and of --tensor-parallel (default %(default)s)")
-    ap.add_argument("--document-length", type=float, default=0.0,
-                    help="packed documents: expected tokens per document (block-causal attention); 0: causal")
-    ap.add_argument("--recompute", type=float, default=0.0,
-                    help="forwards recomputed per backward (activation checkpointing: full 1, selective 1/n)")
-    ap.add_argument("--unit-overhead", type=float, default=0.0,
-                    help="'transformer' cost: fixed seconds per unit (forward + backward) and layer on top of "
-                    "its FLOPs (needs --flops-per-gpu; the planner's H200 default: 2.11e-3)")
-    ap.add_argument("--comm-latency", type=float, default=0.0,
-                    help="SEND to usable data, in time units, on top of the links'")
-    ap.add_argument("--no-torch-lowering", dest="torch_lowering", action="store_false",
-                    help="time the compute-only lists with their sends (the same timeline, faster)")
-    ap.add_argument("--bidirectional-placement", default="paired", choices=PLACEMENTS,
-                    help="BSIPipe and Chimera: mirrored pairs on neighbouring ranks, or position q on rank q")
+    ap.add_argument(
+        "--length-multiple",
+        type=int,
+        default=LENGTH_MULTIPLE,
+        help="every length a multiple of this and of --tensor-parallel (default %(default)s)",
+    )
+    ap.add_argument(
+        "--document-length",
+        type=float,
+        default=0.0,
+        help="packed documents: expected tokens per document (block-causal attention); 0: causal",
+    )
+    ap.add_argument(
+        "--recompute",
+        type=float,
+        default=0.0,
+        help="forwards recomputed per backward (activation checkpointing: full 1, selective 1/n)",
+    )
+    ap.add_argument(
+        "--unit-overhead",
+        type=float,
+        default=0.0,
+        help="'transformer' cost: fixed seconds per unit (forward + backward) and layer on top of "
+        "its FLOPs (needs --flops-per-gpu; the planner's H200 default: 2.11e-3)",
+    )
+    ap.add_argument(
+        "--comm-latency", type=float, default=0.0, help="SEND to usable data, in time units, on top of the links'"
+    )
+    ap.add_argument(
+        "--no-torch-lowering",
+        dest="torch_lowering",
+        action="store_false",
+        help="time the compute-only lists with their sends (the same timeline, faster)",
+    )
+    ap.add_argument(
+        "--bidirectional-placement",
+        default="paired",
+        choices=PLACEMENTS,
+        help="BSIPipe and Chimera: mirrored pairs on neighbouring ranks, or position q on rank q",
+    )
     links = ap.add_argument_group("network (free links unless given; see torchtitan_seq.simulate.network)")
     for where in ("intra", "inter"):
-        links.add_argument(f"--{where}-node-bandwidth", type=float, default=math.inf,
-                           help=f"{where}-node link, bytes/s per GPU and direction (e.g. 200e9, 25e9)")
+        links.add_argument(
+            f"--{where}-node-bandwidth",
+            type=float,
+            default=math.inf,
+            help=f"{where}-node link, bytes/s per GPU and direction (e.g. 200e9, 25e9)",
+        )
         links.add_argument(f"--{where}-node-latency", type=float, default=0.0, help=f"{where}-node link, seconds")
     default = Network()
     for name, kind, text in (
@@ -80,8 +109,12 @@ def _parser() -> argparse.ArgumentParser:
         ("parameter_bytes", int, "bytes per parameter in the copies' all-reduces"),
         ("flops_per_gpu", float, "achieved FLOP/s per GPU, converting the cost model's unit into seconds"),
     ):
-        links.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(default, name),
-                           help=f"{text} (default {getattr(default, name)})")
+        links.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=getattr(default, name),
+            help=f"{text} (default {getattr(default, name)})",
+        )
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     ap.add_argument("--csv", type=Path, help="write the compute-only action table (torch's CSV format)")
     ap.add_argument("--svg", type=Path, help="write the timeline as SVG")
@@ -107,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             **{f.name: getattr(args, f.name) for f in fields(Network) if f.name not in ("intra_node", "inter_node")},
         )
         # A flag per field.
-        config = SimConfig(network=network, **{f.name: getattr(args, f.name) for f in fields(SimConfig)
-                                               if f.name != "network"})
+        config = SimConfig(
+            network=network, **{f.name: getattr(args, f.name) for f in fields(SimConfig) if f.name != "network"}
+        )
         result = simulate(config)
     except ValueError as e:  # includes ScheduleOrderError
         print(f"error: {e}", file=sys.stderr)

@@ -38,9 +38,10 @@ stage it was measured on), shared between a unit's passes in proportion to them.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -54,9 +55,18 @@ if TYPE_CHECKING:
     from torchtitan.models.llama3 import TransformerModelArgs
 
 __all__ = [
-    "UnitTimes", "ChunkTimes", "unit_times", "unit_and_chunk_times", "transformer_times", "job_shape",
-    "subsequence_lengths", "model_args",
-    "seconds_per_time_unit", "UnitCostFit", "fit_unit_costs", "fit_cost_files",
+    "UnitTimes",
+    "ChunkTimes",
+    "unit_times",
+    "unit_and_chunk_times",
+    "transformer_times",
+    "job_shape",
+    "subsequence_lengths",
+    "model_args",
+    "seconds_per_time_unit",
+    "UnitCostFit",
+    "fit_unit_costs",
+    "fit_cost_files",
 ]
 
 
@@ -259,8 +269,14 @@ def job_shape(config: SimConfig) -> JobShape:
     ``config.network``); torch's schedules run whole sequences."""
     cost = _model_cost(config) if config.partition != "even" else None
     return JobShape(
-        config.seq_len, config.subsequences, config.partition, cost, config.length_multiple,
-        config.network.tensor_parallel, config.microbatches, config.stages_per_rank,
+        config.seq_len,
+        config.subsequences,
+        config.partition,
+        cost,
+        config.length_multiple,
+        config.network.tensor_parallel,
+        config.microbatches,
+        config.stages_per_rank,
         whole=config.schedule not in SEQUENCE_SCHEDULES,
     )
 

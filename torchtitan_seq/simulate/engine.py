@@ -37,8 +37,9 @@ until its backward ends (B, or W where backward is split: W needs the inputs).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import SEND_B, SEND_F, _Action
@@ -48,7 +49,12 @@ from ..render import Interval, Timeline
 from ..schedules import PLACEMENTS, ActionLists, BidirectionalLayout
 from .build import SimConfig, build, compute_leaves, lower, send_after_compute
 from .costs import (
-    ChunkTimes, UnitTimes, model_args, seconds_per_time_unit, subsequence_lengths, unit_and_chunk_times,
+    ChunkTimes,
+    UnitTimes,
+    model_args,
+    seconds_per_time_unit,
+    subsequence_lengths,
+    unit_and_chunk_times,
 )
 from .network import Transfers
 
@@ -79,8 +85,7 @@ class Deadlock:
 
     def describe(self) -> str:
         where = "; ".join(
-            f"rank {s.rank} stuck at action {s.index} ({s.action}) waiting for {s.waits_for}"
-            for s in self.stuck
+            f"rank {s.rank} stuck at action {s.index} ({s.action}) waiting for {s.waits_for}" for s in self.stuck
         )
         return f"no rank can progress ({self.list_kind} lists): {where}"
 
@@ -121,8 +126,19 @@ class SimResult(Timeline):
 
 
 _SUMMARY = (
-    "schedule", "pp", "microbatches", "subsequences", "stages_per_rank", "split_backward", "cost", "lengths",
-    "bubble_ratio", "makespan", "peak_activations", "parameter_copies", "copies_synced",
+    "schedule",
+    "pp",
+    "microbatches",
+    "subsequences",
+    "stages_per_rank",
+    "split_backward",
+    "cost",
+    "lengths",
+    "bubble_ratio",
+    "makespan",
+    "peak_activations",
+    "parameter_copies",
+    "copies_synced",
 )
 
 Transfer = Callable[[int, int, int], float]
@@ -214,10 +230,12 @@ def _prepare(
 
     def step(i: int, leaf: _Action) -> _Step:
         # Lists, not generators, inside: the planner's shapes make hundreds of thousands of steps.
-        needs = tuple([
-            (tuple([ids.setdefault(o, len(ids)) for o in opts]), src, dst)
-            for opts, src, dst in _needs(leaf, stage_to_rank, chain_length)
-        ])
+        needs = tuple(
+            [
+                (tuple([ids.setdefault(o, len(ids)) for o in opts]), src, dst)
+                for opts, src, dst in _needs(leaf, stage_to_rank, chain_length)
+            ]
+        )
         return _Step(i, leaf, ids.setdefault(leaf[:3], len(ids)), leaf.is_compute_op, needs)
 
     # An OVERLAP_F_B runs its sub-actions in sequence, each waiting for its inputs.
@@ -372,9 +390,7 @@ def simulate_order(
 
     timeline, deadlock = _run(prepared, duration, transfer, k)
     copies_synced = (
-        _sync_copies(timeline, stage_to_rank, chain_length, parameter_copies, transfers)
-        if parameter_copies > 1
-        else []
+        _sync_copies(timeline, stage_to_rank, chain_length, parameter_copies, transfers) if parameter_copies > 1 else []
     )
 
     weights = [length / sum(lengths) * share for length in lengths]
@@ -413,8 +429,14 @@ def _check_placement(stage_to_rank: dict[int, int], placement: str, p: int, v: i
 
 
 def _stage_times(
-    order: ActionLists, stage_to_rank: dict[int, int], chain_length: int, share: float, times: UnitTimes,
-    chunk_times: ChunkTimes | None, schedule: str, cost: str,
+    order: ActionLists,
+    stage_to_rank: dict[int, int],
+    chain_length: int,
+    share: float,
+    times: UnitTimes,
+    chunk_times: ChunkTimes | None,
+    schedule: str,
+    cost: str,
 ) -> dict[int, dict[Any, tuple[float, ...] | None]]:
     """Per stage and pass kind, the time of each subsequence's unit: each stage's own chunk where
     ``chunk_times`` measured it on the stage's rank, else ``times`` (for a stage with 1/p of the
@@ -423,9 +445,7 @@ def _stage_times(
         kind: None if ts is None else tuple(t * share for t in ts)
         for kind, ts in ((F, times.F), (B, times.B), (I, times.I), (W, times.W))
     }
-    used = {
-        leaf.computation_type for acts in order.values() for a in acts if a for leaf in compute_leaves(a)
-    }
+    used = {leaf.computation_type for acts in order.values() for a in acts if a for leaf in compute_leaves(a)}
     missing = sorted(kind.value for kind in used if scaled[kind] is None)
     if missing:
         raise ValueError(f"{schedule} runs {missing} passes, but the cost {cost!r} has no times for them")

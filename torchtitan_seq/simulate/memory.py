@@ -15,8 +15,9 @@ Notation: D = ``dim``, H and Hkv query and K/V heads, hd = D / H, F = the MLP wi
 bytes of the compute dtype, b = microbatch size, L_j = tokens of unit j (the whole
 sequence for torch's schedules). A chunk is the part of the model a stage runs: torchtitan's
 ``generate_llm_fqn_per_model_part`` split (embeddings and norm + output weighted as one
-layer each; :func:`~torchtitan_seq.flavors.chunk_split` computes it without torchtitan), or, when that split has an empty chunk (more chunks than layers), an even
-real-valued share of the layers, embeddings on the first chunk and the output on the last.
+layer each; :func:`~torchtitan_seq.flavors.chunk_split` computes it without torchtitan), or, when
+that split has an empty chunk (more chunks than layers), an even real-valued share of the layers,
+embeddings on the first chunk and the output on the last.
 
 **Activations** (what autograd saves for backward, the figure
 :class:`torchtitan_seq.memory.ActivationMemory` measures). Per token and layer, as
@@ -73,11 +74,12 @@ unsharded compute copy that FSDP keeps through a pipeline step (torchtitan does 
 reshard after forward under PP; without PP a layer's copy is transient) or, without FSDP,
 a compute copy when its dtype differs; gradients in the reduce dtype, unsharded under PP
 (FSDP accumulates a step's microbatches unsharded and reduce-scatters after the last
-backward; both copies of a mirrored chunk get one), sharded without PP; optimizer states (``optimizer_states`` x ``optimizer_dtype``) sharded
-over ``dp_shard``, for chain A's copy only (:class:`~torchtitan_seq.schedules.MirroredCopies`
-drops the mirror's gradients before the step, so AdamW never makes its states). TP divides
-every matrix and the embeddings by t (norm weights stay whole). Gradients are counted
-whole at the activation peak, an upper bound (early in a step some are not allocated yet).
+backward; both copies of a mirrored chunk get one), sharded without PP; optimizer states
+(``optimizer_states`` x ``optimizer_dtype``) sharded over ``dp_shard``, for chain A's copy only
+(:class:`~torchtitan_seq.schedules.MirroredCopies` drops the mirror's gradients before the step,
+so AdamW never makes its states). TP divides every matrix and the embeddings by t (norm
+weights stay whole). Gradients are counted whole at the activation peak, an upper bound
+(early in a step some are not allocated yet).
 
 **Workspace** (an estimate, not measured): the largest transient of one pass on the rank,
 on top of what it holds: on a last stage the loss's logits in the compute dtype, their
@@ -118,8 +120,17 @@ from .network import chunk_parameters
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs
 
-__all__ = ["MemoryConfig", "RankMemory", "MemoryEstimate", "predict_memory", "gib", "DType", "DTYPE_BYTES", "ACMode",
-           "Device"]
+__all__ = [
+    "MemoryConfig",
+    "RankMemory",
+    "MemoryEstimate",
+    "predict_memory",
+    "gib",
+    "DType",
+    "DTYPE_BYTES",
+    "ACMode",
+    "Device",
+]
 
 DType = Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
 """The dtypes a config may name (torchtitan's names)."""
@@ -215,8 +226,14 @@ class MemoryConfig:
     def shape(self) -> JobShape:
         """The job's cut and microbatches, as the runtime derives them (:class:`~torchtitan_seq.shape.JobShape`)."""
         return JobShape.of_model(
-            self.model_args, self.seq_len, self.subsequences, self.partition, length_multiple=self.length_multiple,
-            tp=self.tp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank,
+            self.model_args,
+            self.seq_len,
+            self.subsequences,
+            self.partition,
+            length_multiple=self.length_multiple,
+            tp=self.tp,
+            microbatches=self.microbatches,
+            stages_per_rank=self.stages_per_rank,
             whole=self.schedule not in SEQUENCE_SCHEDULES,
         )
 
@@ -249,8 +266,13 @@ class RankMemory:
     @property
     def total(self) -> int:
         return (
-            self.parameters + self.gradients + self.optimizer + self.activations + self.kv_context
-            + self.workspace + self.buffers
+            self.parameters
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.kv_context
+            + self.workspace
+            + self.buffers
         )
 
     def gib(self) -> dict[str, float]:
@@ -276,9 +298,7 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
     tokens = [length * c.microbatch_size for length in lengths]
     is_sequence = c.schedule in SEQUENCE_SCHEDULES
 
-    weights = {
-        s: _stage_bytes(args, c, a, chunks[s % plan.chain_length], tokens, is_sequence) for s in plan.stages
-    }
+    weights = {s: _stage_bytes(args, c, a, chunks[s % plan.chain_length], tokens, is_sequence) for s in plan.stages}
     ranks = []
     for r, (act, combined) in enumerate(_walks(plan, weights, c.subsequences, c.microbatches)):
         ranks.append(
@@ -349,8 +369,10 @@ def _plan(schedule: str, p: int, n: int, k: int, v: int | None, split_backward: 
     """Compute-only lists of ``schedule`` for min(n, 2p + n mod p) microbatches, cached."""
     built_n = n if n <= 2 * p else 2 * p + n % p
     built = build(SimConfig(schedule, p, built_n, k, stages_per_rank=v, split_backward=split_backward))
-    order = {r: tuple(leaf for act in acts if act is not None for leaf in compute_leaves(act))
-             for r, acts in built.order.items()}
+    order = {
+        r: tuple(leaf for act in acts if act is not None for leaf in compute_leaves(act))
+        for r, acts in built.order.items()
+    }
     num_stages = p * built.stages_per_rank
     return _Plan(order, num_stages // built.parameter_copies, built.parameter_copies, built_n)
 
@@ -370,8 +392,14 @@ class _StageBytes(NamedTuple):
     """Saved once while any unit of the stage is (the RoPE table)."""
 
 
-def _stage_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tuple[float, bool, bool],
-                 tokens: list[int], is_sequence: bool) -> _StageBytes:
+def _stage_bytes(
+    args: TransformerModelArgs,
+    c: MemoryConfig,
+    a: int,
+    chunk: tuple[float, bool, bool],
+    tokens: list[int],
+    is_sequence: bool,
+) -> _StageBytes:
     """What units of ``tokens`` tokens weigh on a stage running ``chunk``."""
     layers, first, last = chunk
     per_token = _saved_per_token(args, c, a, layers, first, last, is_sequence)
@@ -386,7 +414,10 @@ def _stage_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tup
     saved_kv = kv * (1 - recomputed)  # in the per-token bytes: where the slab holds them, its views
     return _StageBytes(
         [n * (per_token - saved_kv) for n in tokens[:-1]] + [tokens[-1] * per_token],
-        slab * (1 - recomputed), slab * recomputed, slab, table,
+        slab * (1 - recomputed),
+        slab * recomputed,
+        slab,
+        table,
     )
 
 
@@ -520,8 +551,9 @@ def _norm_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int) -> float:
     return (a * d / t if c.device == "cuda" else 8 * d / t) + 4 / t
 
 
-def _saved_per_token(args: TransformerModelArgs, c: MemoryConfig, a: int, layers: float, first: bool,
-                     last: bool, unit: bool) -> float:
+def _saved_per_token(
+    args: TransformerModelArgs, c: MemoryConfig, a: int, layers: float, first: bool, last: bool, unit: bool
+) -> float:
     """Saved bytes per token of a unit on a chunk of ``layers`` layers (see the module docstring)."""
     mode = c.activation_checkpoint
     if mode == "none":
@@ -572,8 +604,9 @@ def _state_bytes(args: TransformerModelArgs, c: MemoryConfig, plan: _Plan, chunk
     }
 
 
-def _workspace(args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int,
-               longest: int, unit: bool) -> float:
+def _workspace(
+    args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int, longest: int, unit: bool
+) -> float:
     d, t, f, kv = args.dim, c.tp, ffn_hidden_dim(args), _kv_width(args)
     largest = 0.0
     for s in plan.stages_of(rank):
@@ -587,8 +620,9 @@ def _workspace(args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan,
     return largest * longest
 
 
-def _buffers(args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int,
-             lengths: list[int]) -> float:
+def _buffers(
+    args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int, lengths: list[int]
+) -> float:
     scale = c.microbatches / plan.built_microbatches
     e = plan.events_of(rank, len(lengths))
     total = 0.0

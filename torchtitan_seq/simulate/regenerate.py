@@ -17,10 +17,7 @@ def standard_configs() -> list[SimConfig]:
     at p=4, N=8 (k=4 for sequence schedules), plus Seq1F1B at N=4 and plain
     Chimera (k=1)."""
     seq = [SimConfig(name, pp=4, microbatches=8, subsequences=4) for name in SEQUENCE_SCHEDULES]
-    torch_ = [
-        SimConfig(name, pp=4, microbatches=8)
-        for name in ("1F1B", "Interleaved1F1B", "GPipe", "ZBVZeroBubble")
-    ]
+    torch_ = [SimConfig(name, pp=4, microbatches=8) for name in ("1F1B", "Interleaved1F1B", "GPipe", "ZBVZeroBubble")]
     extra = [SimConfig("Seq1F1B", pp=4, microbatches=4, subsequences=4), SimConfig("Chimera", pp=4, microbatches=8)]
     return seq + torch_ + extra
 

@@ -37,7 +37,10 @@ class SeqAttention(Attention):
         self.inner_attention = SequenceAttention(layer_id)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_masks: torch.Tensor | None,
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        attention_masks: torch.Tensor | None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: (B, L, dim); attention_masks: None (causal) or (B, L) document ids. Returns (B, L, dim)."""
@@ -46,8 +49,11 @@ class SeqAttention(Attention):
         xq, xk, xv = [w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv)]
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis, positions=positions)
         out = self.inner_attention(
-            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
-            enable_gqa=self.enable_gqa, documents=attention_masks,
+            xq.transpose(1, 2),
+            xk.transpose(1, 2),
+            xv.transpose(1, 2),
+            enable_gqa=self.enable_gqa,
+            documents=attention_masks,
         )  # (B, H, L, D)
         return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
