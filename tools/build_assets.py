@@ -290,12 +290,7 @@ def build_packed(train: list[str], validation: list[str], tokenizer: Tokenizer) 
     packed = {}
     for name, docs, chars, seed in (
         ("packed.jsonl.gz", train, PACKED_TRAIN_CHARS, PACKED_SEED),
-        (
-            "packed_validation.jsonl.gz",
-            validation,
-            PACKED_VALIDATION_CHARS,
-            PACKED_SEED + 1,
-        ),
+        ("packed_validation.jsonl.gz", validation, PACKED_VALIDATION_CHARS, PACKED_SEED + 1),
     ):
         packed[name] = spread_subset(cut_short_documents(docs, tokenizer, random.Random(seed)), chars)
     return packed

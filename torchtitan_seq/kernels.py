@@ -160,6 +160,10 @@ class CudnnSdpaKernel:
         return dq, _reduce(dk, n_rep), _reduce(dv, n_rep)
 
 
+_FLASH_ATTN_PLAIN = dict(dropout_p=0.0, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None)
+"""flash-attn's options for plain attention: no dropout, no sliding window, softcap or ALiBi."""
+
+
 class FlashAttnKernel:
     """flash-attn 2 (CUDA). Its layout is (B, L, H, D); GQA is native; causal masks align at
     the bottom right when Lq < Lk (flash-attn >= 2.1)."""
@@ -174,14 +178,10 @@ class FlashAttnKernel:
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
             return_softmax=False,
+            **_FLASH_ATTN_PLAIN,
         )
         return out.transpose(1, 2), lse.float()
 
@@ -200,15 +200,11 @@ class FlashAttnKernel:
             dq,
             dk,
             dv,
-            dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
             deterministic=False,
             rng_state=None,
+            **_FLASH_ATTN_PLAIN,
         )
         return t(dq), t(dk), t(dv)
 

@@ -488,20 +488,26 @@ def _measure(c: _Candidate, job: Job, cluster: Cluster, costs: _Costs, args, pea
     n = job.local_batch_size
     step = _simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs)
     seconds = step.seconds + n * _tp_seconds(args, job.seq_len, c.pp, c.tp, _RECOMPUTE[c.ac], cluster)
+    return _plan_of(c, job, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits)
+
+
+def _plan_of(c: _Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubble_ratio: float, fits: bool) -> Plan:
+    """The plan of candidate ``c`` with what the models predict for it."""
+    choice = c.choice
     return Plan(
-        c.choice.schedule,
+        choice.schedule,
         c.pp,
         c.tp,
         c.dp,
-        c.choice.num_subsequences,
-        c.choice.partition,
-        c.choice.stages_per_rank,
+        choice.num_subsequences,
+        choice.partition,
+        choice.stages_per_rank,
         c.ac,
-        c.dp * n * job.seq_len / seconds,
+        tokens_per_s,
         peak_gib,
-        step.bubble_ratio,
+        bubble_ratio,
         fits,
-        tuple(job.shape(c.choice, c.tp).lengths),
+        tuple(job.shape(choice, c.tp).lengths),
         job.length_multiple,
     )
 
@@ -626,29 +632,7 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
             f"({c.choice.schedule}, pp {c.pp}, tp {c.tp}, k {c.choice.num_subsequences}, activation "
             f"checkpointing {c.ac}) needs {need:.1f} GiB per GPU"
         )
-    over = (
-        [
-            Plan(
-                c.choice.schedule,
-                c.pp,
-                c.tp,
-                c.dp,
-                c.choice.num_subsequences,
-                c.choice.partition,
-                c.choice.stages_per_rank,
-                c.ac,
-                math.nan,
-                need,
-                math.nan,
-                False,
-                tuple(job.shape(c.choice, c.tp).lengths),
-                job.length_multiple,
-            )
-            for need, c in closest
-        ]
-        if len(fitting) < top
-        else []
-    )
+    over = [_plan_of(c, job, math.nan, need, math.nan, False) for need, c in closest] if len(fitting) < top else []
     return fitting[:top] + over
 
 

@@ -28,9 +28,7 @@ PP2 = [
 # The job check refuses compile with split backward (a compiled block is one autograd
 # node: the weight pass would replay it) and with tensor parallelism in a pipeline
 # (torch 2.13 fails that backward, torch's 1F1B alike).
-PP2_FSDP = [
-    Variant("fsdp2-k4-compute", k=4, partition="compute", dp_shard=2, **C),
-]
+PP2_FSDP = [Variant("fsdp2-k4-compute", k=4, partition="compute", dp_shard=2, **C)]
 MUTATED = [
     Variant("prefix_dk_dropped", k=4, partition="compute", compile="inductor", mutation="prefix_dk_dropped"),
     Variant(

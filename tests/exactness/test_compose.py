@@ -33,11 +33,7 @@ def test_activation_checkpointing_is_exact(ac_results):
         assert_exact(r, n_losses=2)
 
 
-@pytest.mark.parametrize(
-    "dp_shard,tp",
-    [(2, 1), (1, 2), (2, 2)],
-    ids=["pp2-fsdp2", "pp2-tp2", "pp2-fsdp2-tp2"],
-)
+@pytest.mark.parametrize("dp_shard,tp", [(2, 1), (1, 2), (2, 2)], ids=["pp2-fsdp2", "pp2-tp2", "pp2-fsdp2-tp2"])
 def test_fsdp_and_tp_are_exact(dp_shard, tp, tmp_path):
     variants = [
         Variant(

@@ -35,9 +35,7 @@ TWO_RANKS = [
     Variant("across_documents", k=4, documents=True, mutation="across_documents"),
     Variant("slab_offset", k=4, partition="compute", mutation="slab_offset"),
 ]
-FOUR_RANKS = [
-    Variant("tp_wrong_shard", k=4, tp=2, seq_len=64, mutation="tp_wrong_shard"),
-]
+FOUR_RANKS = [Variant("tp_wrong_shard", k=4, tp=2, seq_len=64, mutation="tp_wrong_shard")]
 
 
 @pytest.fixture(scope="module")

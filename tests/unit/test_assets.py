@@ -76,9 +76,7 @@ def test_first_sequence_comes_from_one_document(name: str, tokenizer: HuggingFac
 
 
 @pytest.mark.usefixtures("offline")
-def test_packed_corpus_has_many_short_documents(
-    tokenizer: HuggingFaceTokenizer,
-) -> None:
+def test_packed_corpus_has_many_short_documents(tokenizer: HuggingFaceTokenizer) -> None:
     config = dataset_config(PACKED_DATASET_NAME)
     texts = [config.sample_processor(sample) for sample in config.loader(config.path)]
     assert len(texts) >= 1000

@@ -29,13 +29,7 @@ from torch.distributed.pipelining.schedules import _Action
 from torch.utils._pytree import tree_map_only
 
 from torchtitan_seq import cpu_compat
-from torchtitan_seq.kernels import (
-    CpuSdpaKernel,
-    CudaSdpaKernel,
-    CudnnSdpaKernel,
-    FlashAttnKernel,
-    select_kernel,
-)
+from torchtitan_seq.kernels import CpuSdpaKernel, CudaSdpaKernel, CudnnSdpaKernel, FlashAttnKernel, select_kernel
 from torchtitan_seq.ordering import B
 from torchtitan_seq.ordering import F as FWD
 from torchtitan_seq.render import busy_and_end

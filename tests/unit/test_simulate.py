@@ -8,11 +8,7 @@ from pathlib import Path
 
 import pytest
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-from torch.distributed.pipelining.schedules import (
-    _Action,
-    _PipelineScheduleRuntime,
-    get_schedule_class,
-)
+from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime, get_schedule_class
 
 from torchtitan_seq import simulate as sim
 from torchtitan_seq.ordering import B, F, ScheduleOrderError, validate_unit_order

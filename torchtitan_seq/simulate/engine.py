@@ -48,14 +48,7 @@ from ..ordering import B, F, I, W, fed_by
 from ..render import Interval, Timeline
 from ..schedules import PLACEMENTS, ActionLists, BidirectionalLayout
 from .build import SimConfig, build, compute_leaves, lower, send_after_compute
-from .costs import (
-    ChunkTimes,
-    UnitTimes,
-    model_args,
-    seconds_per_time_unit,
-    subsequence_lengths,
-    unit_and_chunk_times,
-)
+from .costs import ChunkTimes, UnitTimes, model_args, seconds_per_time_unit, subsequence_lengths, unit_and_chunk_times
 from .network import Transfers
 
 __all__ = ["StuckRank", "Deadlock", "SimResult", "simulate", "simulate_order"]
