@@ -98,23 +98,13 @@ class CudaSdpaKernel:
         n_rep = q.shape[1] // k.shape[1]
         # None, as the forward returns them: defined sequence offsets select the varlen
         # kernel, and without dropout the RNG state is never read.
+        # Positional as the aten schema lists them, a few to a line (not one argument per line).
+        # fmt: off
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout,
-            q,
-            _expand(k, n_rep),
-            _expand(v, n_rep),
-            out,
-            lse,
-            None,
-            None,
-            q.shape[2],
-            k.shape[2],
-            0.0,
-            causal,
-            None,
-            None,
-            scale=scale,
+            dout, q, _expand(k, n_rep), _expand(v, n_rep), out, lse,
+            None, None, q.shape[2], k.shape[2], 0.0, causal, None, None, scale=scale,
         )
+        # fmt: on
         return dq, _reduce(dk, n_rep), _reduce(dv, n_rep)
 
 
@@ -139,24 +129,12 @@ class CudnnSdpaKernel:
         n_rep = q.shape[1] // k.shape[1]
         # Without dropout the RNG state is not read; no sequence offsets: not the varlen kernel.
         rng = torch.zeros((), dtype=torch.int64, device=q.device)
+        # fmt: off
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout,
-            q,
-            _expand(k, n_rep),
-            _expand(v, n_rep),
-            out.contiguous(),
-            lse.unsqueeze(-1).contiguous(),
-            rng,
-            rng,
-            None,
-            None,
-            None,
-            q.shape[2],
-            k.shape[2],
-            0.0,
-            causal,
-            scale=scale,
+            dout, q, _expand(k, n_rep), _expand(v, n_rep), out.contiguous(), lse.unsqueeze(-1).contiguous(),
+            rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
         )
+        # fmt: on
         return dq, _reduce(dk, n_rep), _reduce(dv, n_rep)
 
 
