@@ -48,6 +48,13 @@ class JobShape:
     whole: bool = False
     """True for torch's schedules: they run each sequence as one unit, uncut."""
 
+    def __post_init__(self) -> None:
+        # lcm() would take a negative multiple for its absolute value and 0 for "no cut" silently.
+        if self.length_multiple < 1:
+            raise ValueError(
+                f"sequence_pipeline.length_multiple = {self.length_multiple}: it must be at least 1 (1: any length)"
+            )
+
     @classmethod
     def of_model(
         cls,

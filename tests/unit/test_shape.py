@@ -50,3 +50,9 @@ def test_it_imports_neither_torch_nor_torchtitan():
     code = "import sys, torchtitan_seq.shape; print(sorted(m for m in sys.modules if m.startswith('torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['torchtitan_seq', 'torchtitan_seq.partition', 'torchtitan_seq.shape']"
+
+
+@pytest.mark.parametrize("multiple", [0, -4])
+def test_a_length_multiple_below_one_is_refused_by_name(multiple):
+    with pytest.raises(ValueError, match=r"sequence_pipeline.length_multiple = -?\d+: it must be at least 1"):
+        JobShape(256, 4, "even", length_multiple=multiple)
