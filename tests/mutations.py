@@ -155,14 +155,14 @@ def _tp_wrong_shard(ctx: MutationContext) -> list:
     write = KVSlab.write
     group = ctx.tp_group
 
-    def neighbours(self, offset, k, v, capacity=0):
+    def neighbours(self, offset, k, v):
         size, me = dist.get_world_size(group), dist.get_rank(group)
         shards = []
         for t in (k.detach().contiguous(), v.detach().contiguous()):
             gathered = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(gathered, t, group=group)
             shards.append(gathered[(me + 1) % size])
-        write(self, offset, *shards, capacity)
+        write(self, offset, *shards)
 
     return [mock.patch.object(KVSlab, "write", neighbours)]
 
@@ -174,10 +174,10 @@ def _slab_offset(ctx: MutationContext) -> list:
 
     write = KVSlab.write
 
-    def one_early(self, offset, k, v, capacity=0):
-        write(self, max(offset - 1, 0), k, v, capacity)
+    def one_early(self, offset, k, v):
+        write(self, max(offset - 1, 0), k, v)
         if offset:
-            write(self, offset + k.shape[2] - 1, k[:, :, -1:], v[:, :, -1:], capacity)
+            write(self, offset + k.shape[2] - 1, k[:, :, -1:], v[:, :, -1:])
 
     return [mock.patch.object(KVSlab, "write", one_early)]
 

@@ -23,12 +23,17 @@ units' backwards has ended on the stage (its first unit's, in the order that is 
 attention of a unit whose K/V are in the slab saves views of the slab for its backward (not
 K/V of its own), so the slab is the one copy of K/V, counted once by
 :class:`~torchtitan_seq.memory.ActivationMemory`.
-A slab is allocated whole by the first unit, so until the later units have run it holds
-room for their K/V (the cost of reading the prefix as one view). :meth:`KVContext.clear`
-ends a step.
+A slab lies in an *arena*, placed whole by the first unit: told the order of its stage's passes
+(:meth:`KVContext.expect`), the context shares each arena between a microbatch in backward, which
+frees positions from its slab's end, and the next in forward, which fills its own from the
+start, the two growing toward each other (:mod:`torchtitan_seq.kv_placement`), so the arenas hold
+about the K/V of the units in flight rather than room for whole microbatches; a write into
+positions the other microbatch still reads is refused. :meth:`KVContext.clear` ends a step.
 
 Packed documents (:attr:`KVContext.documents`): a unit reads only the keys of the document
-continuing into it; the K/V of documents that ended stay in the slab until it goes.
+continuing into it, a range of positions that a slab holds as one view only in ascending order,
+so under documents (and with kernels that read prefix and own keys in one causal call) arenas
+hold one slab at a time; the K/V of documents that ended stay in the slab until it goes.
 
 Phases (:class:`Phase`): the stage announces each unit it runs, forward with
 :meth:`KVContext.running`, backward with :meth:`KVContext.backward`, and the attention op asks
@@ -43,14 +48,17 @@ the whole sequence it is given (torch's shape inference runs a stage so).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from .documents import Documents
+from .kv_placement import ArenaPlan, Pass, SlabPlacement, plan_arenas
 
 __all__ = ["Unit", "Phase", "KVSlab", "KVContext"]
 
@@ -81,33 +89,54 @@ class Phase(enum.Enum):
 class KVSlab:
     """K/V of one microbatch in one layer, and the gradient later units send earlier positions.
 
-    ``k`` and ``v``: (batch, kv_heads, capacity, head_dim), allocated by the first write,
-    positions [0, ``filled``) written so far (units 0..j in order); ``grad_k`` and ``grad_v``:
-    dL/dK and dL/dV of positions [0, n) sent by later units' backward, None until the first is
-    sent.
+    ``k`` and ``v``: (batch, kv_heads, size, head_dim) views of a range of an arena
+    (:mod:`torchtitan_seq.kv_placement`), positions [0, ``filled``) written so far (units 0..j in
+    order). Ascending, position p lies at p; ``descending``, the units lie in reverse order from
+    the range's end, each unit's keys ascending (``offsets``: the units' first positions and the
+    sequence's end), so a unit's keys and a whole prefix [0, s) are each one range, the prefix's
+    units reversed. ``grad_k`` and ``grad_v``: dL/dK and dL/dV of the positions later units read,
+    laid out alike, sent by their backward; None until the first is sent.
     """
 
-    __slots__ = ("k", "v", "filled", "grad_k", "grad_v")
+    __slots__ = ("k", "v", "offsets", "descending", "filled", "grad_k", "grad_v")
 
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, offsets: list[int], descending: bool = False) -> None:
+        self.k, self.v = k, v
+        self.offsets = offsets
+        self.descending = descending
         self.filled = 0
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
 
-    def write(self, offset: int, k: torch.Tensor, v: torch.Tensor, capacity: int = 0) -> None:
-        """Write a unit's K/V (B, Hkv, L, D) at positions [offset, offset + L), into a slab of
-        ``capacity`` positions where this write allocates it."""
+    def _unit_of(self, position: int) -> int:
+        return bisect.bisect_right(self.offsets, position) - 1
+
+    def _span(self, start: int, stop: int) -> slice:
+        """Where the keys of positions [start, stop) lie: one unit's part, or (descending) a whole
+        prefix [0, s), its units reversed."""
+        if not self.descending:
+            return slice(start, stop)
+        size = self.k.shape[2]
+        if start == 0 and stop in self.offsets:
+            return slice(size - stop, size)
+        j = self._unit_of(start)
+        if stop > self.offsets[j + 1]:
+            raise ValueError(f"positions [{start}, {stop}) of a descending slab are not one range")
+        base = size - self.offsets[j + 1] - self.offsets[j]
+        return slice(base + start, base + stop)
+
+    def write(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V (B, Hkv, L, D) of positions [offset, offset + L), unit by unit where they lie."""
         stop = offset + k.shape[2]
-        if self.k is None or stop > self.k.shape[2]:  # a context told no lengths grows (copies the prefix)
-            b, h, _, d = k.shape
-            grown = [k.new_empty(b, h, max(capacity, stop), d) for _ in range(2)]
-            if self.k is not None:
-                grown[0][:, :, : self.filled], grown[1][:, :, : self.filled] = self.keys(0, self.filled)
+        if stop > self.k.shape[2]:  # a context told no lengths grows the slab (copies the prefix)
+            grown = [t.new_empty(*t.shape[:2], stop, t.shape[3]) for t in (self.k, self.v)]
+            grown[0][:, :, : self.filled], grown[1][:, :, : self.filled] = self.keys(0, self.filled)
             self.k, self.v = grown
-        self.k[:, :, offset:stop] = k.detach()
-        self.v[:, :, offset:stop] = v.detach()
+        cuts = [offset] + [o for o in self.offsets if offset < o < stop] + [stop]
+        for a, b in zip(cuts, cuts[1:]):
+            where = self._span(a, b)
+            self.k[:, :, where] = k[:, :, a - offset : b - offset].detach()
+            self.v[:, :, where] = v[:, :, a - offset : b - offset].detach()
         self.filled = stop
 
     def holds(self, stop: int) -> bool:
@@ -115,29 +144,28 @@ class KVSlab:
         return self.filled >= stop
 
     def keys(self, start: int, stop: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [start, stop) of batch rows ``rows``, views."""
-        return self.k[rows, :, start:stop], self.v[rows, :, start:stop]
+        """K and V of positions [start, stop) of batch rows ``rows``, views (a descending slab's
+        whole prefix in its own order)."""
+        where = self._span(start, stop)
+        return self.k[rows, :, where], self.v[rows, :, where]
 
     def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, rows: slice, start: int) -> None:
         """Add the gradient a later unit's attention sends the keys [start, start + n) of batch
-        rows ``rows`` (grad_k, grad_v: (rows, Hkv, n, D)), in place."""
-        stop = start + grad_k.shape[2]
-        if self.grad_k is None or self.grad_k.shape[2] < stop:
-            # Once per microbatch and layer when backwards run last unit first (the first sends most).
-            old = self.grad_k.shape[2] if self.grad_k is not None else 0
-            grad_k_new, grad_v_new = (self.k.new_zeros(*self.k.shape[:2], stop, self.k.shape[3]) for _ in range(2))
-            if old:
-                grad_k_new[:, :, :old], grad_v_new[:, :, :old] = self.grad_k, self.grad_v
-            self.grad_k, self.grad_v = grad_k_new, grad_v_new
-        self.grad_k[rows, :, start:stop] += grad_k
-        self.grad_v[rows, :, start:stop] += grad_v
+        rows ``rows`` (grad_k, grad_v: (rows, Hkv, n, D), laid out as :meth:`keys` gave them), in place."""
+        if self.grad_k is None:  # once per microbatch and layer: every position a later unit reads
+            readable = self.k.shape[2] if self.descending else self.filled
+            self.grad_k, self.grad_v = (t.new_zeros(*t.shape[:2], readable, t.shape[3]) for t in (self.k, self.v))
+        where = self._span(start, start + grad_k.shape[2])
+        self.grad_k[rows, :, where] += grad_k
+        self.grad_v[rows, :, where] += grad_v
 
     def take(self, offset: int, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """What later units sent positions [offset, offset + length), views; ``(None, None)`` if nothing."""
-        if self.grad_k is None or self.grad_k.shape[2] <= offset:
+        readable = self.grad_k.shape[2] if self.grad_k is not None else 0
+        if readable <= offset:
             return None, None
-        stop = min(offset + length, self.grad_k.shape[2])
-        return self.grad_k[:, :, offset:stop], self.grad_v[:, :, offset:stop]
+        where = self._span(offset, min(offset + length, readable))
+        return self.grad_k[:, :, where], self.grad_v[:, :, where]
 
 
 class KVContext:
@@ -145,7 +173,10 @@ class KVContext:
     the chunk's attention layers and announces each unit it runs, forward (:meth:`running`) or
     backward (:meth:`backward`); outside a unit the layers compute plain full-sequence causal
     attention. ``lengths``: the units' lengths [L_0, ..., L_{k-1}] of every microbatch, which size
-    the slabs; without them a slab grows, a copy of its prefix, as units reach past its end."""
+    the slabs; without them a slab grows, a copy of its prefix, as units reach past its end. Told
+    the order of the stage's passes (:meth:`expect`), the context places the slabs in arenas
+    shared by microbatches (:func:`~torchtitan_seq.kv_placement.plan_arenas`); otherwise each
+    microbatch's slab is an arena of its own."""
 
     def __init__(self, lengths: list[int] | None = None) -> None:
         self.lengths = lengths
@@ -156,6 +187,17 @@ class KVContext:
         self._backward = False  # whether ``unit`` runs backward
         self._slabs: dict[int, dict[int, KVSlab]] = {}  # microbatch -> layer id -> slab
         self._backwards: dict[int, int] = {}  # microbatch -> units whose backward has ended
+        self._live: dict[int, set[int]] = {}  # microbatch -> units run forward whose backward has not ended
+        self._passes: list[Pass] | None = None
+        self._plans: dict[bool, ArenaPlan] = {}  # alternate -> the placement of every microbatch
+        self._placed: dict[int, tuple[int, SlabPlacement]] = {}  # microbatch -> (arena capacity, placement)
+        self._arenas: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer id, arena) -> K, V
+
+    def expect(self, passes: list[Pass]) -> None:
+        """The order in which the stage runs its units' passes each step (see
+        :data:`~torchtitan_seq.kv_placement.Pass`); the arenas are planned from it."""
+        self._passes = list(passes)
+        self._plans.clear()
 
     def phase(self, *, forward: bool) -> Phase | None:
         """The phase of an attention op's call now, ``forward`` for the op's forward, else for its
@@ -196,10 +238,22 @@ class KVContext:
                 yield
             finally:
                 if last_pass:
-                    done = self._backwards[unit.microbatch] = self._backwards.get(unit.microbatch, 0) + 1
-                    if done == unit.num_subsequences:  # the microbatch's last backward on the stage
-                        self._slabs.pop(unit.microbatch, None)
-                        del self._backwards[unit.microbatch]
+                    self._end(unit)
+
+    def _end(self, unit: Unit) -> None:
+        """The backward of ``unit`` has ended: its positions are free, and with the microbatch's last
+        backward on the stage its slabs go (and their arena, if no later microbatch uses it)."""
+        m = unit.microbatch
+        self._live.get(m, set()).discard(unit.index)
+        done = self._backwards[m] = self._backwards.get(m, 0) + 1
+        if done < unit.num_subsequences:
+            return
+        self._slabs.pop(m, None)
+        del self._backwards[m]
+        self._live.pop(m, None)
+        if (placed := self._placed.pop(m, None)) is not None and placed[1].last:
+            for key in [key for key in self._arenas if key[1] == placed[1].arena]:
+                del self._arenas[key]
 
     def recorded(self, layer_id: int) -> KVSlab:
         """The slab that ``layer_id`` wrote in the forward of the unit in backward (phases RECOMPUTE
@@ -217,14 +271,15 @@ class KVContext:
         slab = self._slabs[unit.microbatch][layer_id] if unit is not None else None
         if slab is None or not slab.holds(unit.offset + unit.length):
             return None
-        # Aliases with a version counter of their own: later units write other positions of the
-        # slab, which autograd would otherwise take for a change of what the unit saved.
+        # Aliases with a version counter of their own: later units (and other microbatches in the
+        # arena) write other positions, which autograd would otherwise take for a change of what the
+        # unit saved.
         return tuple(t.data for t in slab.keys(unit.offset, unit.offset + unit.length))
 
     def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False) -> KVSlab:
         """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
         unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
-        kernel reads them apart from the prefix). The first unit allocates the slab: room for the
+        kernel reads them apart from the prefix). The first unit places the slab: room for the
         keys later units read, the last unit's too if ``with_own``. Returns the slab."""
         unit = self.unit
         if unit is None or self._backward:
@@ -237,23 +292,72 @@ class KVContext:
                 f"ran forward after {slab.filled if slab is not None else 0} positions; forwards must run in "
                 "subsequence order, each once"
             )
+        self._live.setdefault(unit.microbatch, set()).add(unit.index)
         if slab is None:
-            slab = layers[layer_id] = KVSlab()
+            slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, with_own)
         if not unit.is_last or with_own:
-            capacity = sum(self.lengths[: None if with_own else -1]) if self.lengths else 0
-            slab.write(unit.offset, k, v, capacity)
+            self._check_room(unit, slab)
+            slab.write(unit.offset, k, v)
         return slab
+
+    def _place(self, layer_id: int, m: int, k: torch.Tensor, with_own: bool) -> KVSlab:
+        """Microbatch ``m``'s slab for ``layer_id``, in the arena its plan names (allocated by its
+        first slab), or in one of its own."""
+        b, h, _, d = k.shape
+        if self.lengths is None:  # nothing to plan with: a slab of its own that grows
+            return KVSlab(k.new_empty(b, h, 0, d), k.new_empty(b, h, 0, d), [])
+        offsets = [0, *itertools.accumulate(self.lengths)]
+        size = offsets[-1 if with_own else -2]
+        if m not in self._placed:
+            alternate = self.documents is None and not with_own  # see kv_placement: unmasked prefix reads only
+            plan = self._plan(alternate, size)
+            solo = (size, SlabPlacement(-1 - m, descending=False, last=True))
+            self._placed[m] = (plan.capacity, plan.slabs[m]) if m in plan.slabs else solo
+        capacity, placed = self._placed[m]
+        key = (layer_id, placed.arena)
+        if key not in self._arenas:
+            self._arenas[key] = (k.new_empty(b, h, capacity, d), k.new_empty(b, h, capacity, d))
+        region = slice(capacity - size, capacity) if placed.descending else slice(0, size)
+        arena_k, arena_v = self._arenas[key]
+        return KVSlab(arena_k[:, :, region], arena_v[:, :, region], offsets, placed.descending)
+
+    def _plan(self, alternate: bool, size: int) -> ArenaPlan:
+        if alternate not in self._plans:
+            self._plans[alternate] = plan_arenas(self._passes or [], self.lengths, size, alternate)
+        return self._plans[alternate]
+
+    def _check_room(self, unit: Unit, slab: KVSlab) -> None:
+        """Refuse a write into positions of the arena that the microbatch at its other end still uses
+        (the stage ran its units in an order other than the one it announced)."""
+        capacity, placed = self._placed.get(unit.microbatch, (0, None))
+        if placed is None or placed.arena < 0:
+            return
+        for m, (_, other) in self._placed.items():
+            if m == unit.microbatch or other.arena != placed.arena or other.descending == placed.descending:
+                continue
+            live = self._live.get(m)
+            theirs = min(slab.offsets[max(live) + 1], slab.k.shape[2]) if live else 0
+            if slab.offsets[unit.index + 1] + theirs > capacity:
+                raise RuntimeError(
+                    f"K/V arena {placed.arena}: subsequence {unit.index} of microbatch {unit.microbatch} would "
+                    f"overwrite keys microbatch {m} still reads; the stage ran its units in an order other "
+                    "than the one given to KVContext.expect"
+                )
 
     def clear(self) -> None:
         """Forget every microbatch (end of step)."""
         self.unit, self._backward = None, False
         self._slabs.clear()
         self._backwards.clear()
+        self._live.clear()
+        self._placed.clear()
+        self._arenas.clear()
 
     def held_storages(self) -> dict[int, int]:
-        """The storages of the K/V the context keeps alive (its slabs): data_ptr -> bytes."""
-        tensors = [t for layers in self._slabs.values() for s in layers.values() for t in (s.k, s.v) if t is not None]
-        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        """The storages of the K/V the context keeps alive (its arenas and slabs): data_ptr -> bytes."""
+        slabs = [t for layers in self._slabs.values() for s in layers.values() for t in (s.k, s.v)]
+        arenas = [t for pair in self._arenas.values() for t in pair]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in slabs + arenas}
 
     def held_bytes(self) -> int:
         """Bytes of K/V the context keeps alive, each storage once."""

@@ -17,7 +17,20 @@ from __future__ import annotations
 from torch.distributed.pipelining.schedules import FULL_BACKWARD as B
 from torch.distributed.pipelining.schedules import F, I, W, _Action, _ComputationType
 
-__all__ = ["B", "F", "I", "W", "ScheduleOrderError", "validate_unit_order", "chain_neighbour", "feeds", "fed_by"]
+from .kv_placement import Pass
+
+__all__ = [
+    "B",
+    "F",
+    "I",
+    "W",
+    "ScheduleOrderError",
+    "validate_unit_order",
+    "stage_passes",
+    "chain_neighbour",
+    "feeds",
+    "fed_by",
+]
 
 
 class ScheduleOrderError(ValueError):
@@ -54,6 +67,21 @@ def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences
             # The action is named only when a rule is broken: formatting it costs more than checking it.
             where = f"rank {rank} step {t}: {a} (microbatch {m}, subsequence {j}) on stage {stage}"
             raise ScheduleOrderError(broken.format(where))
+
+
+def stage_passes(actions: list[_Action | None] | tuple, stage: int, k: int) -> tuple[list[int], list[Pass]]:
+    """The passes of ``stage`` among a rank's compute ``actions`` in order, as the KV context places
+    slabs by them (:data:`~torchtitan_seq.kv_placement.Pass`): each unit's forward, and the pass its
+    backward ends with, B or W (the first stage's W runs the whole backward where torch defers it).
+    Returns each pass's position in ``actions`` and the passes."""
+    where: list[int] = []
+    passes: list[Pass] = []
+    for i, action in enumerate(actions):
+        for a in (action.sub_actions or (action,)) if action is not None else ():
+            if a.stage_index == stage and a.computation_type in (F, B, W):
+                where.append(i)
+                passes.append((a.computation_type == F, *divmod(a.microbatch_index, k)))
+    return where, passes
 
 
 # Stages form chains of ``chain_length`` consecutive indices (one chain of all stages, or BSIPipe's and

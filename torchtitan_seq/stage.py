@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map_only
 from .attention import bind_kv_context
 from .kernels import AttentionKernel, select_kernel
 from .kv_context import KVContext, Unit
-from .ordering import B, F, I, W
+from .ordering import B, F, I, W, stage_passes
 from .timeline import RECORDER
 
 __all__ = ["SequencePipelineStage"]
@@ -90,6 +90,10 @@ class SequencePipelineStage(PipelineStage):
     # torch 2.13 asks no stage for these.
     def _get_init_p2p_neighbors_ops(self) -> list:
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    def expect(self, actions: list) -> None:
+        """Tell the KV context the order of this stage's passes among its rank's compute ``actions``."""
+        self.kv_context.expect(stage_passes(actions, self.stage_index, len(self.lengths))[1])
 
     def unit(self, unit_id: int) -> Unit:
         """The (microbatch, subsequence) unit behind torch's microbatch index."""

@@ -97,7 +97,7 @@ def test_wrong_models_miss(monkeypatch):
         patch.setattr(mm, "_saved_per_token", no_log_softmax)
         assert _worst("none") > TOLERANCE
 
-    def one_microbatch(plan, weights, k, n):
+    def one_microbatch(plan, weights, lengths, n):
         return [(max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0) for rank in sorted(plan.order)]
 
     with monkeypatch.context() as patch:
@@ -128,7 +128,7 @@ def test_walk_reproduces_the_simulators_peak(schedule, p, n, k):
     result = simulate(SimConfig(schedule, p, n, k, seq_len=840))
     plan = mm._plan(schedule, p, n, k, None, False)
     weights = _uniform_weights(plan, result.lengths, p / plan.chain_length)
-    peaks = [act for act, _ in mm._walks(plan, weights, k, n)]
+    peaks = [act for act, _ in mm._walks(plan, weights, tuple(result.lengths), n)]
     assert peaks == pytest.approx(result.peak_activations, abs=1e-9)
 
 
@@ -162,10 +162,11 @@ def test_peak_from_fewer_microbatches(schedule, n, k):
         plan.parameter_copies,
         n,
     )
-    lengths = [1] * k
+    lengths = (1,) * k
     weights = _uniform_weights(plan, lengths, 1.0)
     for r in range(p):
-        assert mm._walks(plan, weights, k, n)[r][0] == pytest.approx(mm._walks(whole, weights, k, n)[r][0]), r
+        walks = [mm._walks(steps, weights, lengths, n)[r][0] for steps in (plan, whole)]
+        assert walks[0] == pytest.approx(walks[1]), r
 
 
 def test_kv_context_under_checkpointing(monkeypatch):
@@ -186,7 +187,7 @@ def test_kv_context_under_checkpointing(monkeypatch):
         held = mm._stage_bytes(args, config, 4, (args.n_layers, False, False), [1024] * 4, True).held
         zeros = [0.0] * 4
         weights = {s: mm._StageBytes(zeros, held=held) for s in plan.stages}
-        return mm._walks(plan, weights, 4, 4)[0][1]
+        return mm._walks(plan, weights, (1024,) * 4, 4)[0][1]
 
     assert held_peak() == measured
     with monkeypatch.context() as patch:

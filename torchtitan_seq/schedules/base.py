@@ -74,6 +74,8 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         )
         validate_unit_order(order, k)
         self.pipeline_order = order
+        for stage in stages:
+            stage.expect(order[self.rank])
         self._prepare_schedule_with_comms(order)
 
     @classmethod

@@ -110,7 +110,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 
 from ..flavors import ModelShape, chunk_split, flavor_shape, flavor_shapes
-from ..ordering import B, F, I, W
+from ..kv_placement import plan_arenas
+from ..ordering import B, F, I, W, stage_passes
 from ..partition import Partition, ffn_hidden_dim
 from ..schedules import SEQUENCE_SCHEDULES
 from ..shape import LENGTH_MULTIPLE, JobShape
@@ -300,7 +301,7 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
 
     weights = {s: _stage_bytes(args, c, a, chunks[s % plan.chain_length], tokens, is_sequence) for s in plan.stages}
     ranks = []
-    for r, (act, combined) in enumerate(_walks(plan, weights, c.subsequences, c.microbatches)):
+    for r, (act, combined) in enumerate(_walks(plan, weights, tuple(lengths), c.microbatches)):
         ranks.append(
             RankMemory(
                 **_state_bytes(args, c, plan, chunks, r),
@@ -330,6 +331,8 @@ class _Plan:
     """:func:`_events` per (rank, k), filled as :meth:`events_of` is asked for them."""
     merged: dict[int, tuple[_Events, np.ndarray]] = field(default_factory=dict, compare=False, repr=False)
     """Per k, every rank's events end to end, and where each rank's begin (see :meth:`merged_events`)."""
+    arenas: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    """Per subsequence lengths, :func:`_arena_events` of every rank end to end (see :meth:`merged_arenas`)."""
     by_rank: dict[int, list[int]] = field(init=False, compare=False, repr=False)
     """Per rank, its stages, sorted."""
     forwards_first: np.ndarray = field(init=False, compare=False, repr=False)
@@ -362,6 +365,13 @@ class _Plan:
             starts = np.cumsum([0] + [len(e.stage) for e in parts[:-1]])
             self.merged[k] = (_Events(*(np.concatenate(f) for f in zip(*parts))), starts)
         return self.merged[k]
+
+    def merged_arenas(self, lengths: tuple[int, ...]) -> np.ndarray:
+        """Every rank's :func:`_arena_events` end to end, ranks ascending, as :meth:`merged_events`."""
+        if lengths not in self.arenas:
+            parts = [_arena_events(self.order[r], lengths) for r in sorted(self.order)]
+            self.arenas[lengths] = np.concatenate(parts)
+        return self.arenas[lengths]
 
 
 @functools.lru_cache(maxsize=256)
@@ -430,8 +440,6 @@ class _Events(NamedTuple):
     """+1: the unit's activations are saved (F); -1: freed (B, or W)."""
     constant: np.ndarray
     """+1 / -1: the stage's first unit in flight starts / its last ends."""
-    slab: np.ndarray
-    """+1 / -1: a microbatch's slab is allocated (F of its unit 0) / goes (B or W of its unit 0)."""
     grad: np.ndarray
     """+1 / -1: a microbatch's slab gradient is allocated (its first B or I of a unit j > 0) / goes."""
 
@@ -444,9 +452,9 @@ def _events(actions: tuple, k: int) -> _Events:
     for a in actions:
         stage, kind = a.stage_index, a.computation_type
         m, j = divmod(a.microbatch_index, k)
-        saved = constant = slab = grad = 0
+        saved = constant = grad = 0
         if kind == F:
-            saved, constant, slab = 1, int(live.get(stage, 0) == 0), int(j == 0)
+            saved, constant = 1, int(live.get(stage, 0) == 0)
             live[stage] = live.get(stage, 0) + 1
         else:
             if kind in (B, I) and j > 0 and (stage, m) not in grads:
@@ -455,28 +463,45 @@ def _events(actions: tuple, k: int) -> _Events:
             if kind == B or kind == W:
                 live[stage] -= 1
                 saved, constant = -1, -int(live[stage] == 0)
-                if j == 0:
-                    slab = -1
-                    if (stage, m) in grads:
-                        grads.discard((stage, m))
-                        grad = -1
-        rows.append((stage, j, saved, constant, slab, grad))
-    table = np.array(rows, dtype=np.int64).reshape(-1, 6)
-    return _Events(*(table[:, i] for i in range(6)))
+                if j == 0 and (stage, m) in grads:
+                    grads.discard((stage, m))
+                    grad = -1
+        rows.append((stage, j, saved, constant, grad))
+    table = np.array(rows, dtype=np.int64).reshape(-1, 5)
+    return _Events(*(table[:, i] for i in range(5)))
 
 
-def _walks(plan: _Plan, weights: dict[int, _StageBytes], k: int, n: int) -> list[tuple[float, float]]:
+def _arena_events(actions: tuple, lengths: tuple[int, ...]) -> np.ndarray:
+    """Per action of a rank, the K/V arenas that the KV context allocates (+) or lets go (-) there, in
+    slabs (a slab: the keys later units read): each stage's arenas as it plans them
+    (:func:`~torchtitan_seq.kv_placement.plan_arenas`), from the first write into one to the end of
+    the last backward of a slab in it."""
+    size = sum(lengths[:-1])
+    deltas = np.zeros(len(actions))
+    for stage in {a.stage_index for a in actions} if size else ():
+        where, passes = stage_passes(actions, stage, len(lengths))
+        arenas = plan_arenas(passes, lengths, size)
+        for start, end in arenas.lifetimes:
+            deltas[where[start]] += arenas.capacity / size
+            deltas[where[end]] -= arenas.capacity / size
+    return deltas
+
+
+def _walks(plan: _Plan, weights: dict[int, _StageBytes], lengths: tuple[int, ...], n: int) -> list[tuple[float, float]]:
     """Per rank, (peak of saved activations, peak of activations + KV context) over its actions
-    (bookkeeping in :func:`_events`, built once per plan; all ranks in one pass)."""
+    (bookkeeping in :func:`_events` and :func:`_arena_events`, built once per plan and lengths; all
+    ranks in one pass)."""
+    k = len(lengths)
     e, starts = plan.merged_events(k)
+    arenas = plan.merged_arenas(lengths)
     stages = np.array(list(weights))
     saved = np.zeros((stages.max() + 1, k))
     slab, held, grad, constant = (np.zeros(stages.max() + 1) for _ in range(4))
     saved[stages] = [w.saved for w in weights.values()]
     for table, name in ((slab, "slab"), (held, "held"), (grad, "grad"), (constant, "constant")):
         table[stages] = [getattr(w, name) for w in weights.values()]
-    act = e.saved * saved[e.stage, e.unit] + e.slab * slab[e.stage] + e.constant * constant[e.stage]
-    kv = e.slab * held[e.stage] + e.grad * grad[e.stage]
+    act = e.saved * saved[e.stage, e.unit] + arenas * slab[e.stage] + e.constant * constant[e.stage]
+    kv = arenas * held[e.stage] + e.grad * grad[e.stage]
     peaks = []
     for deltas in (act, act + kv):
         running = np.cumsum(deltas)

@@ -1,0 +1,198 @@
+"""Where each microbatch's K/V slab lies on a stage: arenas shared by microbatches growing toward
+each other, planned from the order in which the stage runs its units.
+
+A slab (:class:`~torchtitan_seq.kv_context.KVSlab`) must be one range of memory, so that a unit
+reads its whole prefix as one view; a slab of its own per microbatch, allocated whole by the first
+unit, holds room for units not yet run and for units whose backward has ended. A stage runs its
+units in the order its schedule fixed, and in that order a microbatch in backward frees its
+positions from the end (last unit first) while the next one, in forward, fills its own from the
+start. The two can share one buffer, an *arena*, if they grow toward each other: one slab from the
+arena's bottom, its units in ascending order, the other from the arena's top, its units in
+descending order (each unit's keys ascending within it). The arena then needs room for what both
+hold at once, about the units in flight, not two microbatches' worth.
+
+A descending slab holds the prefix [0, s) as one range with the units in reverse order: right for an
+unmasked call (attention sums over its keys in any order), which is how torch's kernels (causal
+masks aligned top-left) read the prefix; not for a causal call over prefix and own keys at once (a
+kernel that aligns masks bottom-right) or for the part of the prefix a packed document reads. Those
+use ascending slabs only (``alternate=False``).
+
+The plan is pure Python over the stage's passes, so the runtime (:class:`~torchtitan_seq.kv_context.KVContext`)
+and the memory model (:mod:`torchtitan_seq.simulate.memory`) place slabs alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Pass", "SlabPlacement", "ArenaPlan", "plan_arenas", "slab_extents"]
+
+Pass = tuple[bool, int, int]
+"""(forward, microbatch, subsequence): a unit's forward, or the pass that ends its backward on the
+stage (B, or W where backward is split: a unit's K/V may be read until then)."""
+
+
+@dataclass(frozen=True)
+class SlabPlacement:
+    """A microbatch's slab: in arena ``arena``, from its bottom (units ascending) or top (descending)."""
+
+    arena: int
+    descending: bool
+    last: bool
+    """Whether no later microbatch uses the arena: it goes with this slab."""
+
+
+@dataclass(frozen=True)
+class ArenaPlan:
+    """Every microbatch's slab placement on a stage, in arenas of ``capacity`` positions each."""
+
+    capacity: int
+    slabs: dict[int, SlabPlacement]
+    lifetimes: tuple[tuple[int, int], ...]
+    """Per arena, the indices of the passes that first write into it and last free a slab in it."""
+
+
+def slab_extents(lengths: Sequence[int], size: int) -> list[int]:
+    """Per subsequence j, the positions [0, e_j) of a slab of ``size`` positions that stay in use
+    while unit j is the last one in flight: its keys' end, at most the slab's ``size``."""
+    ends = list(itertools.accumulate(lengths))
+    return [min(end, size) for end in ends]
+
+
+class _Timeline:
+    """A microbatch's slab extent (positions in use) after each pass that changes it."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[int, int]] = []  # (pass index, extent from then on)
+        self.live: set[int] = set()
+
+    @property
+    def start(self) -> int:
+        return self.changes[0][0]
+
+    @property
+    def end(self) -> int:
+        """The pass after which the slab holds nothing."""
+        return self.changes[-1][0]
+
+    def record(self, t: int, extents: list[int]) -> None:
+        extent = extents[max(self.live)] if self.live else 0
+        if not self.changes or self.changes[-1][1] != extent:
+            self.changes.append((t, extent))
+
+
+def _timelines(passes: Sequence[Pass], extents: list[int]) -> dict[int, _Timeline]:
+    """Per microbatch, its slab's extent over the passes: unit j in flight from its forward to the
+    end of its backward; a slab holds up to the end of its last unit in flight."""
+    lines: dict[int, _Timeline] = {}
+    for t, (forward, m, j) in enumerate(passes):
+        line = lines.setdefault(m, _Timeline())
+        if forward:
+            line.live.add(j)
+        else:
+            line.live.discard(j)
+        line.record(t, extents)
+    return lines
+
+
+def _joint_peak(a: _Timeline, b: _Timeline) -> int:
+    """The most positions the slabs of ``a`` and ``b`` use at once."""
+    merged = sorted([(t, 0, extent) for t, extent in a.changes] + [(t, 1, extent) for t, extent in b.changes])
+    now, peak = [0, 0], 0
+    for _, which, extent in merged:
+        now[which] = extent
+        peak = max(peak, now[0] + now[1])
+    return peak
+
+
+class _Arena:
+    def __init__(self) -> None:
+        self.ends: tuple[list[int], list[int]] = ([], [])  # microbatches at the bottom, at the top
+
+
+class _Greedy:
+    """Placement at one arena capacity (see :func:`plan_arenas`)."""
+
+    def __init__(self, lines: dict[int, _Timeline], peaks: dict[tuple[int, int], int]) -> None:
+        self.lines = lines
+        self.peaks = peaks  # (a, b) -> _joint_peak of a and b, shared between capacities
+
+    def _beside(self, o: int, m: int, capacity: int) -> bool:
+        """Whether ``m`` fits at the other end of an arena from ``o``."""
+        if self.lines[o].end < self.lines[m].start:
+            return True
+        if (o, m) not in self.peaks:
+            self.peaks[o, m] = _joint_peak(self.lines[o], self.lines[m])
+        return self.peaks[o, m] <= capacity
+
+    def _fits(self, arena: _Arena, side: int, m: int, capacity: int) -> bool:
+        """Whether ``m`` may take ``side`` of ``arena``: its last slab there is gone before ``m`` starts,
+        and the slabs at the other end never leave ``m`` too little room."""
+        same, other = arena.ends[side], arena.ends[1 - side]
+        if same and self.lines[same[-1]].end >= self.lines[m].start:
+            return False
+        return all(self._beside(o, m, capacity) for o in other)
+
+    def place(self, capacity: int, alternate: bool) -> list[_Arena]:
+        """Each microbatch, in the order its first forward runs, at the first arena end it fits."""
+        arenas: list[_Arena] = []
+        sides = (0, 1) if alternate else (0,)
+        for m in sorted(self.lines, key=lambda m: self.lines[m].start):
+            free = next(((a, s) for a in arenas for s in sides if self._fits(a, s, m, capacity)), None)
+            if free is None:
+                arenas.append(_Arena())
+                free = arenas[-1], 0
+            free[0].ends[free[1]].append(m)
+        return arenas
+
+
+def _lifetime(arena: _Arena, lines: dict[int, _Timeline]) -> tuple[int, int]:
+    members = [lines[m] for side in arena.ends for m in side]
+    return min(line.start for line in members), max(line.end for line in members)
+
+
+def _peak(lifetimes: list[tuple[int, int]], capacity: int) -> int:
+    """The most positions the arenas hold at once."""
+    events = sorted([(start, 1) for start, _ in lifetimes] + [(end + 1, -1) for _, end in lifetimes])
+    live = most = 0
+    for _, delta in events:
+        live += delta
+        most = max(most, live)
+    return most * capacity
+
+
+def plan_arenas(passes: Sequence[Pass], lengths: Sequence[int], size: int, alternate: bool = True) -> ArenaPlan:
+    """Place the slabs (``size`` positions each; units of ``lengths``) of the microbatches a stage
+    runs in the order of ``passes``, in arenas of one capacity, to hold the fewest positions at once.
+
+    Each arena holds one slab at its bottom and, with ``alternate``, one at its top at a time; a
+    slab moves into an arena end once the end's last slab is gone. Capacities tried: ``size`` (no
+    sharing) and what each two microbatches starting one after the other hold at once."""
+    lines = _timelines(passes, slab_extents(lengths, size))
+    if not lines:
+        return ArenaPlan(size, {}, ())
+    order = sorted(lines, key=lambda m: lines[m].start)
+    peaks: dict[tuple[int, int], int] = {}
+    candidates = {size}
+    if alternate:
+        for a, b in zip(order, order[1:]):
+            peaks[a, b] = _joint_peak(lines[a], lines[b])
+            if size < peaks[a, b] < 2 * size:
+                candidates.add(peaks[a, b])
+    best, greedy = None, _Greedy(lines, peaks)
+    for capacity in sorted(candidates):
+        arenas = greedy.place(capacity, alternate)
+        lifetimes = [_lifetime(a, lines) for a in arenas]
+        held = _peak(lifetimes, capacity)
+        if best is None or held < best[0]:
+            best = held, capacity, arenas, lifetimes
+    _, capacity, arenas, lifetimes = best
+    slabs = {}
+    for i, arena in enumerate(arenas):
+        last = max((m for side in arena.ends for m in side), key=lambda m: lines[m].end)
+        for side, members in enumerate(arena.ends):
+            for m in members:
+                slabs[m] = SlabPlacement(i, bool(side), m == last)
+    return ArenaPlan(capacity, slabs, tuple(lifetimes))
