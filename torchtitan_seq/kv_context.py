@@ -242,7 +242,7 @@ class KVContext:
 
     def _end(self, unit: Unit) -> None:
         """The backward of ``unit`` has ended: its positions are free, and with the microbatch's last
-        backward on the stage its slabs go (and their arena, if no later microbatch uses it)."""
+        backward on the stage its slabs go (and their arena, when it holds no other slab in use)."""
         m = unit.microbatch
         self._live.get(m, set()).discard(unit.index)
         done = self._backwards[m] = self._backwards.get(m, 0) + 1
@@ -251,8 +251,9 @@ class KVContext:
         self._slabs.pop(m, None)
         del self._backwards[m]
         self._live.pop(m, None)
-        if (placed := self._placed.pop(m, None)) is not None and placed[1].last:
-            for key in [key for key in self._arenas if key[1] == placed[1].arena]:
+        placed = self._placed.pop(m, None)
+        if placed is not None and all(other.arena != placed[1].arena for _, other in self._placed.values()):
+            for key in [key for key in self._arenas if key[1] == placed[1].arena]:  # no slab in it is in use
                 del self._arenas[key]
 
     def recorded(self, layer_id: int) -> KVSlab:
@@ -311,7 +312,7 @@ class KVContext:
         if m not in self._placed:
             alternate = self.documents is None and not with_own  # see kv_placement: unmasked prefix reads only
             plan = self._plan(alternate, size)
-            solo = (size, SlabPlacement(-1 - m, descending=False, last=True))
+            solo = (size, SlabPlacement(-1 - m, descending=False))
             self._placed[m] = (plan.capacity, plan.slabs[m]) if m in plan.slabs else solo
         capacity, placed = self._placed[m]
         key = (layer_id, placed.arena)

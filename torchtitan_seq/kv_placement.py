@@ -40,8 +40,6 @@ class SlabPlacement:
 
     arena: int
     descending: bool
-    last: bool
-    """Whether no later microbatch uses the arena: it goes with this slab."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +48,14 @@ class ArenaPlan:
 
     capacity: int
     slabs: dict[int, SlabPlacement]
-    lifetimes: tuple[tuple[int, int], ...]
-    """Per arena, the indices of the passes that first write into it and last free a slab in it."""
+    busy: tuple[tuple[int, int], ...]
+    """When arenas are allocated: the indices of the passes that write into an empty arena and that
+    free the last slab in use in it (an arena goes whenever it holds none)."""
+
+    @property
+    def peak(self) -> int:
+        """The most positions the arenas hold at once."""
+        return _peak(self.busy, self.capacity)
 
 
 def slab_extents(lengths: Sequence[int], size: int) -> list[int]:
@@ -148,14 +152,21 @@ class _Greedy:
         return arenas
 
 
-def _lifetime(arena: _Arena, lines: dict[int, _Timeline]) -> tuple[int, int]:
-    members = [lines[m] for side in arena.ends for m in side]
-    return min(line.start for line in members), max(line.end for line in members)
+def _busy(arena: _Arena, lines: dict[int, _Timeline]) -> list[tuple[int, int]]:
+    """The pass intervals in which ``arena`` holds a slab in use."""
+    spans = sorted((lines[m].start, lines[m].end) for side in arena.ends for m in side)
+    merged = [list(spans[0])]
+    for start, end in spans[1:]:
+        if start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
 
 
-def _peak(lifetimes: list[tuple[int, int]], capacity: int) -> int:
+def _peak(busy: list[tuple[int, int]], capacity: int) -> int:
     """The most positions the arenas hold at once."""
-    events = sorted([(start, 1) for start, _ in lifetimes] + [(end + 1, -1) for _, end in lifetimes])
+    events = sorted([(start, 1) for start, _ in busy] + [(end + 1, -1) for _, end in busy])
     live = most = 0
     for _, delta in events:
         live += delta
@@ -184,15 +195,10 @@ def plan_arenas(passes: Sequence[Pass], lengths: Sequence[int], size: int, alter
     best, greedy = None, _Greedy(lines, peaks)
     for capacity in sorted(candidates):
         arenas = greedy.place(capacity, alternate)
-        lifetimes = [_lifetime(a, lines) for a in arenas]
-        held = _peak(lifetimes, capacity)
+        busy = [span for arena in arenas for span in _busy(arena, lines)]
+        held = _peak(list(busy), capacity)
         if best is None or held < best[0]:
-            best = held, capacity, arenas, lifetimes
-    _, capacity, arenas, lifetimes = best
-    slabs = {}
-    for i, arena in enumerate(arenas):
-        last = max((m for side in arena.ends for m in side), key=lambda m: lines[m].end)
-        for side, members in enumerate(arena.ends):
-            for m in members:
-                slabs[m] = SlabPlacement(i, bool(side), m == last)
-    return ArenaPlan(capacity, slabs, tuple(lifetimes))
+            best = held, capacity, arenas, busy
+    _, capacity, arenas, busy = best
+    slabs = {m: SlabPlacement(i, bool(side)) for i, a in enumerate(arenas) for side in (0, 1) for m in a.ends[side]}
+    return ArenaPlan(capacity, slabs, tuple(busy))

@@ -70,16 +70,13 @@ def test_seq1f1b_arenas_hold_less_than_whole_slabs(p, k):
     hold less than a slab of its own per microbatch (k - 1 units each) did."""
     L = 16
 
-    def held(plan):
-        return len(plan.lifetimes) * plan.capacity
-
     order = SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(p, 2 * p, k)
     for r in range(p):
         passes = stage_passes(order[r], r, k)[1]
         plan = plan_arenas(passes, [L] * k, L * (k - 1))
         if p == 2:
-            assert len(plan.lifetimes) == 1 and plan.capacity == (k + p - 1 - r) * L, (r, plan)
-        assert held(plan) < held(plan_arenas(passes, [L] * k, L * (k - 1), alternate=False)), r
+            assert len({s.arena for s in plan.slabs.values()}) == 1 and plan.peak == (k + p - 1 - r) * L, (r, plan)
+        assert plan.peak < plan_arenas(passes, [L] * k, L * (k - 1), alternate=False).peak, r
 
 
 def test_terapipe_holds_whole_microbatches():
@@ -87,7 +84,7 @@ def test_terapipe_holds_whole_microbatches():
     k, lengths = 4, [8] * 4
     order = SEQUENCE_SCHEDULES["TeraPipe"].compute_order(2, 4, k)
     plan = plan_arenas(stage_passes(order[0], 0, k)[1], lengths, 24)
-    assert plan.capacity == 24 and len(plan.lifetimes) == 4
+    assert plan.capacity == 24 and plan.peak == 4 * 24
 
 
 def _reference(q, k, v):

@@ -51,11 +51,14 @@ per-token bytes from its forward until its backward (B, or W where backward is s
 
 **KV context** (:mod:`torchtitan_seq.kv_context`): per stage, microbatch and layer one K/V
 slab of the keys later units read, S - L_{k-1} tokens at 2 Hkv hd a / t bytes each (torch's
-kernels, which align causal masks top-left: the last unit keeps its own K/V), allocated
-whole by the microbatch's first forward F(m, 0) and kept to the end of its first unit's
-backward (B(m, 0), or W(m, 0) where backward is split), the last of its backwards on the stage:
+kernels, which align causal masks top-left: the last unit keeps its own K/V), in arenas the
+context plans from the stage's pass order as the runtime does
+(:func:`~torchtitan_seq.kv_placement.plan_arenas`: a microbatch in backward and the next in
+forward share one arena from its two ends), each allocated by a write into it while it holds no
+slab in use and let go at the end of the last backward (B, or W where backward is split) of a
+slab in it:
 
-* without checkpointing the units' attention saves views of the slab, so it is among the
+* without checkpointing the units' attention saves views of the arenas, so they are among the
   saved activations (the own K/V of units 0..k-2 then are not: their per-unit bytes above
   less 2 Hkv hd a / t a layer);
 * under checkpointing (``full``, op-level ``selective``, and the checkpointed 1/n of
@@ -474,14 +477,14 @@ def _events(actions: tuple, k: int) -> _Events:
 def _arena_events(actions: tuple, lengths: tuple[int, ...]) -> np.ndarray:
     """Per action of a rank, the K/V arenas that the KV context allocates (+) or lets go (-) there, in
     slabs (a slab: the keys later units read): each stage's arenas as it plans them
-    (:func:`~torchtitan_seq.kv_placement.plan_arenas`), from the first write into one to the end of
+    (:func:`~torchtitan_seq.kv_placement.plan_arenas`), from a write into an empty one to the end of
     the last backward of a slab in it."""
     size = sum(lengths[:-1])
     deltas = np.zeros(len(actions))
     for stage in {a.stage_index for a in actions} if size else ():
         where, passes = stage_passes(actions, stage, len(lengths))
         arenas = plan_arenas(passes, lengths, size)
-        for start, end in arenas.lifetimes:
+        for start, end in arenas.busy:
             deltas[where[start]] += arenas.capacity / size
             deltas[where[end]] -= arenas.capacity / size
     return deltas
