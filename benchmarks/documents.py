@@ -41,7 +41,7 @@ from torchtitan_seq.documents import Documents, document_ids
 from torchtitan_seq.kernels import CpuSdpaKernel
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.memory import ActivationMemory
-from torchtitan_seq.ordering import F
+from torchtitan_seq.ordering import F, stage_passes
 from torchtitan_seq.partition import partition_sequence
 from torchtitan_seq.schedules import seq1f1b_actions
 
@@ -95,14 +95,16 @@ def run_step(tokens: torch.Tensor, documents: list[Documents] | None, ac: bool, 
         for name, layer in model.layers.named_children():
             model.layers.register_module(name, checkpoint_wrapper(layer, preserve_rng_state=False))
     lengths = partition_sequence(args.seq_len, args.subsequences, "even")
+    actions = seq1f1b_actions(args.pp, args.microbatches, args.subsequences)[0]
     context, kernel = KVContext(lengths), CountingKernel()
+    context.expect(stage_passes(actions, 0, args.subsequences)[1])  # as the schedule tells its stages
     bind_kv_context(model, context, kernel)
     context.documents = documents
     offsets = [sum(lengths[:j]) for j in range(len(lengths))]
     memory = ActivationMemory()
     outputs, kv_held, total_peak = {}, [], 0
     with memory.track():
-        for action in seq1f1b_actions(args.pp, args.microbatches, args.subsequences)[0]:
+        for action in actions:
             m, j = divmod(action.microbatch_index, args.subsequences)
             unit = Unit(m, j, offsets[j], lengths[j], args.subsequences)
             if action.computation_type == F:

@@ -44,6 +44,7 @@ MEASURED = [
     ("memory/chimera/bench.json", "none"),
     ("memory/chimera_ac_full/bench.json", "full"),
     ("slab/bench.json", "none"),
+    ("slab/arena/bench.json", "none"),
 ]
 
 

@@ -137,16 +137,18 @@ def _calls(
 
 @dataclass(frozen=True)
 class _Keys:
-    """Where a unit's keys lie: those before ``offset`` in ``slab``, the unit's own, (B, Hkv, L, D)
-    from ``offset`` on, in the slab where it holds them (written there), else in ``own``."""
+    """Where a unit's keys lie: the unit's own, ``own`` (B, Hkv, L, D) from ``offset`` on, in
+    position order; those before ``offset`` in ``slab``."""
 
     own: tuple[Tensor, Tensor]
     offset: int
     slab: KVSlab | None
 
     def __call__(self, c: _Call) -> tuple[Tensor, Tensor]:
-        """K and V of call ``c``'s keys, views."""
-        if self.slab is None or not self.slab.holds(c.keys.stop):
+        """K and V of call ``c``'s keys, views: a call within the unit reads its own keys (in
+        position order, as causal calls need them), one reaching before it the slab (an unmasked
+        prefix call in the slab's order, or a bottom-right causal call over an ascending slab)."""
+        if c.keys.start >= self.offset:
             start, stop = c.keys.start - self.offset, c.keys.stop - self.offset
             return self.own[0][c.rows, :, start:stop], self.own[1][c.rows, :, start:stop]
         return self.slab.keys(c.keys.start, c.keys.stop, c.rows)
@@ -277,14 +279,25 @@ def _unit_attention(
 
 @torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())
 def _unit_attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ids: Tensor, scale: float
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    ids: Tensor,
+    scale: float,
+    reversed_kv: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv (shaped like q, k, v) of :func:`_unit_attention`, given dout, its out and lse. In
-    phase BACKWARD it sends the dK/dV of the prefix the unit read to its slab's gradient, and adds
-    what the later units (run backward first) sent the unit's own keys; outside a unit, the
-    gradients of causal attention over the whole sequence."""
+    """dq, dk, dv (shaped like q, k, v) of :func:`_unit_attention`, given dout, its out and lse
+    (``reversed_kv``: k and v as a descending slab holds them, last position first). In phase
+    BACKWARD it sends the dK/dV of the prefix the unit read to its slab's gradient, and adds what
+    the later units (run backward first) sent the unit's own keys; outside a unit, the gradients
+    of causal attention over the whole sequence."""
     context, kernel, layer_id = _bound(ids)
     dout = dout.contiguous()
+    if reversed_kv:  # a copy of the unit's own K/V for its causal calls, not of the prefix
+        k, v = k.flip(2), v.flip(2)
     if context.phase(forward=False) is None:
         dq, dk, dv = _whole_sequence_backward(kernel, dout, q, k, v, out, lse, None, scale)
     else:
@@ -330,15 +343,16 @@ def _save_unit(ctx, inputs, output) -> None:
     where they lie (the slab is then the one copy of K/V, and the saved-tensor count sees it);
     a compiled graph saves its own k, v (the op's Python state is not traced)."""
     q, k, v, ids, ctx.scale, compiled = inputs
+    ctx.reversed_kv = False
     if not compiled:
         context, _, layer_id = _bound(ids)
-        k, v = context.own(layer_id) or (k, v)
+        k, v, ctx.reversed_kv = context.own(layer_id) or (k, v, False)
     ctx.save_for_backward(q, k, v, *output, ids)
 
 
 def _unit_backward(ctx, dout: Tensor, _dlse: Tensor | None):
     """dq, dk, dv; no gradient for ids, scale and compiled."""
-    return *_unit_attention_backward(dout, *ctx.saved_tensors, ctx.scale), None, None, None
+    return *_unit_attention_backward(dout, *ctx.saved_tensors, ctx.scale, ctx.reversed_kv), None, None, None
 
 
 def _save_documents(ctx, inputs, output) -> None:

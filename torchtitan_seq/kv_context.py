@@ -31,9 +31,8 @@ about the K/V of the units in flight rather than room for whole microbatches; a 
 positions the other microbatch still reads is refused. :meth:`KVContext.clear` ends a step.
 
 Packed documents (:attr:`KVContext.documents`): a unit reads only the keys of the document
-continuing into it, a range of positions that a slab holds as one view only in ascending order,
-so under documents (and with kernels that read prefix and own keys in one causal call) arenas
-hold one slab at a time; the K/V of documents that ended stay in the slab until it goes.
+continuing into it (one range of positions, one view in either order); the K/V of documents
+that ended stay in the slab until it goes.
 
 Phases (:class:`Phase`): the stage announces each unit it runs, forward with
 :meth:`KVContext.running`, backward with :meth:`KVContext.backward`, and the attention op asks
@@ -48,10 +47,8 @@ the whole sequence it is given (torch's shape inference runs a stage so).
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import enum
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -91,52 +88,40 @@ class KVSlab:
 
     ``k`` and ``v``: (batch, kv_heads, size, head_dim) views of a range of an arena
     (:mod:`torchtitan_seq.kv_placement`), positions [0, ``filled``) written so far (units 0..j in
-    order). Ascending, position p lies at p; ``descending``, the units lie in reverse order from
-    the range's end, each unit's keys ascending (``offsets``: the units' first positions and the
-    sequence's end), so a unit's keys and a whole prefix [0, s) are each one range, the prefix's
-    units reversed. ``grad_k`` and ``grad_v``: dL/dK and dL/dV of the positions later units read,
-    laid out alike, sent by their backward; None until the first is sent.
+    order). Ascending, position p lies at p; ``descending``, at size - 1 - p, so that the slab
+    fills from the range's end: any positions [a, b) are still one range, last position first.
+    ``grad_k`` and ``grad_v``: dL/dK and dL/dV of the positions later units read, laid out alike,
+    sent by their backward; None until the first is sent.
     """
 
-    __slots__ = ("k", "v", "offsets", "descending", "filled", "grad_k", "grad_v")
+    __slots__ = ("k", "v", "descending", "filled", "grad_k", "grad_v")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, offsets: list[int], descending: bool = False) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, descending: bool = False) -> None:
         self.k, self.v = k, v
-        self.offsets = offsets
         self.descending = descending
         self.filled = 0
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
 
-    def _unit_of(self, position: int) -> int:
-        return bisect.bisect_right(self.offsets, position) - 1
-
     def _span(self, start: int, stop: int) -> slice:
-        """Where the keys of positions [start, stop) lie: one unit's part, or (descending) a whole
-        prefix [0, s), its units reversed."""
-        if not self.descending:
-            return slice(start, stop)
+        """Where the keys of positions [start, stop) lie."""
         size = self.k.shape[2]
-        if start == 0 and stop in self.offsets:
-            return slice(size - stop, size)
-        j = self._unit_of(start)
-        if stop > self.offsets[j + 1]:
-            raise ValueError(f"positions [{start}, {stop}) of a descending slab are not one range")
-        base = size - self.offsets[j + 1] - self.offsets[j]
-        return slice(base + start, base + stop)
+        return slice(size - stop, size - start) if self.descending else slice(start, stop)
+
+    def _in_order(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, (B, H, n, D) laid out as the slab lays positions out, in position order, or back."""
+        return t.flip(2) if self.descending else t
 
     def write(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K/V (B, Hkv, L, D) of positions [offset, offset + L), unit by unit where they lie."""
+        """Write K/V (B, Hkv, L, D) of positions [offset, offset + L)."""
         stop = offset + k.shape[2]
         if stop > self.k.shape[2]:  # a context told no lengths grows the slab (copies the prefix)
             grown = [t.new_empty(*t.shape[:2], stop, t.shape[3]) for t in (self.k, self.v)]
             grown[0][:, :, : self.filled], grown[1][:, :, : self.filled] = self.keys(0, self.filled)
             self.k, self.v = grown
-        cuts = [offset] + [o for o in self.offsets if offset < o < stop] + [stop]
-        for a, b in zip(cuts, cuts[1:]):
-            where = self._span(a, b)
-            self.k[:, :, where] = k[:, :, a - offset : b - offset].detach()
-            self.v[:, :, where] = v[:, :, a - offset : b - offset].detach()
+        where = self._span(offset, stop)
+        self.k[:, :, where] = self._in_order(k.detach())
+        self.v[:, :, where] = self._in_order(v.detach())
         self.filled = stop
 
     def holds(self, stop: int) -> bool:
@@ -144,8 +129,8 @@ class KVSlab:
         return self.filled >= stop
 
     def keys(self, start: int, stop: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [start, stop) of batch rows ``rows``, views (a descending slab's
-        whole prefix in its own order)."""
+        """K and V of positions [start, stop) of batch rows ``rows``, views as the slab lays them out
+        (a descending slab's last position first: right for an unmasked kernel call)."""
         where = self._span(start, stop)
         return self.k[rows, :, where], self.v[rows, :, where]
 
@@ -160,12 +145,13 @@ class KVSlab:
         self.grad_v[rows, :, where] += grad_v
 
     def take(self, offset: int, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """What later units sent positions [offset, offset + length), views; ``(None, None)`` if nothing."""
+        """What later units sent positions [offset, offset + length), in position order (views of an
+        ascending slab's gradient); ``(None, None)`` if nothing."""
         readable = self.grad_k.shape[2] if self.grad_k is not None else 0
         if readable <= offset:
             return None, None
         where = self._span(offset, min(offset + length, readable))
-        return self.grad_k[:, :, where], self.grad_v[:, :, where]
+        return self._in_order(self.grad_k[:, :, where]), self._in_order(self.grad_v[:, :, where])
 
 
 class KVContext:
@@ -265,9 +251,10 @@ class KVContext:
             raise RuntimeError(f"layer {layer_id} recomputed outside the backward of a unit it ran forward")
         return slab
 
-    def own(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def own(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         """Views of ``layer_id``'s slab at the positions of the unit running forward (or
-        recomputed), where its K/V lie; None outside a unit or where the slab holds none of them."""
+        recomputed), where its K/V lie, and whether they run last position first (a descending
+        slab); None outside a unit or where the slab holds none of them."""
         unit = self.unit
         slab = self._slabs[unit.microbatch][layer_id] if unit is not None else None
         if slab is None or not slab.holds(unit.offset + unit.length):
@@ -275,7 +262,8 @@ class KVContext:
         # Aliases with a version counter of their own: later units (and other microbatches in the
         # arena) write other positions, which autograd would otherwise take for a change of what the
         # unit saved.
-        return tuple(t.data for t in slab.keys(unit.offset, unit.offset + unit.length))
+        k, v = slab.keys(unit.offset, unit.offset + unit.length)
+        return k.data, v.data, slab.descending
 
     def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False) -> KVSlab:
         """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
@@ -306,11 +294,10 @@ class KVContext:
         first slab), or in one of its own."""
         b, h, _, d = k.shape
         if self.lengths is None:  # nothing to plan with: a slab of its own that grows
-            return KVSlab(k.new_empty(b, h, 0, d), k.new_empty(b, h, 0, d), [])
-        offsets = [0, *itertools.accumulate(self.lengths)]
-        size = offsets[-1 if with_own else -2]
+            return KVSlab(k.new_empty(b, h, 0, d), k.new_empty(b, h, 0, d))
+        size = sum(self.lengths[: None if with_own else -1])
         if m not in self._placed:
-            alternate = self.documents is None and not with_own  # see kv_placement: unmasked prefix reads only
+            alternate = not with_own  # a descending slab serves unmasked reads only (see kv_placement)
             plan = self._plan(alternate, size)
             solo = (size, SlabPlacement(-1 - m, descending=False))
             self._placed[m] = (plan.capacity, plan.slabs[m]) if m in plan.slabs else solo
@@ -320,7 +307,7 @@ class KVContext:
             self._arenas[key] = (k.new_empty(b, h, capacity, d), k.new_empty(b, h, capacity, d))
         region = slice(capacity - size, capacity) if placed.descending else slice(0, size)
         arena_k, arena_v = self._arenas[key]
-        return KVSlab(arena_k[:, :, region], arena_v[:, :, region], offsets, placed.descending)
+        return KVSlab(arena_k[:, :, region], arena_v[:, :, region], placed.descending)
 
     def _plan(self, alternate: bool, size: int) -> ArenaPlan:
         if alternate not in self._plans:
@@ -337,8 +324,8 @@ class KVContext:
             if m == unit.microbatch or other.arena != placed.arena or other.descending == placed.descending:
                 continue
             live = self._live.get(m)
-            theirs = min(slab.offsets[max(live) + 1], slab.k.shape[2]) if live else 0
-            if slab.offsets[unit.index + 1] + theirs > capacity:
+            theirs = min(sum(self.lengths[: max(live) + 1]), slab.k.shape[2]) if live else 0
+            if unit.offset + unit.length + theirs > capacity:
                 raise RuntimeError(
                     f"K/V arena {placed.arena}: subsequence {unit.index} of microbatch {unit.microbatch} would "
                     f"overwrite keys microbatch {m} still reads; the stage ran its units in an order other "

@@ -7,15 +7,16 @@ unit, holds room for units not yet run and for units whose backward has ended. A
 units in the order its schedule fixed, and in that order a microbatch in backward frees its
 positions from the end (last unit first) while the next one, in forward, fills its own from the
 start. The two can share one buffer, an *arena*, if they grow toward each other: one slab from the
-arena's bottom, its units in ascending order, the other from the arena's top, its units in
-descending order (each unit's keys ascending within it). The arena then needs room for what both
-hold at once, about the units in flight, not two microbatches' worth.
+arena's bottom, position p at p, the other from the arena's top, position p at the top's p-th place
+below it (positions descending). The arena then needs room for what both hold at once, about the
+units in flight, not two microbatches' worth.
 
-A descending slab holds the prefix [0, s) as one range with the units in reverse order: right for an
+Any positions [a, b) of a descending slab are still one range, last position first: right for an
 unmasked call (attention sums over its keys in any order), which is how torch's kernels (causal
-masks aligned top-left) read the prefix; not for a causal call over prefix and own keys at once (a
-kernel that aligns masks bottom-right) or for the part of the prefix a packed document reads. Those
-use ascending slabs only (``alternate=False``).
+masks aligned top-left) read a prefix, a whole one or a packed document's part; a unit's causal call
+over its own keys reads them as the unit computed them. A kernel that aligns masks bottom-right
+reads prefix and own keys in one causal call, in position order, so with such a kernel arenas hold
+ascending slabs only (``alternate=False``).
 
 The plan is pure Python over the stage's passes, so the runtime (:class:`~torchtitan_seq.kv_context.KVContext`)
 and the memory model (:mod:`torchtitan_seq.simulate.memory`) place slabs alike.

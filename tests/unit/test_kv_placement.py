@@ -87,24 +87,25 @@ def test_terapipe_holds_whole_microbatches():
     assert plan.capacity == 24 and plan.peak == 4 * 24
 
 
-def _reference(q, k, v):
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
-def test_context_in_a_shared_arena_is_exact():
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "block-causal"])
+def test_context_in_a_shared_arena_is_exact(packed):
     """One attention layer run as Seq1F1B's rank 0 runs its units (p 2, N 4, k 4, uneven lengths):
     microbatches share arenas at opposite ends, and each one's output and q, k, v gradients equal
-    whole-sequence causal attention."""
+    whole-sequence attention, causal or over packed documents (block-causal, dense mask)."""
+    from harness import EOS, packed_tokens
     from torchtitan_seq.attention import SequenceAttention
+    from torchtitan_seq.documents import Documents, document_ids, document_mask
     from torchtitan_seq.kernels import select_kernel
 
-    lengths, n, kk = [6, 5, 3, 2], 4, 4
+    lengths, n, kk = [12, 9, 7, 4], 4, 4
     seq = sum(lengths)
     passes = stage_passes(SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(2, n, kk)[0], 0, kk)[1]
     context, layer = KVContext(lengths), SequenceAttention(0)
     context.expect(passes)
     layer.bind(context, select_kernel(torch.device("cpu")))
     g = torch.Generator().manual_seed(0)
+    ids = [document_ids(packed_tokens(2, seq, g), EOS) for _ in range(n)] if packed else None
+    context.documents = [Documents.from_ids(i) for i in ids] if packed else None
     qkv = [[torch.randn(2, h, seq, 8, generator=g, requires_grad=True) for h in (4, 2, 2)] for _ in range(n)]
     weights = [torch.randn(2, 4, seq, 8, generator=g) for _ in range(n)]
     outs, descending = {}, set()
@@ -122,7 +123,10 @@ def test_context_in_a_shared_arena_is_exact():
     assert len(context) == 0 and context.held_bytes() == 0
     for m in range(n):
         q, k, v = (t.detach().requires_grad_() for t in qkv[m])
-        ref = _reference(q, k, v)
+        mask = document_mask(ids[m]) if packed else None
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=not packed, enable_gqa=True
+        )
         ref_grads = torch.autograd.grad((ref * weights[m]).sum(), (q, k, v))
         out = torch.cat([outs[m, j] for j in range(kk)], 2)
         for got, want in zip((out, *(t.grad for t in qkv[m])), (ref, *ref_grads)):
