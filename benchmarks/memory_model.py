@@ -38,13 +38,12 @@ PAPER = {
 }
 # The CPU measurements: (bench.json, activation checkpointing of its runs).
 MEASURED = [
+    ("slab/arena/bench.json", "none"),  # the sequence schedules with the code's K/V arenas, first: it wins
     ("all_schedules/bench.json", "none"),
     ("acceptance/bench.json", "none"),
     ("memory/ac_full/bench.json", "full"),
     ("memory/chimera/bench.json", "none"),
     ("memory/chimera_ac_full/bench.json", "full"),
-    ("slab/bench.json", "none"),
-    ("slab/arena/bench.json", "none"),
 ]
 
 
