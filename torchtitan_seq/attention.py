@@ -279,24 +279,16 @@ def _unit_attention(
 
 @torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())
 def _unit_attention_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    ids: Tensor,
-    scale: float,
-    reversed_kv: bool,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ids: Tensor, scale: float, kv_flipped: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (shaped like q, k, v) of :func:`_unit_attention`, given dout, its out and lse
-    (``reversed_kv``: k and v as a descending slab holds them, last position first). In phase
+    (``kv_flipped``: k and v as a descending slab holds them, last position first). In phase
     BACKWARD it sends the dK/dV of the prefix the unit read to its slab's gradient, and adds what
     the later units (run backward first) sent the unit's own keys; outside a unit, the gradients
     of causal attention over the whole sequence."""
     context, kernel, layer_id = _bound(ids)
     dout = dout.contiguous()
-    if reversed_kv:  # a copy of the unit's own K/V for its causal calls, not of the prefix
+    if kv_flipped:  # a copy of the unit's own K/V for its causal calls, not of the prefix
         k, v = k.flip(2), v.flip(2)
     if context.phase(forward=False) is None:
         dq, dk, dv = _whole_sequence_backward(kernel, dout, q, k, v, out, lse, None, scale)
@@ -343,16 +335,16 @@ def _save_unit(ctx, inputs, output) -> None:
     where they lie (the slab is then the one copy of K/V, and the saved-tensor count sees it);
     a compiled graph saves its own k, v (the op's Python state is not traced)."""
     q, k, v, ids, ctx.scale, compiled = inputs
-    ctx.reversed_kv = False
+    ctx.kv_flipped = False
     if not compiled:
         context, _, layer_id = _bound(ids)
-        k, v, ctx.reversed_kv = context.own(layer_id) or (k, v, False)
+        k, v, ctx.kv_flipped = context.own(layer_id) or (k, v, False)
     ctx.save_for_backward(q, k, v, *output, ids)
 
 
 def _unit_backward(ctx, dout: Tensor, _dlse: Tensor | None):
     """dq, dk, dv; no gradient for ids, scale and compiled."""
-    return *_unit_attention_backward(dout, *ctx.saved_tensors, ctx.scale, ctx.reversed_kv), None, None, None
+    return *_unit_attention_backward(dout, *ctx.saved_tensors, ctx.scale, ctx.kv_flipped), None, None, None
 
 
 def _save_documents(ctx, inputs, output) -> None:
