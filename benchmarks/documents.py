@@ -43,7 +43,7 @@ from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.memory import ActivationMemory
 from torchtitan_seq.ordering import F
 from torchtitan_seq.partition import partition_sequence
-from torchtitan_seq.schedules import seq1f1b_actions
+from torchtitan_seq.schedules import ScheduleShape, seq1f1b_actions
 
 
 class CountingKernel(CpuSdpaKernel):
@@ -102,7 +102,7 @@ def run_step(tokens: torch.Tensor, documents: list[Documents] | None, ac: bool, 
     memory = ActivationMemory()
     outputs, kv_held, total_peak = {}, [], 0
     with memory.track():
-        for action in seq1f1b_actions(args.pp, args.microbatches, args.subsequences)[0]:
+        for action in seq1f1b_actions(ScheduleShape(args.pp, args.microbatches, args.subsequences))[0]:
             m, j = divmod(action.microbatch_index, args.subsequences)
             unit = Unit(m, j, offsets[j], lengths[j], args.subsequences)
             if action.computation_type == F:

@@ -59,7 +59,7 @@ from typing import get_args
 from .flavors import flavor_shape, flavor_shapes
 from .partition import Partition, UnitCost
 from .render import busy_and_end
-from .schedules import SEQUENCE_SCHEDULES
+from .schedules import SEQUENCE_SCHEDULES, ScheduleShape
 from .shape import LENGTH_MULTIPLE, JobShape
 from .simulate.build import SimConfig, build
 from .simulate.costs import fit_cost_files, seconds_per_time_unit, subsequence_lengths
@@ -441,7 +441,7 @@ def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> 
         return False  # a chunk without a layer
     try:
         if choice.parameter_copies > 1:  # the two-chain schedules check a shape without building its lists
-            SEQUENCE_SCHEDULES[choice.schedule].check_shape(pp, microbatches, choice.num_subsequences)
+            SEQUENCE_SCHEDULES[choice.schedule].check_shape(ScheduleShape(pp, microbatches, choice.num_subsequences))
         else:  # the lists, built once: the simulation and the memory model take them again at N <= 2p
             build(
                 SimConfig(

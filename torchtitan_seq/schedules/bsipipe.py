@@ -13,7 +13,7 @@ from typing import NamedTuple
 from torch.distributed.pipelining.schedules import _Action
 
 from ..ordering import B, F, chain_neighbour, fed_by, feeds
-from .base import ActionLists
+from .base import ActionLists, ScheduleShape
 from .bidirectional import BidirectionalLayout, BidirectionalSchedule
 from .seq1f1b import unit_orders
 
@@ -225,14 +225,7 @@ def list_schedule(
     return _ListScheduler(num_ranks, num_microbatches, k, priority, limits).schedule()
 
 
-def bsipipe_actions(
-    num_ranks: int,
-    num_microbatches: int,
-    num_subsequences: int,
-    *,
-    split_backward: bool = False,
-    stages_per_rank: int = 4,
-) -> ActionLists:
+def bsipipe_actions(shape: ScheduleShape) -> ActionLists:
     """BSIPipe: two V-shaped pipelines in opposite directions (the V shape of :mod:`.bidirectional`).
 
     Basic-unit concatenation: a basic unit of 2p microbatches (p each way) is list-scheduled under
@@ -242,17 +235,15 @@ def bsipipe_actions(
     budget, and the shortest that uses all of it is kept (else the shortest). So peak activations do
     not grow with N.
     """
-    ScheduleBSIPipe.check_shape(
-        num_ranks, num_microbatches, num_subsequences, split_backward=split_backward, stages_per_rank=stages_per_rank
-    )
-    p, k = num_ranks, num_subsequences
+    ScheduleBSIPipe.check_shape(shape)
+    p, n, k = shape.num_ranks, shape.num_microbatches, shape.num_subsequences
     limit = [[3 * k + 2 * p] * 2 + [6 * k + 4 * p] for _ in range(p)]
-    basic_n = min(num_microbatches, 2 * p)
+    basic_n = min(n, 2 * p)
     basic = min((list_schedule(p, basic_n, k, w, limit) for w in PRIORITIES), key=lambda r: r.makespan)
-    if num_microbatches == basic_n:
+    if n == basic_n:
         return basic.actions
     peak = max(most[2] for most in basic.most_held)
-    steps = [list_schedule(p, num_microbatches, k, w, basic.most_held) for w in PRIORITIES]
+    steps = [list_schedule(p, n, k, w, basic.most_held) for w in PRIORITIES]
     return min(steps, key=lambda r: (max(most[2] for most in r.most_held) != peak, r.makespan)).actions
 
 
