@@ -458,18 +458,12 @@ def memory(job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int,
     return predict_memory(
         MemoryConfig(
             job.flavor,
-            job.seq_len,
+            job.shape(choice, tp),
             choice.schedule,
             pp,
-            job.local_batch_size,
-            choice.num_subsequences,
-            choice.partition,
-            choice.stages_per_rank,
-            tp=tp,
             dp_shard=cluster.gpus // (pp * tp),
             activation_checkpoint=ac,
             device=cluster.device,
-            length_multiple=job.length_multiple,
         )
     )
 
