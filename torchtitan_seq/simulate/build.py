@@ -101,10 +101,10 @@ class SimConfig:
     """Schedules of two opposite chains (stage_placement 'bidirectional'): position -> rank,
     as ``sequence_pipeline.bidirectional_placement``."""
     torch_lowering: bool = True
-    """False: time the compute-only lists with a SEND after each compute that feeds another
-    rank instead of torch's lowered lists: the same timeline whenever torch can lower them
-    (tested), without torch's FSDP pass, whose cost grows with the square of a list's length
-    (the planner's setting)."""
+    """False: time the compute-only lists instead of torch's lowered lists, each input from another
+    rank arriving its transfer after the compute that made it (as a SEND right after that compute
+    would send it): the same timeline whenever torch can lower them (tested), without torch's FSDP
+    pass, whose cost grows with the square of a list's length (the planner's setting)."""
 
 
 class MockStage(_PipelineStageBase):
