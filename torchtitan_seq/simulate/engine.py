@@ -188,6 +188,8 @@ class _Prepared:
     lowered: dict[int, list[_Action]] | None
     stage_to_rank: dict[int, int]
     program: tuple[Compute, ...]
+    kinds: frozenset
+    """The kinds of compute the lists run (F, B, I, W)."""
     ranks: tuple[int, ...]
     """The ranks, in the order of the timeline's keys."""
     deadlock: Deadlock | None
@@ -220,6 +222,7 @@ def _prepare(
             for leaf in compute_leaves(a)
         }
         lowered = None
+    kinds = frozenset(leaf.computation_type for acts in order.values() for a in acts if a for leaf in compute_leaves(a))
     if lowered is not None:
         listed = {r: list(enumerate(acts)) for r, acts in lowered.items()}
     else:  # the computes alone: an input from another rank takes its transfer from the compute that made it
@@ -233,7 +236,7 @@ def _prepare(
             program, pos, waiting = _order(steps, stage_to_rank, chain_length, sends=True)
         kind = "lowered" if lowered is not None else "compute-only"
         deadlock = _deadlock(steps, stage_to_rank, kind, pos, waiting)
-    return _Prepared(lowered, stage_to_rank, tuple(program), tuple(steps), deadlock)
+    return _Prepared(lowered, stage_to_rank, tuple(program), kinds, tuple(steps), deadlock)
 
 
 def _leaves(listed: dict[int, list[tuple[int, _Action]]]) -> Steps:
@@ -402,7 +405,7 @@ def simulate_order(
         _check_placement(stage_to_rank, placement, p, v, schedule)
     # A stage holds 1/chain_length of the model, a 1/p stage's p/chain_length.
     share = p / chain_length
-    per_stage = _stage_times(order, stage_to_rank, chain_length, share, times, chunk_times, schedule, cost)
+    per_stage = _stage_times(prepared.kinds, stage_to_rank, chain_length, share, times, chunk_times, schedule, cost)
 
     def duration(a: _Action) -> float:
         return per_stage[a.stage_index][a.computation_type][a.microbatch_index % k]
@@ -452,7 +455,7 @@ def _check_placement(stage_to_rank: dict[int, int], placement: str, p: int, v: i
 
 
 def _stage_times(
-    order: ActionLists,
+    kinds: frozenset,
     stage_to_rank: dict[int, int],
     chain_length: int,
     share: float,
@@ -463,13 +466,12 @@ def _stage_times(
 ) -> dict[int, dict[Any, tuple[float, ...] | None]]:
     """Per stage and pass kind, the time of each subsequence's unit: each stage's own chunk where
     ``chunk_times`` measured it on the stage's rank, else ``times`` (for a stage with 1/p of the
-    layers) scaled by ``share``. Refuses a cost without times for a kind of pass ``order`` runs."""
+    layers) scaled by ``share``. Refuses a cost without times for one of the ``kinds`` of pass the lists run."""
     scaled = {
         kind: None if ts is None else tuple(t * share for t in ts)
         for kind, ts in ((F, times.F), (B, times.B), (I, times.I), (W, times.W))
     }
-    used = {leaf.computation_type for acts in order.values() for a in acts if a for leaf in compute_leaves(a)}
-    missing = sorted(kind.value for kind in used if scaled[kind] is None)
+    missing = sorted(kind.value for kind in kinds if scaled[kind] is None)
     if missing:
         raise ValueError(f"{schedule} runs {missing} passes, but the cost {cost!r} has no times for them")
     own = {s: (chunk_times or {}).get((r, s % chain_length, chain_length)) for s, r in stage_to_rank.items()}
