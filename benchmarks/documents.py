@@ -43,7 +43,7 @@ from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.memory import ActivationMemory
 from torchtitan_seq.ordering import F, stage_passes
 from torchtitan_seq.partition import partition_sequence
-from torchtitan_seq.schedules import seq1f1b_actions
+from torchtitan_seq.schedules import ScheduleShape, seq1f1b_actions
 
 
 class CountingKernel(CpuSdpaKernel):
@@ -95,7 +95,7 @@ def run_step(tokens: torch.Tensor, documents: list[Documents] | None, ac: bool, 
         for name, layer in model.layers.named_children():
             model.layers.register_module(name, checkpoint_wrapper(layer, preserve_rng_state=False))
     lengths = partition_sequence(args.seq_len, args.subsequences, "even")
-    actions = seq1f1b_actions(args.pp, args.microbatches, args.subsequences)[0]
+    actions = seq1f1b_actions(ScheduleShape(args.pp, args.microbatches, args.subsequences))[0]
     context, kernel = KVContext(lengths), CountingKernel()
     context.expect(stage_passes(actions, 0, args.subsequences)[1])  # as the schedule tells its stages
     bind_kv_context(model, context, kernel)

@@ -21,6 +21,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from projection import SHAPES  # noqa: E402  (benchmarks/, this script's folder)
 
+from torchtitan_seq.flavors import flavor_shape  # noqa: E402
+from torchtitan_seq.shape import JobShape  # noqa: E402
 from torchtitan_seq.simulate.memory import MemoryConfig, MemoryEstimate, gib, predict_memory  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -47,22 +49,21 @@ MEASURED = [
 ]
 
 
-def paper_config(model: str, w: int, tp: int, **changes) -> MemoryConfig:
-    """BSIPipe on ``GPUS`` GPUs: w pipeline ranks, TP tp, dp = GPUS / (w tp); Megatron-style
-    mixed precision (bf16 compute and weights copy, fp32 master weights and gradients, Adam)."""
+def paper_config(model: str, w: int, tp: int, k: int = K, **changes) -> MemoryConfig:
+    """BSIPipe on ``GPUS`` GPUs: w pipeline ranks, TP tp, dp = GPUS / (w tp), k subsequences;
+    Megatron-style mixed precision (bf16 compute and weights copy, fp32 master weights and
+    gradients, Adam)."""
+    shape = JobShape.of_model(
+        SHAPES[model], SEQ_LEN, k, "compute", length_multiple=LENGTH_MULTIPLE, tp=tp, microbatches=MICROBATCHES
+    )
     config = MemoryConfig(
         SHAPES[model],
-        SEQ_LEN,
+        shape,
         "BSIPipe",
         pp=w,
-        microbatches=MICROBATCHES,
-        subsequences=K,
-        partition="compute",
-        tp=tp,
         dp_shard=GPUS // (w * tp),
         compute_dtype="bfloat16",
         selective_ac_option="op",
-        length_multiple=LENGTH_MULTIPLE,
     )
     return replace(config, **changes)
 
@@ -98,8 +99,8 @@ def paper_table() -> tuple[list[str], dict]:
                 for name, changes in (
                     ("op", {"activation_checkpoint": "selective"}),
                     ("full", {"activation_checkpoint": "full"}),
-                    ("k2", {"subsequences": 2}),
-                    ("k8", {"subsequences": 8}),
+                    ("k2", {"k": 2}),
+                    ("k8", {"k": 8}),
                 )
             }
             lo, hi = _range(base)
@@ -143,17 +144,16 @@ def cpu_rows() -> list[str]:
             if r.get("compiled") or key in seen:
                 continue
             seen.add(key)
-            config = MemoryConfig(
-                "debugmodel",
+            shape = JobShape.of_model(
+                flavor_shape("debugmodel"),
                 r["seq_len"],
-                r["schedule"],
-                pp=r["pp"],
-                microbatches=r["microbatches"],
-                subsequences=r["num_subsequences"],
-                partition=r["partition"] or "even",
-                device="cpu",
-                activation_checkpoint=mode,
+                r["num_subsequences"],
+                r["partition"] or "even",
                 length_multiple=LENGTH_MULTIPLE,
+                microbatches=r["microbatches"],
+            )
+            config = MemoryConfig(
+                "debugmodel", shape, r["schedule"], pp=r["pp"], device="cpu", activation_checkpoint=mode
             )
             estimate = predict_memory(config)
             cells = []

@@ -6,7 +6,9 @@ Each TREE (a checkout; default: this one) runs every shape of :data:`SHAPES` onc
 fresh interpreter, trees and shapes alternating: the seconds to import ``torchtitan_seq.plan``
 (torch and ``torch.distributed.pipelining`` with it), the seconds of ``plan.main([..., "--json"])``
 (the search and its JSON), and the whole process's wall time (``python -m torchtitan_seq.plan``
-as a user runs it, startup and exit included). Prints a markdown table of the medians.
+as a user runs it, startup and exit included) and CPU time (user + system: on a machine other jobs
+share, what the process itself spent, which their load moves less than its wall time). Prints a
+markdown table of the medians.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,18 +44,23 @@ print(json.dumps({"import": imported - start, "plan": time.perf_counter() - impo
 """
 
 
+def _cpu_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(tree: Path, argv: list[str]) -> dict[str, float]:
-    """Import and plan seconds (measured inside) and the process's wall seconds of one run in ``tree``."""
+    """Import and plan seconds (measured inside) and the process's wall and CPU seconds of one run in ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_of_children()
     subprocess.run(
         [sys.executable, "-m", "torchtitan_seq.plan", *argv], cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL
     )
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _cpu_of_children() - cpu
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, *argv], cwd=tree, env=env, check=True, capture_output=True, text=True
     ).stdout
-    return {**json.loads(out.splitlines()[-1]), "wall": wall}
+    return {**json.loads(out.splitlines()[-1]), "wall": wall, "cpu": cpu}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,10 +74,13 @@ def main(argv: list[str] | None = None) -> int:
             for tree in a.trees:
                 runs.setdefault((tree, name), []).append(measure(tree.resolve(), shape + COMMON))
     print(f"load average {os.getloadavg()[0]:.1f} at the end; medians of {a.rounds} runs, seconds\n")
-    print("| tree | shape | import | plan() | `python -m torchtitan_seq.plan`, wall |\n|---|---|---|---|---|")
+    print(
+        "| tree | shape | import | plan() | `python -m torchtitan_seq.plan`, wall | its CPU time |\n"
+        "|---|---|---|---|---|---|"
+    )
     for (tree, name), got in runs.items():
-        med = {key: statistics.median(r[key] for r in got) for key in ("import", "plan", "wall")}
-        print(f"| {tree} | {name} | {med['import']:.2f} | {med['plan']:.2f} | {med['wall']:.2f} |")
+        med = {key: statistics.median(r[key] for r in got) for key in ("import", "plan", "wall", "cpu")}
+        print(f"| {tree} | {name} | {med['import']:.2f} | {med['plan']:.2f} | {med['wall']:.2f} | {med['cpu']:.2f} |")
     return 0
 
 

@@ -28,6 +28,7 @@ from torchtitan.models.llama3 import TransformerModelArgs
 
 from torchtitan_seq import simulate as sim
 from torchtitan_seq.partition import UnitCost, partition_sequence
+from torchtitan_seq.shape import JobShape
 from torchtitan_seq.simulate.build import build
 from torchtitan_seq.simulate.memory import MemoryConfig, predict_memory
 
@@ -149,18 +150,16 @@ def predicted_bytes(setting: Setting, schedule: str, k: int, partition: str) -> 
     bf16 activations and compute (Megatron's mixed precision, as the paper ran; torchtitan
     keeps fp32 under PP without FSDP), fp32 master weights, gradients and AdamW states, no
     activation checkpointing (as the throughput is simulated)."""
-    config = MemoryConfig(
-        model=SHAPES[setting.model],
-        seq_len=setting.seq_len,
-        schedule=schedule,
-        pp=setting.pp,
-        microbatches=setting.microbatches,
-        subsequences=k,
-        partition=partition,
-        tp=setting.tp,
-        compute_dtype="bfloat16",
+    shape = JobShape.of_model(
+        SHAPES[setting.model],
+        setting.seq_len,
+        k,
+        partition,
         length_multiple=LENGTH_MULTIPLE,
+        tp=setting.tp,
+        microbatches=setting.microbatches,
     )
+    config = MemoryConfig(SHAPES[setting.model], shape, schedule, pp=setting.pp, compute_dtype="bfloat16")
     return predict_memory(config).total
 
 

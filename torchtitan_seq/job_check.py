@@ -14,7 +14,7 @@ from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
 from .pipeline import job_shape, pipeline_sequence_llm
-from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES
+from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ScheduleShape
 
 __all__ = ["check_job"]
 
@@ -193,11 +193,7 @@ def _check_shape(job_config: JobConfig, spec: TrainSpec) -> None:
     shape = job_shape(job_config, model_args, par.tensor_parallel_degree, par.pipeline_parallel_degree)
     cls = SEQUENCE_SCHEDULES[par.pipeline_parallel_schedule]
     cls.check_torch()
-    cls.check_shape(
-        par.pipeline_parallel_degree,
-        shape.microbatches,
-        len(shape.lengths),
-        split_backward=seq.split_backward,
-        stages_per_rank=shape.stages_per_rank,
-        **cls.options_from_config(seq),
+    lists = ScheduleShape(
+        par.pipeline_parallel_degree, shape.microbatches, len(shape.lengths), seq.split_backward, shape.stages_per_rank
     )
+    cls.check_shape(lists, **cls.options_from_config(seq))

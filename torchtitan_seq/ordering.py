@@ -43,30 +43,32 @@ def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences
     k = num_subsequences
     for rank, actions in order.items():
         done: set[tuple[int, _ComputationType, int]] = set()
-        steps = ((t, a.sub_actions or (a,)) for t, a in enumerate(actions) if a is not None)
-        for t, a in ((t, s) for t, subs in steps for s in subs):  # a compound action's parts
-            kind, stage, uid = a.computation_type, a.stage_index, a.microbatch_index
-            if kind not in (F, B, I, W):
+        for t, action in enumerate(actions):
+            if action is None:
                 continue
-            m, j = divmod(uid, k)
-            if kind == F and j > 0 and (stage, F, uid - 1) not in done:
-                broken = f"rule 1 (forward in subsequence order): {{}} runs before subsequence {j - 1}"
-            elif kind != F and (stage, F, m * k + k - 1) not in done:
-                broken = (
-                    "rule 2 (backward after the microbatch's forwards): {} runs before the forward of "
-                    f"subsequence {k - 1}"
-                )
-            elif kind != F and j < k - 1 and (stage, kind, uid + 1) not in done:
-                broken = (
-                    "rule 2 (backward last-subsequence-first): {} runs before its "
-                    f"{kind.value} of subsequence {j + 1}"
-                )
-            else:
-                done.add((stage, kind, uid))
-                continue
-            # The action is named only when a rule is broken: formatting it costs more than checking it.
-            where = f"rank {rank} step {t}: {a} (microbatch {m}, subsequence {j}) on stage {stage}"
-            raise ScheduleOrderError(broken.format(where))
+            for a in action.sub_actions or (action,):  # a compound action's parts
+                kind, stage, uid = a.computation_type, a.stage_index, a.microbatch_index
+                if kind not in (F, B, I, W):
+                    continue
+                m, j = divmod(uid, k)
+                if kind == F and j > 0 and (stage, F, uid - 1) not in done:
+                    broken = f"rule 1 (forward in subsequence order): {{}} runs before subsequence {j - 1}"
+                elif kind != F and (stage, F, m * k + k - 1) not in done:
+                    broken = (
+                        "rule 2 (backward after the microbatch's forwards): {} runs before the forward of "
+                        f"subsequence {k - 1}"
+                    )
+                elif kind != F and j < k - 1 and (stage, kind, uid + 1) not in done:
+                    broken = (
+                        "rule 2 (backward last-subsequence-first): {} runs before its "
+                        f"{kind.value} of subsequence {j + 1}"
+                    )
+                else:
+                    done.add((stage, kind, uid))
+                    continue
+                # The action is named only when a rule is broken: formatting it costs more than checking it.
+                where = f"rank {rank} step {t}: {a} (microbatch {m}, subsequence {j}) on stage {stage}"
+                raise ScheduleOrderError(broken.format(where))
 
 
 def stage_passes(actions: list[_Action | None] | tuple, stage: int, k: int) -> tuple[list[int], list[Pass]]:

@@ -23,8 +23,8 @@ simulate every combination at full size:
   heavier ones of its schedule choice and p are skipped, and when the
   heaviest-saving one (most TP, full AC) does not fit, none of them is tried;
 - a step is simulated at N' = min(N, 2p) and 2N' microbatches and extended
-  linearly to N: past the warm-up each further microbatch adds the same time
-  (within 1%, tested), on the compute-only lists (``torch_lowering=False``:
+  linearly to N (at N alone where N <= 4p): past the warm-up each further
+  microbatch adds the same time (within 1%, tested), on the compute-only lists (``torch_lowering=False``:
   the same timeline, without torch's lowering passes); lists, their
   preparation for timing and the memory model's walks are built once per
   shape and reused across TP, AC and cost choices.
@@ -59,7 +59,7 @@ from typing import get_args
 from .flavors import flavor_shape, flavor_shapes
 from .partition import Partition, UnitCost
 from .render import busy_and_end
-from .schedules import SEQUENCE_SCHEDULES
+from .schedules import SEQUENCE_SCHEDULES, ScheduleShape
 from .shape import LENGTH_MULTIPLE, JobShape
 from .simulate.build import SimConfig, build
 from .simulate.costs import fit_cost_files, seconds_per_time_unit, subsequence_lengths
@@ -390,7 +390,7 @@ def _simulated_step(
     costs: _Costs,
 ) -> _Step:
     """A step's time, simulated at N' = min(N, 2p) and 2N' microbatches and extended to N
-    (each microbatch past the warm-up adds the same time)."""
+    (each microbatch past the warm-up adds the same time); at N alone where N <= 4p."""
     network = Network(
         cluster.intra_node,
         cluster.inter_node,
@@ -425,11 +425,13 @@ def _simulated_step(
         return result.makespan * unit, busy * unit
 
     small = min(microbatches, 2 * pp)
-    makespan, busy = run(small)
-    if small < microbatches:
+    if small == microbatches:
+        makespan, busy = run(small)
+    else:
         twice = min(microbatches, 2 * small)
         longer, busy_longer = run(twice)
-        slope = (longer - makespan) / (twice - small)
+        # Where 2N' is N the line ends where it starts, whatever its slope: N' is not simulated.
+        slope = 0.0 if twice == microbatches else (longer - run(small)[0]) / (twice - small)
         makespan, busy = longer + slope * (microbatches - twice), busy_longer * microbatches / twice
     return _Step(makespan, 1 - busy / makespan)
 
@@ -441,7 +443,7 @@ def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> 
         return False  # a chunk without a layer
     try:
         if choice.parameter_copies > 1:  # the two-chain schedules check a shape without building its lists
-            SEQUENCE_SCHEDULES[choice.schedule].check_shape(pp, microbatches, choice.num_subsequences)
+            SEQUENCE_SCHEDULES[choice.schedule].check_shape(ScheduleShape(pp, microbatches, choice.num_subsequences))
         else:  # the lists, built once: the simulation and the memory model take them again at N <= 2p
             build(
                 SimConfig(
@@ -458,18 +460,12 @@ def memory(job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int,
     return predict_memory(
         MemoryConfig(
             job.flavor,
-            job.seq_len,
+            job.shape(choice, tp),
             choice.schedule,
             pp,
-            job.local_batch_size,
-            choice.num_subsequences,
-            choice.partition,
-            choice.stages_per_rank,
-            tp=tp,
             dp_shard=cluster.gpus // (pp * tp),
             activation_checkpoint=ac,
             device=cluster.device,
-            length_multiple=job.length_multiple,
         )
     )
 
@@ -719,6 +715,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # The cyclic collector stays off to the end (plan() leaves it as it found it): turned back on, it
+    # would walk every object the search cached once more (half a second) just before the process ends.
+    gc.disable()
     code = main()
     # Out without the interpreter's teardown, which frees the search's cached action lists one object at
     # a time (1-2 s after the answer); the planner holds nothing else to release.

@@ -8,6 +8,7 @@ from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_send_r
 from torchtitan_seq.schedules import (
     SEQUENCE_SCHEDULES,
     BidirectionalLayout,
+    ScheduleShape,
     bsipipe_actions,
     lower_chains,
     seq1f1b_actions,
@@ -33,7 +34,7 @@ def test_layout_places_chains_in_mirrored_vs():
 def test_lowering_of_one_chain_is_torchs():
     """With one chain, lower_chains places every send and receive where torch's _add_send_recv does."""
     for p, n, k in itertools.product((2, 3, 4), (1, 3), (1, 2, 4)):
-        order = seq1f1b_actions(p, n, k)
+        order = seq1f1b_actions(ScheduleShape(p, n, k))
         ours = lower_chains(order, {s: s for s in range(p)}, p, n * k)
         with_fsdp = {r: _add_reduce_grad(_add_unshard_reshard(a), n * k) for r, a in order.items()}
         assert ours == _add_send_recv(with_fsdp, lambda s: s, p)
@@ -41,7 +42,7 @@ def test_lowering_of_one_chain_is_torchs():
 
 def test_no_transfer_crosses_a_chain_end():
     lay = BidirectionalLayout(4)
-    order = {lay.rank_of_position(q): acts for q, acts in bsipipe_actions(4, 8, 2).items()}
+    order = {lay.rank_of_position(q): acts for q, acts in bsipipe_actions(ScheduleShape(4, 8, 2)).items()}
     lowered = lower_chains(order, lay.stage_to_rank(), lay.chain_length, 8)
     comms = {
         (a.computation_type.name, a.stage_index)
@@ -71,14 +72,14 @@ def test_no_transfer_crosses_a_chain_end():
 def test_refuses_what_it_cannot_run():
     cls = SEQUENCE_SCHEDULES["BSIPipe"]
     with pytest.raises(ValueError, match="even number of them, got 3"):
-        cls.compute_order(2, 3, 2)
+        cls.compute_order(ScheduleShape(2, 3, 2))
     with pytest.raises(ValueError, match="sequence_pipeline.split_backward = false"):
-        cls.compute_order(2, 2, 2, split_backward=True)
+        cls.compute_order(ScheduleShape(2, 2, 2, split_backward=True))
     # The job check refuses the same without building the lists.
     with pytest.raises(ValueError, match="even number of them, got 3"):
-        cls.check_shape(2, 3, 2)
+        cls.check_shape(ScheduleShape(2, 3, 2))
     with pytest.raises(ValueError, match="even pipeline_parallel_degree"):
-        cls.check_shape(3, 2, 2)
+        cls.check_shape(ScheduleShape(3, 2, 2))
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])

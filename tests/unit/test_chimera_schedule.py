@@ -5,7 +5,13 @@ import json
 import pytest
 
 from torchtitan_seq.ordering import validate_unit_order
-from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, BidirectionalLayout, chimera_actions, lower_chains
+from torchtitan_seq.schedules import (
+    SEQUENCE_SCHEDULES,
+    BidirectionalLayout,
+    ScheduleShape,
+    chimera_actions,
+    lower_chains,
+)
 from torchtitan_seq.simulate import SimConfig, simulate
 
 CHIMERA = SEQUENCE_SCHEDULES["Chimera"]
@@ -37,7 +43,7 @@ def test_layout_runs_the_chains_straight_in_opposite_directions():
 
 def test_no_transfer_crosses_a_chain_end():
     lay = BidirectionalLayout(4, stages_per_rank=2)
-    order = {lay.rank_of_position(q): acts for q, acts in chimera_actions(4, 8, 2).items()}
+    order = {lay.rank_of_position(q): acts for q, acts in chimera_actions(ScheduleShape(4, 8, 2)).items()}
     lowered = lower_chains(order, lay.stage_to_rank(), lay.chain_length, 8)
     comms = {
         (a.computation_type.name, a.stage_index)
@@ -63,22 +69,22 @@ def test_no_transfer_crosses_a_chain_end():
 
 def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="even number of them, got 3"):
-        CHIMERA.compute_order(2, 3, 2)
+        CHIMERA.compute_order(ScheduleShape(2, 3, 2))
     with pytest.raises(ValueError, match="sequence_pipeline.split_backward = false"):
-        CHIMERA.compute_order(2, 2, 2, split_backward=True)
+        CHIMERA.compute_order(ScheduleShape(2, 2, 2, split_backward=True))
     with pytest.raises(ValueError, match="Chimera holds 2 stages per rank"):
-        CHIMERA.compute_order(2, 2, 2, stages_per_rank=4)
+        CHIMERA.compute_order(ScheduleShape(2, 2, 2, stages_per_rank=4))
     with pytest.raises(ValueError, match="even pipeline_parallel_degree"):
-        CHIMERA.check_shape(3, 2, 2)
+        CHIMERA.check_shape(ScheduleShape(3, 2, 2))
     with pytest.raises(ValueError, match="sequence_pipeline.bidirectional_placement"):
-        CHIMERA.check_shape(2, 2, 2, placement="ring")
+        CHIMERA.check_shape(ScheduleShape(2, 2, 2), placement="ring")
 
 
 def _run(p: int, n: int, k: int, cost: str = "uniform"):
     r = simulate(SimConfig("Chimera", pp=p, microbatches=n, subsequences=k, seq_len=SEQ_LEN, cost=cost))
     assert r.deadlock is None, (p, n, k, r.deadlock)
     assert r.parameter_copies == 2 and r.stages_per_rank == 2
-    validate_unit_order(CHIMERA.compute_order(p, n, k), k)
+    validate_unit_order(CHIMERA.compute_order(ScheduleShape(p, n, k)), k)
     return r
 
 

@@ -8,7 +8,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import _add_send_recv, _simulate_comms_compute, _validate_schedule
 
 from torchtitan_seq.ordering import validate_unit_order
-from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, interleaved_seq1f1b_actions
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape, interleaved_seq1f1b_actions
 
 
 def _lower_and_run(order, p, v, n_units):
@@ -37,7 +37,7 @@ def test_every_shape_is_ordered_and_deadlock_free(p, v):
     placement, and torch's lowering and simulator (the released Seq1F1B-I fails (4, 2, 3))."""
     loop = generate_stage_to_rank_mapping(p, p * v, style="loop")
     for n, k, split in itertools.product(range(1, 17), range(1, 9), (False, True)):
-        order = interleaved_seq1f1b_actions(p, n, k, split_backward=split, stages_per_rank=v)
+        order = interleaved_seq1f1b_actions(ScheduleShape(p, n, k, split, v))
         validate_unit_order(order, k)
         assert _lower_and_run(order, p, v, n * k) == loop, (p, n, k)
 

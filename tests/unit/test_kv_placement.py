@@ -8,7 +8,7 @@ import torch
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.kv_placement import plan_arenas, slab_extents
 from torchtitan_seq.ordering import stage_passes
-from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
 
 SHAPES = [
     (name, p, n, k, split)
@@ -20,7 +20,7 @@ SHAPES = [
 
 def _stage_orders(name, p, n, k, split):
     """Every stage's passes in the order its rank runs them."""
-    order = SEQUENCE_SCHEDULES[name].compute_order(p, n, k, split_backward=split)
+    order = SEQUENCE_SCHEDULES[name].compute_order(ScheduleShape(p, n, k, split))
     for actions in order.values():
         for stage in sorted({a.stage_index for a in actions if a is not None}):
             yield stage_passes(actions, stage, k)[1]
@@ -70,7 +70,7 @@ def test_seq1f1b_arenas_hold_less_than_whole_slabs(p, k):
     hold less than a slab of its own per microbatch (k - 1 units each) did."""
     L = 16
 
-    order = SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(p, 2 * p, k)
+    order = SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(p, 2 * p, k))
     for r in range(p):
         passes = stage_passes(order[r], r, k)[1]
         plan = plan_arenas(passes, [L] * k, L * (k - 1))
@@ -82,7 +82,7 @@ def test_seq1f1b_arenas_hold_less_than_whole_slabs(p, k):
 def test_terapipe_holds_whole_microbatches():
     """Every forward first: all slabs are whole at once, so nothing is shared."""
     k, lengths = 4, [8] * 4
-    order = SEQUENCE_SCHEDULES["TeraPipe"].compute_order(2, 4, k)
+    order = SEQUENCE_SCHEDULES["TeraPipe"].compute_order(ScheduleShape(2, 4, k))
     plan = plan_arenas(stage_passes(order[0], 0, k)[1], lengths, 24)
     assert plan.capacity == 24 and plan.peak == 4 * 24
 
@@ -99,7 +99,7 @@ def test_context_in_a_shared_arena_is_exact(packed):
 
     lengths, n, kk = [12, 9, 7, 4], 4, 4
     seq = sum(lengths)
-    passes = stage_passes(SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(2, n, kk)[0], 0, kk)[1]
+    passes = stage_passes(SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(2, n, kk))[0], 0, kk)[1]
     context, layer = KVContext(lengths), SequenceAttention(0)
     context.expect(passes)
     layer.bind(context, select_kernel(torch.device("cpu")))
@@ -137,7 +137,7 @@ def test_context_refuses_to_overwrite_keys_still_read():
     """A stage that runs its units in another order than it announced: the next microbatch's write
     would land on keys the previous one still reads, and the context says so."""
     lengths, kk = [4] * 4, 4
-    order = SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(2, 4, kk)[0]
+    order = SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(2, 4, kk))[0]
     context = KVContext(lengths)
     context.expect(stage_passes(order, 0, kk)[1])
     kv = torch.zeros(1, 1, 4, 2)

@@ -14,6 +14,7 @@ from torchtitan_seq.kernels import select_kernel
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.memory import ActivationMemory
 from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
+from torchtitan_seq.shape import JobShape
 from torchtitan_seq.simulate import SimConfig, simulate
 from torchtitan_seq.simulate import memory as mm
 from torchtitan_seq.simulate.build import build, compute_leaves
@@ -44,18 +45,15 @@ def _recorded(mode: str) -> list[dict]:
 
 
 def _config(row: dict, mode: str) -> mm.MemoryConfig:
-    return mm.MemoryConfig(
-        "debugmodel",
+    shape = JobShape.of_model(
+        seq_llama3_flavors["debugmodel"],
         row["seq_len"],
-        row["schedule"],
-        pp=row["pp"],
-        microbatches=row["microbatches"],
-        subsequences=row["num_subsequences"],
-        partition=row["partition"] or "even",
-        device="cpu",
-        activation_checkpoint=mode,
+        row["num_subsequences"],
+        row["partition"] or "even",
         length_multiple=64,  # the runs' train_configs/debug_model.toml
+        microbatches=row["microbatches"],
     )
+    return mm.MemoryConfig("debugmodel", shape, row["schedule"], pp=row["pp"], device="cpu", activation_checkpoint=mode)
 
 
 def _errors(mode: str) -> dict[str, list[float]]:
@@ -208,7 +206,7 @@ def test_kv_context_under_checkpointing(monkeypatch):
     args = seq_llama3_flavors["debugmodel"]
     plan = mm._plan("Seq1F1B", 2, 4, 4, None, False)
     config = mm.MemoryConfig(
-        "debugmodel", 4096, "Seq1F1B", pp=2, microbatches=4, subsequences=4, device="cpu", activation_checkpoint="full"
+        "debugmodel", JobShape(4096, 4, microbatches=4), "Seq1F1B", pp=2, device="cpu", activation_checkpoint="full"
     )
 
     def held_peak() -> float:
@@ -249,7 +247,7 @@ def test_layer_bytes_against_autograd(n_kv_heads, ffn_dim_multiplier):
     args = dataclasses.replace(
         seq_llama3_flavors["debugmodel"], n_kv_heads=n_kv_heads, ffn_dim_multiplier=ffn_dim_multiplier
     )
-    config = mm.MemoryConfig(args, 512, "Seq1F1B", device="cpu")
+    config = mm.MemoryConfig(args, JobShape(512), "Seq1F1B", device="cpu")
     predicted = mm._layer_bytes(args, config, 4, "none", unit=True)
     assert predicted == pytest.approx(_measured_layer(args, torch.float32, 512), rel=0.01)
 
@@ -271,15 +269,14 @@ def test_parameter_count(flavor):
 def test_state_bytes_and_copies():
     """Mirrored copies double parameters and gradients, not optimizer states; FSDP shards
     master weights and states and keeps an unsharded bf16 copy and fp32 gradients."""
-    one = mm.predict_memory(mm.MemoryConfig("debugmodel", 2048, "Seq1F1B", pp=2, microbatches=4, subsequences=2))
-    copies = mm.predict_memory(mm.MemoryConfig("debugmodel", 2048, "Chimera", pp=2, microbatches=4, subsequences=2))
+    shape = JobShape(2048, 2, microbatches=4)
+    one = mm.predict_memory(mm.MemoryConfig("debugmodel", shape, "Seq1F1B", pp=2))
+    copies = mm.predict_memory(mm.MemoryConfig("debugmodel", shape, "Chimera", pp=2))
     whole = one.ranks[0].parameters + one.ranks[1].parameters
     assert copies.ranks[0].parameters == copies.ranks[1].parameters == whole
     assert copies.ranks[0].gradients == whole  # fp32 everywhere: no FSDP with pp and no dp
     assert copies.ranks[0].optimizer + copies.ranks[1].optimizer == 2 * whole
-    fsdp = mm.predict_memory(
-        mm.MemoryConfig("debugmodel", 2048, "Seq1F1B", pp=2, microbatches=4, subsequences=2, dp_shard=4)
-    )
+    fsdp = mm.predict_memory(mm.MemoryConfig("debugmodel", shape, "Seq1F1B", pp=2, dp_shard=4))
     n = one.ranks[0].parameters / 4  # parameters of rank 0's stage
     assert fsdp.ranks[0].parameters == pytest.approx(n * (4 / 4 + 2))
     assert fsdp.ranks[0].gradients == pytest.approx(n * 4)
@@ -289,10 +286,10 @@ def test_state_bytes_and_copies():
 
 def test_bad_settings():
     with pytest.raises(ValueError, match="activation_checkpoint"):
-        mm.MemoryConfig("8B", 8192, activation_checkpoint="memory_budget")
+        mm.MemoryConfig("8B", JobShape(8192), activation_checkpoint="memory_budget")
     with pytest.raises(ValueError, match="compute_dtype"):
-        mm.MemoryConfig("8B", 8192, compute_dtype="bf16")
+        mm.MemoryConfig("8B", JobShape(8192), compute_dtype="bf16")
     with pytest.raises(ValueError, match="selective_ac_option"):
-        mm.MemoryConfig("8B", 8192, activation_checkpoint="selective", selective_ac_option="every")
+        mm.MemoryConfig("8B", JobShape(8192), activation_checkpoint="selective", selective_ac_option="every")
     with pytest.raises(ValueError, match="model = 'llama9'"):
-        mm.predict_memory(mm.MemoryConfig("llama9", 8192))
+        mm.predict_memory(mm.MemoryConfig("llama9", JobShape(8192)))

@@ -13,7 +13,7 @@ from torchtitan_seq import simulate as sim
 from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
 from torchtitan_seq.ordering import F
 from torchtitan_seq.partition import UnitCost
-from torchtitan_seq.schedules import seq1f1b_actions
+from torchtitan_seq.schedules import ScheduleShape, seq1f1b_actions
 from torchtitan_seq.simulate.network import parameter_count
 
 GPT_1_3B = TransformerModelArgs(dim=2048, n_layers=24, n_heads=16, vocab_size=50257)
@@ -104,7 +104,7 @@ def test_each_unit_sends_its_own_bytes():
     net = sim.Network(inter_node=sim.Link(bandwidth=600 * args.dim * 2 / 2.0), gpus_per_node=1)
     transfers = sim.Transfers.for_model(net, args, [200, 600], 2, 1.0)
     r = sim.simulate_order(
-        seq1f1b_actions(2, 1, 2),
+        seq1f1b_actions(ScheduleShape(2, 1, 2)),
         lengths=[200, 600],
         times=sim.UnitTimes(F=(0.25, 0.75), B=(0.5, 1.5)),
         microbatches=1,

@@ -4,7 +4,7 @@ import pytest
 from torch.distributed.pipelining.schedules import _Action
 
 from torchtitan_seq.ordering import B, F, ScheduleOrderError, validate_unit_order
-from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
 
 
 @pytest.mark.parametrize("name", sorted(SEQUENCE_SCHEDULES))
@@ -12,7 +12,7 @@ def test_shipped_schedules_follow_the_rules(name):
     cls = SEQUENCE_SCHEDULES[name]
     for p, n, k, split in itertools.product((1, 2, 4), (1, 2, 5, 6), (1, 2, 3, 4), (False, True)):
         try:
-            order = cls.compute_order(p, n, k, split_backward=split)
+            order = cls.compute_order(ScheduleShape(p, n, k, split))
         except ValueError:  # a shape the schedule refuses (BSIPipe, Chimera: odd p or N, split backward)
             assert cls.parameter_copies == 2 and (p % 2 or n % 2 or split), (p, n, k, split)
             continue

@@ -28,7 +28,11 @@ def test_lengths_are_cut_on_the_lcm_of_the_length_multiple_and_tp():
 
 def test_the_simulator_and_the_memory_model_cut_as_the_runtime():
     """One default multiple; the simulator takes TP from its network."""
-    assert SimConfig("Seq1F1B", 2, 4).length_multiple == MemoryConfig("debugmodel", 2048).length_multiple == 1
+    assert (
+        SimConfig("Seq1F1B", 2, 4).length_multiple
+        == MemoryConfig("debugmodel", JobShape(2048)).shape.length_multiple
+        == 1
+    )
     assert LENGTH_MULTIPLE == 1
     runtime = JobShape.of_model(DEBUG, 2048, 4, "compute", length_multiple=16, tp=2)
     sim = SimConfig(
@@ -42,7 +46,7 @@ def test_the_simulator_and_the_memory_model_cut_as_the_runtime():
         length_multiple=16,
         network=Network(gpus_per_rank=2, tensor_parallel=2),
     )
-    memory = MemoryConfig("debugmodel", 2048, "Seq1F1B", 2, 4, 4, "compute", tp=2, length_multiple=16)
+    memory = MemoryConfig("debugmodel", runtime, "Seq1F1B", 2)
     assert job_shape(sim).lengths == memory.shape.lengths == runtime.lengths
 
 

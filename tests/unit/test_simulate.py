@@ -12,7 +12,7 @@ from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRun
 
 from torchtitan_seq import simulate as sim
 from torchtitan_seq.ordering import B, F, ScheduleOrderError, validate_unit_order
-from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, SequenceSchedule, seq1f1b_actions
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape, SequenceSchedule, seq1f1b_actions
 
 REPO = Path(__file__).resolve().parents[2]
 # Divisible by every k tested, so even subsequences are exactly S / k long.
@@ -99,14 +99,14 @@ def _first_subsequence_first(order):
 
 
 def test_validator_rejects_first_subsequence_first_backward():
-    bad = _first_subsequence_first(seq1f1b_actions(2, 1, 4))
+    bad = _first_subsequence_first(seq1f1b_actions(ScheduleShape(2, 1, 4)))
     with pytest.raises(ScheduleOrderError, match=r"rule 2 .*microbatch 0, subsequence 0"):
         validate_unit_order(bad, 4)
 
 
 def test_simulate_rejects_a_misordered_schedule_by_name(monkeypatch):
     class Misordered(SequenceSchedule):
-        actions_fn = staticmethod(lambda p, n, k, **kw: _first_subsequence_first(seq1f1b_actions(p, n, k, **kw)))
+        actions_fn = staticmethod(lambda shape: _first_subsequence_first(seq1f1b_actions(shape)))
 
     monkeypatch.setitem(SEQUENCE_SCHEDULES, "Misordered", Misordered)
     with pytest.raises(ScheduleOrderError, match="rule 2"):
@@ -131,9 +131,10 @@ def test_deadlock_is_reported_not_hung():
 # --- placement, lowering and plug-in of new schedules ------------------------
 
 
-def _looped_bfs_units(p, n, k, *, split_backward=False, stages_per_rank=1):
+def _looped_bfs_units(shape):
     """A V-stage, loop-placed sequence schedule: every forward of a stage, then backwards."""
-    assert not split_backward
+    assert not shape.split_backward
+    p, n, k, stages_per_rank = shape.num_ranks, shape.num_microbatches, shape.num_subsequences, shape.stages_per_rank
     fwd = [m * k + j for m in range(n) for j in range(k)]
     bwd = [m * k + j for m in range(n) for j in reversed(range(k))]
     stages = lambda r: [r + i * p for i in range(stages_per_rank)]  # noqa: E731

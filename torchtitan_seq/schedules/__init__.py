@@ -1,9 +1,9 @@
 """Sequence-level pipeline schedules, one module per family: :mod:`.seq1f1b`, :mod:`.interleaved`,
 :mod:`.bsipipe` and :mod:`.chimera` (both on :mod:`.bidirectional`), on the runtime in :mod:`.base`.
 
-Each schedule is a short pure function ``(num_ranks, num_microbatches, num_subsequences) -> {rank:
-[compute actions]}`` over (microbatch, subsequence) units, ``unit id = m * k + j``, plus a thin
-subclass of the runtime. With plain ``torch.distributed.pipelining``::
+Each schedule is a short pure function ``ScheduleShape -> {rank: [compute actions]}`` (p ranks, N
+microbatches, k subsequences, split backward, v chunks per rank) over (microbatch, subsequence)
+units, ``unit id = m * k + j``, plus a thin subclass of the runtime. With plain ``torch.distributed.pipelining``::
 
     lengths = partition_sequence(seq_len, 4, "even")
     stage = SequencePipelineStage(chunk, rank, world, device, lengths=lengths)
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch.distributed.pipelining import schedules as _torch_schedules
 
-from .base import ActionLists, SequenceSchedule, StagePlacement
+from .base import ActionLists, ScheduleShape, SequenceSchedule, StagePlacement
 from .bidirectional import (
     PLACEMENTS,
     BidirectionalLayout,
@@ -37,6 +37,7 @@ from .seq1f1b import ScheduleSeq1F1B, ScheduleTeraPipe, seq1f1b_actions, terapip
 
 __all__ = [
     "ActionLists",
+    "ScheduleShape",
     "SequenceSchedule",
     "StagePlacement",
     "seq1f1b_actions",

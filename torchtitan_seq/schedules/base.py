@@ -9,6 +9,7 @@ unshard/reshard, gradient reduction) and execution are torch's.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -18,13 +19,28 @@ from ..documents import Documents
 from ..ordering import validate_unit_order
 from ..stage import SequencePipelineStage
 
-__all__ = ["ActionLists", "SequenceSchedule", "StagePlacement"]
+__all__ = ["ActionLists", "ScheduleShape", "SequenceSchedule", "StagePlacement"]
 
 ActionLists = dict[int, list[_Action | None]]
 """What a schedule's ``actions_fn`` returns: per rank, its compute-only actions in order."""
 
 StagePlacement = list[list[tuple[int, int]]]
 """Per pipeline rank, the (stage index, model chunk index) pairs it holds."""
+
+
+@dataclass(frozen=True)
+class ScheduleShape:
+    """What a schedule's lists are built for: p ranks (``num_ranks``), N microbatches per step
+    (``num_microbatches``) of k subsequences each (``num_subsequences``, units ``m * k + j``),
+    backward as one pass or as input- and weight-gradient passes (``split_backward``), and v model
+    chunks per rank (``stages_per_rank``; None: the schedule's own, which :meth:`SequenceSchedule.compute_order`
+    fills in before the schedule's ``actions_fn`` sees it)."""
+
+    num_ranks: int
+    num_microbatches: int
+    num_subsequences: int
+    split_backward: bool = False
+    stages_per_rank: int | None = None
 
 
 class SequenceSchedule(_PipelineScheduleRuntime):
@@ -38,9 +54,10 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         scale_grads: divide gradients by the number of units; leave False with a token-normalised loss.
     """
 
-    actions_fn: ClassVar[Callable[..., ActionLists]]
+    actions_fn: ClassVar[Callable[[ScheduleShape], ActionLists]]
+    """The schedule's lists for a shape whose ``stages_per_rank`` is set (see :meth:`compute_order`)."""
     stages_per_rank: ClassVar[int] = 1
-    """Model chunks per rank; over 1, the default v of a multi-stage schedule, whose ``actions_fn`` takes it."""
+    """Model chunks per rank; over 1, the default v of a multi-stage schedule."""
     parameter_copies: ClassVar[int] = 1
     """Copies of each model chunk across the pipeline."""
     stage_placement: ClassVar[str] = "loop"
@@ -69,9 +86,7 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         self.num_microbatches = n_microbatches
         super().__init__(stages, n_microbatches * k, loss_fn=loss_fn, scale_grads=scale_grads)
         self._unit_losses: dict[int, torch.Tensor] = {}
-        order = self.compute_order(
-            self.pp_group_size, n_microbatches, k, split_backward=split_backward, stages_per_rank=len(stages)
-        )
+        order = self.compute_order(ScheduleShape(self.pp_group_size, n_microbatches, k, split_backward, len(stages)))
         validate_unit_order(order, k)
         self.pipeline_order = order
         for stage in stages:
@@ -79,39 +94,15 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         self._prepare_schedule_with_comms(order)
 
     @classmethod
-    def compute_order(
-        cls,
-        num_ranks: int,
-        num_microbatches: int,
-        num_subsequences: int,
-        *,
-        split_backward: bool = False,
-        stages_per_rank: int | None = None,
-    ) -> ActionLists:
-        """The schedule's compute-only lists, {rank: [action]}, for v = ``stages_per_rank`` (default: the class's)."""
-        extra = {"stages_per_rank": stages_per_rank or cls.stages_per_rank} if cls.stages_per_rank > 1 else {}
-        return cls.actions_fn(num_ranks, num_microbatches, num_subsequences, split_backward=split_backward, **extra)
+    def compute_order(cls, shape: ScheduleShape) -> ActionLists:
+        """The schedule's compute-only lists for ``shape``, {rank: [action]}; v: the class's unless the shape says."""
+        return cls.actions_fn(replace(shape, stages_per_rank=shape.stages_per_rank or cls.stages_per_rank))
 
     @classmethod
-    def check_shape(
-        cls,
-        num_ranks: int,
-        num_microbatches: int,
-        num_subsequences: int,
-        *,
-        split_backward: bool = False,
-        **options: Any,
-    ) -> None:
-        """Raise ValueError, naming the setting, for a shape the schedule cannot run
-        (``options``: the schedule's own, as :meth:`options_from_config` reads them, and
-        ``stages_per_rank``, v)."""
-        cls.compute_order(
-            num_ranks,
-            num_microbatches,
-            num_subsequences,
-            split_backward=split_backward,
-            stages_per_rank=options.get("stages_per_rank"),
-        )
+    def check_shape(cls, shape: ScheduleShape, **options: Any) -> None:
+        """Raise ValueError, naming the setting, for a shape the schedule cannot run (``options``: the
+        schedule's own, as :meth:`options_from_config` reads them)."""
+        cls.compute_order(shape)
 
     @classmethod
     def check_torch(cls) -> None:

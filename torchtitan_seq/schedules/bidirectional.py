@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from ..ordering import B, F, I, fed_by, feeds
 from ..stage import SequencePipelineStage
-from .base import SequenceSchedule, StagePlacement
+from .base import ScheduleShape, SequenceSchedule, StagePlacement
 
 __all__ = ["Placement", "PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies", "BidirectionalSchedule"]
 
@@ -291,27 +291,20 @@ class BidirectionalSchedule(SequenceSchedule):
             )
 
     @classmethod
-    def check_shape(
-        cls,
-        num_ranks: int,
-        num_microbatches: int,
-        num_subsequences: int,
-        *,
-        split_backward: bool = False,
-        placement: Placement = "paired",
-        stages_per_rank: int | None = None,
-    ) -> None:
+    def check_shape(cls, shape: ScheduleShape, placement: Placement = "paired") -> None:
         # Without building the lists (BSIPipe's take seconds at large shapes); the actions functions call it too.
-        BidirectionalLayout(num_ranks, placement, cls.stages_per_rank)  # an even p, a known placement
+        BidirectionalLayout(shape.num_ranks, placement, cls.stages_per_rank)  # an even p, a known placement
         v = cls.stages_per_rank
-        if stages_per_rank not in (None, v):
-            raise ValueError(f"{cls._name()} holds {v} stages per rank ({v // 2} of each chain), not {stages_per_rank}")
-        if split_backward:
+        if shape.stages_per_rank not in (None, v):
+            raise ValueError(
+                f"{cls._name()} holds {v} stages per rank ({v // 2} of each chain), not {shape.stages_per_rank}"
+            )
+        if shape.split_backward:
             raise ValueError(f"{cls._name()} runs full backwards: set sequence_pipeline.split_backward = false")
-        if num_microbatches % 2:
+        if shape.num_microbatches % 2:
             raise ValueError(
                 f"{cls._name()} shares the microbatches between its two pipelines, so it needs an even "
-                f"number of them, got {num_microbatches}: change training.local_batch_size or "
+                f"number of them, got {shape.num_microbatches}: change training.local_batch_size or "
                 "parallelism.pipeline_parallel_microbatch_size"
             )
 

@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 from torch.distributed.pipelining.schedules import _Action
 
-from ..ordering import B, F, chain_neighbour, fed_by, feeds
-from .base import ActionLists
+from ..ordering import B, F, fed_by, feeds
+from .base import ActionLists, ScheduleShape
 from .bidirectional import BidirectionalLayout, BidirectionalSchedule
 from .seq1f1b import unit_orders
 
@@ -93,16 +93,6 @@ _KINDS = (F, B)
 (stage, kind, unit) tuples): _KINDS[_FORWARD] is F."""
 
 
-class _Pass(NamedTuple):
-    """A pass a position can start, and the soonest it can."""
-
-    start: float
-    stage: int
-    kind: int
-    """_FORWARD or _BACKWARD."""
-    unit: int
-
-
 class ListSchedule(NamedTuple):
     """A list-scheduled step under uniform costs."""
 
@@ -128,11 +118,12 @@ class _ListScheduler:
         self.queue = [[units[::-1] for units in orders[s // self.chain]] for s in stages]
         self.upstream = [[fed_by(_Action(s, kind, 0), self.chain) for kind in _KINDS] for s in stages]
         self.downstream = [[feeds(_Action(s, kind, 0), self.chain) for kind in _KINDS] for s in stages]
-        # A position's startable passes change only when it or a neighbour in a chain acts.
-        self.touches = {
-            s: {layout.rank_of_stage(n) for d in (-1, 0, 1) if (n := chain_neighbour(s, d, self.chain)) is not None}
+        # A pass changes what its own position can start and, through the input it makes, what the
+        # position of the stage downstream can (see _run): no other position's soonest start moves.
+        self.touches = [
+            [{layout.rank_of_stage(n) for n in (s, self.downstream[s][kind]) if n is not None} for kind in range(2)]
             for s in stages
-        }
+        ]
         self.cost = (0.5 / k, 1.0 / k)
         # When each unit's pass ended, None before it ran.
         self.finished: list[list[list[float | None]]] = [
@@ -155,18 +146,9 @@ class _ListScheduler:
         forwarded = self.finished[s][_FORWARD][u - u % self.k + self.k - 1]
         return None if forwarded is None else max(made, forwarded)
 
-    def startable(self, q: int) -> list[_Pass]:
-        """The passes position ``q`` can start, each once its inputs exist."""
-        pos, out = self.positions[q], []
-        for s in pos.stages:
-            for kind in (_BACKWARD, _FORWARD):
-                ready = self.ready[s][kind]
-                if ready is not None and not (kind == _FORWARD and pos.full(s // self.chain)):
-                    out.append(_Pass(max(pos.free, ready), s, kind, self.queue[s][kind][-1]))
-        return out
-
     def soonest(self, q: int) -> float:
-        """When position ``q`` can start its soonest pass (inf: none); what startable's least start is."""
+        """When position ``q`` can start its soonest pass (inf: none): once it is free and the pass's
+        inputs exist, a forward only while the position holds less than its limits."""
         pos, inputs = self.positions[q], math.inf
         for s in pos.stages:
             ready = self.ready[s]
@@ -176,25 +158,40 @@ class _ListScheduler:
                 inputs = ready[_FORWARD]
         return max(pos.free, inputs)
 
-    def _rank(self, q: int, p: _Pass) -> float:
-        pos, (c, depth) = self.positions[q], divmod(p.stage, self.chain)
-        return self.priority(p.kind == _FORWARD, pos.ran[c], depth, p.unit // self.k, pos.busy[c])
+    def choose(self, q: int, start: float) -> tuple[int, int]:
+        """The (stage, kind) position ``q`` runs at ``start``, its soonest start: of the passes it can
+        start then, the one of lowest priority (the first of equals, stages ascending, each stage's
+        backward before its forward)."""
+        pos, best, lowest = self.positions[q], (-1, -1), math.inf
+        for s in pos.stages:
+            c, depth = divmod(s, self.chain)
+            for kind in (_BACKWARD, _FORWARD):
+                ready = self.ready[s][kind]
+                if ready is None or ready > start or (kind == _FORWARD and pos.full(c)):
+                    continue
+                unit = self.queue[s][kind][-1]
+                value = self.priority(kind == _FORWARD, pos.ran[c], depth, unit // self.k, pos.busy[c])
+                if value < lowest:
+                    best, lowest = (s, kind), value
+        return best
 
-    def _run(self, q: int, p: _Pass) -> None:
-        pos, c = self.positions[q], p.stage // self.chain
-        self.queue[p.stage][p.kind].pop()
-        pos.held[c] += 1 if p.kind == _FORWARD else -1
+    def _run(self, q: int, stage: int, kind: int) -> int:
+        """Position ``q`` runs ``stage``'s next pass of ``kind`` as soon as it can; returns its unit."""
+        pos, c = self.positions[q], stage // self.chain
+        start = max(pos.free, self.ready[stage][kind])
+        unit = self.queue[stage][kind].pop()
+        pos.held[c] += 1 if kind == _FORWARD else -1
         pos.most[c] = max(pos.most[c], pos.held[c])
         pos.most[2] = max(pos.most[2], sum(pos.held))
         pos.ran[c] += 1
-        pos.busy[c] += self.cost[p.kind]
-        pos.free = self.finished[p.stage][p.kind][p.unit] = p.start + self.cost[p.kind]
+        pos.busy[c] += self.cost[kind]
+        pos.free = self.finished[stage][kind][unit] = start + self.cost[kind]
         # What this pass finishing can make ready: the queue's next unit, the unit downstream and,
         # after a forward, the stage's backward (rule 2).
-        changed = [(p.stage, p.kind), (self.downstream[p.stage][p.kind], p.kind), (p.stage, _BACKWARD)]
-        for s, kind in changed:
+        for s, changed in ((stage, kind), (self.downstream[stage][kind], kind), (stage, _BACKWARD)):
             if s is not None:
-                self.ready[s][kind] = self._ready(s, kind)
+                self.ready[s][changed] = self._ready(s, changed)
+        return unit
 
     def schedule(self) -> ListSchedule:
         """Whenever a position can start something, it runs the startable pass of lowest priority. The
@@ -208,10 +205,9 @@ class _ListScheduler:
                     pos.limits = [lim + 1 for lim in pos.limits]
                 soonest = [self.soonest(q) for q in actions]
             q = soonest.index(start)
-            chosen = min((p for p in self.startable(q) if p.start <= start), key=lambda p: self._rank(q, p))
-            self._run(q, chosen)
-            actions[q].append(_Action(chosen.stage, _KINDS[chosen.kind], chosen.unit))
-            for r in self.touches[chosen.stage]:
+            stage, kind = self.choose(q, start)
+            actions[q].append(_Action(stage, _KINDS[kind], self._run(q, stage, kind)))
+            for r in self.touches[stage][kind]:
                 soonest[r] = self.soonest(r)
         return ListSchedule(actions, max(pos.free for pos in self.positions), [pos.most for pos in self.positions])
 
@@ -225,14 +221,7 @@ def list_schedule(
     return _ListScheduler(num_ranks, num_microbatches, k, priority, limits).schedule()
 
 
-def bsipipe_actions(
-    num_ranks: int,
-    num_microbatches: int,
-    num_subsequences: int,
-    *,
-    split_backward: bool = False,
-    stages_per_rank: int = 4,
-) -> ActionLists:
+def bsipipe_actions(shape: ScheduleShape) -> ActionLists:
     """BSIPipe: two V-shaped pipelines in opposite directions (the V shape of :mod:`.bidirectional`).
 
     Basic-unit concatenation: a basic unit of 2p microbatches (p each way) is list-scheduled under
@@ -242,17 +231,15 @@ def bsipipe_actions(
     budget, and the shortest that uses all of it is kept (else the shortest). So peak activations do
     not grow with N.
     """
-    ScheduleBSIPipe.check_shape(
-        num_ranks, num_microbatches, num_subsequences, split_backward=split_backward, stages_per_rank=stages_per_rank
-    )
-    p, k = num_ranks, num_subsequences
+    ScheduleBSIPipe.check_shape(shape)
+    p, n, k = shape.num_ranks, shape.num_microbatches, shape.num_subsequences
     limit = [[3 * k + 2 * p] * 2 + [6 * k + 4 * p] for _ in range(p)]
-    basic_n = min(num_microbatches, 2 * p)
+    basic_n = min(n, 2 * p)
     basic = min((list_schedule(p, basic_n, k, w, limit) for w in PRIORITIES), key=lambda r: r.makespan)
-    if num_microbatches == basic_n:
+    if n == basic_n:
         return basic.actions
     peak = max(most[2] for most in basic.most_held)
-    steps = [list_schedule(p, num_microbatches, k, w, basic.most_held) for w in PRIORITIES]
+    steps = [list_schedule(p, n, k, w, basic.most_held) for w in PRIORITIES]
     return min(steps, key=lambda r: (max(most[2] for most in r.most_held) != peak, r.makespan)).actions
 
 

@@ -8,21 +8,14 @@ from __future__ import annotations
 from torch.distributed.pipelining.schedules import _Action
 
 from ..ordering import B, F
-from .base import ActionLists
+from .base import ActionLists, ScheduleShape
 from .bidirectional import BidirectionalSchedule
 from .seq1f1b import unit_orders
 
 __all__ = ["chimera_actions", "ScheduleChimera"]
 
 
-def chimera_actions(
-    num_ranks: int,
-    num_microbatches: int,
-    num_subsequences: int,
-    *,
-    split_backward: bool = False,
-    stages_per_rank: int = 2,
-) -> ActionLists:
+def chimera_actions(shape: ScheduleShape) -> ActionLists:
     """Chimera: two straight Seq1F1B pipelines in opposite directions (the straight shape of
     :mod:`.bidirectional`), merged as Chimera merges them: each pass takes the slot it has in its own
     chain's 1F1B when forward and backward take one slot each (stage i's n-th forward in slot i + n
@@ -35,13 +28,11 @@ def chimera_actions(
     N >= p when a backward takes a forward's time, at most 2(p-2)/(3Nk+2(p-2)) under uniform costs;
     peak activations per rank at most ((p-1)/k + 2) M whatever N.
     """
-    ScheduleChimera.check_shape(
-        num_ranks, num_microbatches, num_subsequences, split_backward=split_backward, stages_per_rank=stages_per_rank
-    )
-    p, k = num_ranks, num_subsequences
+    ScheduleChimera.check_shape(shape)
+    p, k = shape.num_ranks, shape.num_subsequences
     slotted: dict[int, list[tuple[int, int, _Action]]] = {q: [] for q in range(p)}
     for chain in (0, 1):
-        fwd, bwd = unit_orders(range(chain, num_microbatches, 2), k)
+        fwd, bwd = unit_orders(range(chain, shape.num_microbatches, 2), k)
         for i in range(p):  # depth in the chain
             stage, q = chain * p + i, (i if chain == 0 else p - 1 - i)
             warmup = k + p - 1 - i

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-from .base import ActionLists, SequenceSchedule
+from .base import ActionLists, ScheduleShape, SequenceSchedule
 from .seq1f1b import one_f_one_b, unit_orders
 
 __all__ = ["interleaved_seq1f1b_actions", "ScheduleInterleavedSeq1F1B"]
 
 
-def interleaved_seq1f1b_actions(
-    num_ranks: int,
-    num_microbatches: int,
-    num_subsequences: int,
-    *,
-    split_backward: bool = False,
-    stages_per_rank: int = 2,
-) -> ActionLists:
-    """Seq1F1B-I: interleaved 1F1B over units, v = ``stages_per_rank`` chunks per rank.
+def interleaved_seq1f1b_actions(shape: ScheduleShape) -> ActionLists:
+    """Seq1F1B-I: interleaved 1F1B over units, v = ``shape.stages_per_rank`` chunks per rank.
 
     Rank r holds stages r, r + p, ..., r + (v - 1) p. Work rotates over the chunks in rounds of p
     microbatches: forward runs a round's units through chunk 0, then chunk 1, ..., backward through
@@ -32,7 +25,7 @@ def interleaved_seq1f1b_actions(
     trip to the last rank. Peak in-flight units on rank 0: that warm-up, at most v N k. Bubble ratio
     under uniform costs: (p - 1) / (v N k + p - 1) when p divides N.
     """
-    p, n, k, v = num_ranks, num_microbatches, num_subsequences, stages_per_rank
+    p, n, k, v = shape.num_ranks, shape.num_microbatches, shape.num_subsequences, shape.stages_per_rank
     full, rest = divmod(n, p)
     if full == 0 or rest * k >= p:
         sizes = [p] * full + ([rest] if rest else [])
@@ -44,7 +37,7 @@ def interleaved_seq1f1b_actions(
         fwd = [(c * p + r, u) for f, _ in orders for c in range(v) for u in f]
         bwd = [(c * p + r, u) for _, b in orders for c in reversed(range(v)) for u in b]
         warmup = (v - 1) * sizes[0] * k + 2 * (p - 1 - r) + k
-        actions[r] = one_f_one_b(min(len(fwd), warmup), fwd, bwd, split_backward)
+        actions[r] = one_f_one_b(min(len(fwd), warmup), fwd, bwd, shape.split_backward)
     return actions
 
 

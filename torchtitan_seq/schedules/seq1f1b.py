@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torch.distributed.pipelining.schedules import _Action
 
 from ..ordering import B, F, I, W
-from .base import ActionLists, SequenceSchedule
+from .base import ActionLists, ScheduleShape, SequenceSchedule
 
 __all__ = ["unit_orders", "one_f_one_b", "seq1f1b_actions", "terapipe_actions", "ScheduleSeq1F1B", "ScheduleTeraPipe"]
 
@@ -38,35 +38,29 @@ def one_f_one_b(
     return actions + [_Action(s, kind, u) for kind in backward for s, u in bwd[len(fwd) - warmup :]]
 
 
-def _one_stage_per_rank(
-    num_ranks: int, num_microbatches: int, k: int, warmup: Callable[[int], int], split_backward: bool
-) -> ActionLists:
+def _one_stage_per_rank(shape: ScheduleShape, warmup: Callable[[int], int]) -> ActionLists:
     """Stage r on rank r, all units in order; ``warmup(r)`` forwards before rank r's first backward."""
-    fwd, bwd = unit_orders(range(num_microbatches), k)
+    fwd, bwd = unit_orders(range(shape.num_microbatches), shape.num_subsequences)
     return {
-        r: one_f_one_b(min(len(fwd), warmup(r)), [(r, u) for u in fwd], [(r, u) for u in bwd], split_backward)
-        for r in range(num_ranks)
+        r: one_f_one_b(min(len(fwd), warmup(r)), [(r, u) for u in fwd], [(r, u) for u in bwd], shape.split_backward)
+        for r in range(shape.num_ranks)
     }
 
 
-def seq1f1b_actions(
-    num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False
-) -> ActionLists:
+def seq1f1b_actions(shape: ScheduleShape) -> ActionLists:
     """Seq1F1B (arXiv 2406.03488): 1F1B over units, one stage per rank.
 
     Rank r warms up with k + p - 1 - r forwards, so the first backward (the last subsequence of
     microbatch 0) arrives just as it is needed. Peak in-flight units on rank 0: min(p - 1 + k, N k).
     """
-    k = num_subsequences
-    return _one_stage_per_rank(num_ranks, num_microbatches, k, lambda r: k + num_ranks - 1 - r, split_backward)
+    p, k = shape.num_ranks, shape.num_subsequences
+    return _one_stage_per_rank(shape, lambda r: k + p - 1 - r)
 
 
-def terapipe_actions(
-    num_ranks: int, num_microbatches: int, num_subsequences: int, *, split_backward: bool = False
-) -> ActionLists:
+def terapipe_actions(shape: ScheduleShape) -> ActionLists:
     """TeraPipe (ICML'21): GPipe over units, every forward then every backward, last unit first."""
-    n = num_microbatches * num_subsequences
-    return _one_stage_per_rank(num_ranks, num_microbatches, num_subsequences, lambda r: n, split_backward)
+    n = shape.num_microbatches * shape.num_subsequences
+    return _one_stage_per_rank(shape, lambda r: n)
 
 
 class ScheduleSeq1F1B(SequenceSchedule):

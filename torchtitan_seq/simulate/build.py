@@ -37,7 +37,15 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ..ordering import B, F, feeds, validate_unit_order
 from ..partition import Partition
-from ..schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ActionLists, BidirectionalLayout, Placement, lower_chains
+from ..schedules import (
+    SEQUENCE_SCHEDULES,
+    TORCH_SCHEDULES,
+    ActionLists,
+    BidirectionalLayout,
+    Placement,
+    ScheduleShape,
+    lower_chains,
+)
 from ..shape import LENGTH_MULTIPLE
 from .network import Network
 
@@ -93,10 +101,10 @@ class SimConfig:
     """Schedules of two opposite chains (stage_placement 'bidirectional'): position -> rank,
     as ``sequence_pipeline.bidirectional_placement``."""
     torch_lowering: bool = True
-    """False: time the compute-only lists with a SEND after each compute that feeds another
-    rank instead of torch's lowered lists: the same timeline whenever torch can lower them
-    (tested), without torch's FSDP pass, whose cost grows with the square of a list's length
-    (the planner's setting)."""
+    """False: time the compute-only lists instead of torch's lowered lists, each input from another
+    rank arriving its transfer after the compute that made it (as a SEND right after that compute
+    would send it): the same timeline whenever torch can lower them (tested), without torch's FSDP
+    pass, whose cost grows with the square of a list's length (the planner's setting)."""
 
 
 class MockStage(_PipelineStageBase):
@@ -138,7 +146,8 @@ def build(config: SimConfig) -> Built:
         cls = SEQUENCE_SCHEDULES[config.schedule]
         v = config.stages_per_rank or cls.stages_per_rank
         placement = cls.stage_placement
-        order = {r: list(acts) for r, acts in _checked_order(cls, p, n, k, config.split_backward, v).items()}
+        shape = ScheduleShape(p, n, k, config.split_backward, v)
+        order = {r: list(acts) for r, acts in _checked_order(cls, shape).items()}
         if placement == "bidirectional":  # lists keyed by position, as the runtime maps them
             layout = BidirectionalLayout(p, config.bidirectional_placement, v)
             order = {r: order[layout.position_of_rank(r)] for r in range(p)}
@@ -168,12 +177,12 @@ def build(config: SimConfig) -> Built:
 
 
 @functools.lru_cache(maxsize=512)
-def _checked_order(cls: type, p: int, n: int, k: int, split_backward: bool, v: int) -> ActionLists:
+def _checked_order(cls: type, shape: ScheduleShape) -> ActionLists:
     """A sequence schedule's compute-only lists, validated; kept because BSIPipe's list
     scheduling takes seconds at large shapes and placements and costs share the lists
     (callers copy them)."""
-    order = cls.compute_order(p, n, k, split_backward=split_backward, stages_per_rank=v)
-    validate_unit_order(order, k)
+    order = cls.compute_order(shape)
+    validate_unit_order(order, shape.num_subsequences)
     return order
 
 

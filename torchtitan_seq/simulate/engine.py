@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import SEND_B, SEND_F, _Action
@@ -141,12 +141,17 @@ Key = tuple[int, Any, int]
 """An action as (stage, computation type, unit): a plain tuple, quicker to make than an ``_Action``
 (a NamedTuple, whose constructor runs in Python), of which the planner's simulations made a million."""
 
+_COMPUTE = frozenset({F, B, I, W})
+"""The kinds of compute leaves (``_Action.is_compute_op`` less OVERLAP_F_B, which runs as its leaves)."""
+
 Need = tuple[tuple[Key, ...], int, int]
 """Any one of these finished actions, plus the transfer from rank to rank (-1, -1: none)."""
 
 
-def _needs(a: _Action, stage_to_rank: dict[int, int], chain_length: int) -> tuple[Need, ...]:
-    """What ``a`` waits for."""
+def _needs(a: _Action, stage_to_rank: dict[int, int], chain_length: int, sends: bool) -> tuple[Need, ...]:
+    """What ``a`` waits for; with ``sends``, an input from another rank comes with the SEND after the
+    compute that made it, else straight from that compute (the same time: a SEND takes none, and
+    the rank issues it right after the compute)."""
     s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
     if kind == W:
         return ((((s, I, m),), -1, -1),)
@@ -160,37 +165,39 @@ def _needs(a: _Action, stage_to_rank: dict[int, int], chain_length: int) -> tupl
     source = fed_by(a, chain_length)
     if source is None:
         return own
+    made = ((source, F, m),) if kind == F else ((source, B, m), (source, I, m))
     if stage_to_rank[source] == stage_to_rank[s]:
-        made = ((source, F, m),) if kind == F else ((source, B, m), (source, I, m))
         return (*own, (made, -1, -1))
-    send = (source, SEND_F if kind == F else SEND_B, m)
-    return (*own, ((send,), stage_to_rank[source], stage_to_rank[s]))
+    if sends:
+        made = ((source, SEND_F if kind == F else SEND_B, m),)
+    return (*own, (made, stage_to_rank[source], stage_to_rank[s]))
 
 
-class _Step(NamedTuple):
-    """One step of a rank's list, with what timing it needs (actions as ids: finished times in a
-    list, quicker to read than a dict keyed by actions)."""
-
-    index: int
-    """In the list a deadlock points into."""
-    action: _Action
-    """A compute leaf or a communication."""
-    id: int
-    compute: bool
-    needs: tuple[tuple[tuple[int, ...], int, int], ...]
-    """:data:`Need` with action ids."""
+Compute = tuple[int, _Action, tuple[tuple[tuple[int, ...], int, int], ...]]
+"""A compute step of a shape's program (see :func:`_order`): its rank, its action, and per need the
+program indices of the computes any one of which it waits for (the earliest to end counts; -1: the
+start of the step, time 0) and the ranks a transfer goes from and to (-1, -1: none). A plain tuple,
+as :data:`Key`."""
 
 
 @dataclass(frozen=True)
 class _Prepared:
-    """Lowered lists with every action's needs: what timing a shape takes whatever its costs."""
+    """A shape's lists reduced to what its timing takes, whatever the costs: every compute that runs,
+    in an order in which what each waits for comes first."""
 
     lowered: dict[int, list[_Action]] | None
     stage_to_rank: dict[int, int]
-    list_kind: str
-    steps: dict[int, list[_Step]]
-    keys: tuple[Key, ...]
-    """Every action a step is or needs, by id."""
+    program: tuple[Compute, ...]
+    kinds: frozenset
+    """The kinds of compute the lists run (F, B, I, W)."""
+    ranks: tuple[int, ...]
+    """The ranks, in the order of the timeline's keys."""
+    deadlock: Deadlock | None
+    """Where the ranks stop when not every step can run; the program then holds those that can."""
+
+
+Steps = dict[int, list[tuple[int, _Action]]]
+"""Per rank, (index in the list a deadlock points into, compute leaf or communication) in run order."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -215,87 +222,113 @@ def _prepare(
             for leaf in compute_leaves(a)
         }
         lowered = None
+    kinds = frozenset(leaf.computation_type for acts in order.values() for a in acts if a for leaf in compute_leaves(a))
     if lowered is not None:
         listed = {r: list(enumerate(acts)) for r, acts in lowered.items()}
-    else:
-        listed = send_after_compute(order, stage_to_rank, chain_length)
-    ids: dict[Key, int] = {}
+    else:  # the computes alone: an input from another rank takes its transfer from the compute that made it
+        listed = {r: [(i, a) for i, a in enumerate(acts) if a is not None] for r, acts in order.items()}
+    steps = _leaves(listed)
+    program, pos, waiting = _order(steps, stage_to_rank, chain_length, sends=lowered is not None)
+    deadlock = None
+    if any(pos[r] < len(acts) for r, acts in steps.items()):
+        if lowered is None:  # say where as the runtime would stop: at the SENDs after the computes
+            steps = _leaves(send_after_compute(order, stage_to_rank, chain_length))
+            program, pos, waiting = _order(steps, stage_to_rank, chain_length, sends=True)
+        kind = "lowered" if lowered is not None else "compute-only"
+        deadlock = _deadlock(steps, stage_to_rank, kind, pos, waiting)
+    return _Prepared(lowered, stage_to_rank, tuple(program), kinds, tuple(steps), deadlock)
 
-    def step(i: int, leaf: _Action) -> _Step:
-        # Lists, not generators, inside: the planner's shapes make hundreds of thousands of steps.
-        needs = tuple(
-            [
-                (tuple([ids.setdefault(o, len(ids)) for o in opts]), src, dst)
-                for opts, src, dst in _needs(leaf, stage_to_rank, chain_length)
-            ]
-        )
-        return _Step(i, leaf, ids.setdefault(leaf[:3], len(ids)), leaf.is_compute_op, needs)
 
-    # An OVERLAP_F_B runs its sub-actions in sequence, each waiting for its inputs.
-    steps = {r: [step(i, leaf) for i, a in acts for leaf in compute_leaves(a)] for r, acts in listed.items()}
-    kind = "lowered" if lowered is not None else "compute-only"
-    return _Prepared(lowered, stage_to_rank, kind, steps, tuple(ids))
+def _leaves(listed: dict[int, list[tuple[int, _Action]]]) -> Steps:
+    """``listed`` ({rank: [(index, action)]}) as :data:`Steps`: an OVERLAP_F_B runs its sub-actions
+    in sequence, each waiting for its inputs."""
+    return {r: [(i, leaf) for i, a in acts for leaf in compute_leaves(a)] for r, acts in listed.items()}
+
+
+def _order(
+    steps: Steps, stage_to_rank: dict[int, int], chain_length: int, sends: bool
+) -> tuple[list[Compute], dict[int, int], dict[int, tuple[Key, ...]]]:
+    """Every rank's steps in an order that runs each after what it waits for (:func:`_needs`;
+    ``sends``: see there), advancing ranks round-robin as far as their inputs allow; which steps
+    can run when does not depend on how long they take, so the order serves every cost.
+    Communication steps take no time: one ends when its rank's latest compute does (what a SEND
+    waits for ran on its own rank, before it), so what waits for it waits for that compute. Returns
+    the computes, and per rank how far it got and, where it stopped, what it waits for (any one)."""
+    needs = {r: [_needs(a, stage_to_rank, chain_length, sends) for _, a in acts] for r, acts in steps.items()}
+    ended_with: dict[Key, int] = {}  # per action that ran, the compute it ends with (-1: none, time 0)
+    latest = dict.fromkeys(steps, -1)  # per rank, its latest compute
+    pos = dict.fromkeys(steps, 0)
+    waiting: dict[int, tuple[Key, ...]] = {}
+    program: list[Compute] = []
+    while True:
+        progress = False
+        for r, acts in steps.items():
+            i, last, rank_needs = pos[r], latest[r], needs[r]
+            while i < len(acts):
+                resolved = []
+                for opts, src, dst in rank_needs[i]:
+                    ran = tuple([ended_with[o] for o in opts if o in ended_with])
+                    if not ran:
+                        waiting[r] = opts
+                        break
+                    resolved.append((ran, src, dst))
+                else:
+                    a = acts[i][1]
+                    if a.computation_type in _COMPUTE:
+                        last = len(program)
+                        program.append((r, a, tuple(resolved)))
+                    ended_with[a[:3]] = last
+                    i += 1
+                    progress = True
+                    continue
+                break
+            pos[r], latest[r] = i, last
+        if not progress or all(pos[r] == len(acts) for r, acts in steps.items()):
+            return program, pos, waiting
 
 
 def _run(
     prepared: _Prepared, duration: Callable[[_Action], float], transfer: Transfer, k: int
-) -> tuple[dict[int, list[Interval]], Deadlock | None]:
-    """Run every rank's list in order (units of k subsequences); the times are final once known, so
-    advancing ranks round-robin as far as their inputs allow is exact."""
-    flat = prepared.steps
-    finished: list[float | None] = [None] * len(prepared.keys)
-    clock = dict.fromkeys(flat, 0.0)
-    pos = dict.fromkeys(flat, 0)
-    timeline: dict[int, list[Interval]] = {r: [] for r in flat}
-    waiting: dict[int, tuple[int, ...]] = {}
-    while True:
-        progress = False
-        for r, acts in flat.items():
-            while pos[r] < len(acts):
-                _, a, ident, compute, needs = acts[pos[r]]
-                start = clock[r]
-                for opts, src, dst in needs:
-                    ready = None  # the first of ``opts`` to finish
-                    for o in opts:
-                        t = finished[o]
-                        if t is not None and (ready is None or t < ready):
-                            ready = t
-                    if ready is None:
-                        waiting[r] = opts
-                        break
-                    if src >= 0:
-                        ready += transfer(src, dst, a.microbatch_index % k)
-                    if ready > start:
-                        start = ready
-                else:
-                    end = start + duration(a) if compute else start
-                    if compute:
-                        timeline[r].append((start, end, a))
-                    finished[ident] = clock[r] = end
-                    pos[r] += 1
-                    progress = True
-                    continue
-                break
-        if all(pos[r] == len(acts) for r, acts in flat.items()):
-            return timeline, None
-        if not progress:
-            return timeline, _deadlock(prepared, pos, waiting)
+) -> dict[int, list[Interval]]:
+    """Time the program (units of k subsequences): each compute starts once its rank is free and
+    what it waits for has ended (plus the transfer from another rank)."""
+    program = prepared.program
+    ends = [0.0] * (len(program) + 1)  # per compute; the extra last one, index -1, is the step's start
+    clock = dict.fromkeys(prepared.ranks, 0.0)
+    timeline: dict[int, list[Interval]] = {r: [] for r in prepared.ranks}
+    for i, (r, a, needs) in enumerate(program):
+        start = clock[r]
+        for ran, src, dst in needs:
+            ready = ends[ran[0]] if len(ran) == 1 else min([ends[c] for c in ran])  # the first to end
+            if src >= 0:
+                ready += transfer(src, dst, a.microbatch_index % k)
+            if ready > start:
+                start = ready
+        end = start + duration(a)
+        timeline[r].append((start, end, a))
+        ends[i] = clock[r] = end
+    return timeline
 
 
-def _deadlock(prepared: _Prepared, pos: dict[int, int], waiting: dict[int, tuple[int, ...]]) -> Deadlock:
+def _deadlock(
+    steps: Steps,
+    stage_to_rank: dict[int, int],
+    list_kind: str,
+    pos: dict[int, int],
+    waiting: dict[int, tuple[Key, ...]],
+) -> Deadlock:
     """Where each unfinished rank stopped (``pos``) and what it waits for."""
-    keys, stage_to_rank = prepared.keys, prepared.stage_to_rank
     stuck = tuple(
         StuckRank(
             r,
-            acts[pos[r]].index,
-            str(acts[pos[r]].action),
-            " or ".join(f"{_Action(*keys[o])} on rank {stage_to_rank[keys[o][0]]}" for o in waiting[r]),
+            acts[pos[r]][0],
+            str(acts[pos[r]][1]),
+            " or ".join(f"{_Action(*key)} on rank {stage_to_rank[key[0]]}" for key in waiting[r]),
         )
-        for r, acts in prepared.steps.items()
+        for r, acts in steps.items()
         if pos[r] < len(acts)
     )
-    return Deadlock(prepared.list_kind, stuck)
+    return Deadlock(list_kind, stuck)
 
 
 def simulate(config: SimConfig) -> SimResult:
@@ -372,7 +405,7 @@ def simulate_order(
         _check_placement(stage_to_rank, placement, p, v, schedule)
     # A stage holds 1/chain_length of the model, a 1/p stage's p/chain_length.
     share = p / chain_length
-    per_stage = _stage_times(order, stage_to_rank, chain_length, share, times, chunk_times, schedule, cost)
+    per_stage = _stage_times(prepared.kinds, stage_to_rank, chain_length, share, times, chunk_times, schedule, cost)
 
     def duration(a: _Action) -> float:
         return per_stage[a.stage_index][a.computation_type][a.microbatch_index % k]
@@ -381,7 +414,7 @@ def simulate_order(
     def transfer(src: int, dst: int, j: int) -> float:
         return comm_latency + (transfers.send(src, dst, j) if transfers else 0.0)
 
-    timeline, deadlock = _run(prepared, duration, transfer, k)
+    timeline, deadlock = _run(prepared, duration, transfer, k), prepared.deadlock
     copies_synced = (
         _sync_copies(timeline, stage_to_rank, chain_length, parameter_copies, transfers) if parameter_copies > 1 else []
     )
@@ -422,7 +455,7 @@ def _check_placement(stage_to_rank: dict[int, int], placement: str, p: int, v: i
 
 
 def _stage_times(
-    order: ActionLists,
+    kinds: frozenset,
     stage_to_rank: dict[int, int],
     chain_length: int,
     share: float,
@@ -433,13 +466,12 @@ def _stage_times(
 ) -> dict[int, dict[Any, tuple[float, ...] | None]]:
     """Per stage and pass kind, the time of each subsequence's unit: each stage's own chunk where
     ``chunk_times`` measured it on the stage's rank, else ``times`` (for a stage with 1/p of the
-    layers) scaled by ``share``. Refuses a cost without times for a kind of pass ``order`` runs."""
+    layers) scaled by ``share``. Refuses a cost without times for one of the ``kinds`` of pass the lists run."""
     scaled = {
         kind: None if ts is None else tuple(t * share for t in ts)
         for kind, ts in ((F, times.F), (B, times.B), (I, times.I), (W, times.W))
     }
-    used = {leaf.computation_type for acts in order.values() for a in acts if a for leaf in compute_leaves(a)}
-    missing = sorted(kind.value for kind in used if scaled[kind] is None)
+    missing = sorted(kind.value for kind in kinds if scaled[kind] is None)
     if missing:
         raise ValueError(f"{schedule} runs {missing} passes, but the cost {cost!r} has no times for them")
     own = {s: (chunk_times or {}).get((r, s % chain_length, chain_length)) for s, r in stage_to_rank.items()}

@@ -1,8 +1,8 @@
 """Memory model in bytes: what one pipeline rank holds at its peak, by arithmetic.
 
 :func:`predict_memory` takes a :class:`MemoryConfig` (a torchtitan Llama 3 flavor or
-``TransformerModelArgs``, sequence length, schedule, parallel degrees, activation
-checkpointing, dtypes) and returns a :class:`MemoryEstimate`: per rank and for the
+``TransformerModelArgs``, the job's :class:`~torchtitan_seq.shape.JobShape`, schedule, parallel
+degrees, activation checkpointing, dtypes) and returns a :class:`MemoryEstimate`: per rank and for the
 fullest rank, parameters, gradients, optimizer states, activations, the KV context's
 extra, a transient workspace and the pipeline's receive buffers, in bytes. No model is
 built and nothing runs on a device: per-token byte counts times token counts, walked
@@ -107,7 +107,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
@@ -115,9 +115,9 @@ import numpy as np
 from ..flavors import ModelShape, chunk_split, flavor_shape, flavor_shapes
 from ..kv_placement import plan_arenas
 from ..ordering import B, F, I, W, stage_passes
-from ..partition import Partition, ffn_hidden_dim
+from ..partition import ffn_hidden_dim
 from ..schedules import SEQUENCE_SCHEDULES
-from ..shape import LENGTH_MULTIPLE, JobShape
+from ..shape import JobShape
 from .build import SimConfig, build, compute_leaves
 from .network import chunk_parameters
 
@@ -152,30 +152,23 @@ def gib(nbytes: float) -> float:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """One training job's shape, as torchtitan's config names it."""
+    """One training job, as torchtitan's config names it: the model, the job's shape and the rest."""
 
     model: str | TransformerModelArgs
     """A ``llama3_seq`` flavor name (``seq_llama3_flavors``) or the model's arguments."""
-    seq_len: int
-    """Tokens per sequence (``training.seq_len``)."""
+    shape: JobShape
+    """The job's shape as the runtime derives it (:class:`~torchtitan_seq.shape.JobShape`): S, the cut
+    into k units (1 for torch's schedules), the TP degree (with sequence parallel, as torchtitan applies
+    it), N microbatches per step and pipeline, v (None: the schedule's own). Its ``whole`` follows
+    ``schedule``: torch's schedules run each sequence uncut."""
     schedule: str = "1F1B"
     """A name of ``SEQUENCE_SCHEDULES`` or one of torch's schedules."""
     pp: int = 1
     """Pipeline ranks."""
-    microbatches: int = 1
-    """N, microbatches per step and pipeline (local batch size / microbatch size)."""
-    subsequences: int = 1
-    """k, units per microbatch (sequence schedules; 1 for torch's)."""
-    partition: Partition = "even"
-    """How sequences are cut: ``even``, ``compute`` or ``latency``."""
-    stages_per_rank: int | None = None
-    """v; None: the schedule's own (as :class:`~.build.SimConfig`)."""
     split_backward: bool = False
     """Separate input- and weight-gradient passes (activations live until W)."""
     microbatch_size: int = 1
     """b, sequences per microbatch (``pipeline_parallel_microbatch_size``)."""
-    tp: int = 1
-    """Tensor-parallel degree (with sequence parallel, as torchtitan applies it)."""
     dp_shard: int = 1
     """FSDP degree (``data_parallel_shard_degree``); FSDP is on when it is above 1."""
     activation_checkpoint: ACMode = "none"
@@ -198,10 +191,10 @@ class MemoryConfig:
     """States per parameter (AdamW: 2)."""
     optimizer_dtype: DType = "float32"
     """dtype of the optimizer states."""
-    length_multiple: int = LENGTH_MULTIPLE
-    """``sequence_pipeline.length_multiple`` (lengths are multiples of it and of tp)."""
 
     def __post_init__(self) -> None:
+        # Whether the job cuts its sequences is the schedule's to say, not the caller's.
+        object.__setattr__(self, "shape", replace(self.shape, whole=self.schedule not in SEQUENCE_SCHEDULES))
         for name in ("param_dtype", "mixed_precision_param", "mixed_precision_reduce", "optimizer_dtype"):
             _bytes(getattr(self, name), name)
         if self.compute_dtype is not None:
@@ -214,9 +207,11 @@ class MemoryConfig:
         option = self.selective_ac_option
         if self.activation_checkpoint == "selective" and option != "op" and not (option.isdigit() and int(option)):
             raise ValueError(f"selective_ac_option = {option!r}: use 'op' or a positive integer")
-        for name in ("seq_len", "pp", "microbatches", "subsequences", "microbatch_size", "tp", "dp_shard"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} = {getattr(self, name)}: it must be at least 1")
+        counts = {name: getattr(self.shape, name) for name in ("seq_len", "num_subsequences", "tp", "microbatches")}
+        counts |= {"pp": self.pp, "microbatch_size": self.microbatch_size, "dp_shard": self.dp_shard}
+        for name, value in counts.items():
+            if value < 1:
+                raise ValueError(f"{name} = {value}: it must be at least 1")
 
     @property
     def model_args(self) -> TransformerModelArgs | ModelShape:
@@ -227,19 +222,14 @@ class MemoryConfig:
         return shape
 
     @property
-    def shape(self) -> JobShape:
-        """The job's cut and microbatches, as the runtime derives them (:class:`~torchtitan_seq.shape.JobShape`)."""
-        return JobShape.of_model(
-            self.model_args,
-            self.seq_len,
-            self.subsequences,
-            self.partition,
-            length_multiple=self.length_multiple,
-            tp=self.tp,
-            microbatches=self.microbatches,
-            stages_per_rank=self.stages_per_rank,
-            whole=self.schedule not in SEQUENCE_SCHEDULES,
-        )
+    def seq_len(self) -> int:
+        """S, tokens per sequence (the shape's), which the byte counts read throughout."""
+        return self.shape.seq_len
+
+    @property
+    def tp(self) -> int:
+        """t, the TP degree (the shape's), which divides most byte counts."""
+        return self.shape.tp
 
     @property
     def fsdp(self) -> bool:
@@ -297,14 +287,15 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
     args, c = config.model_args, config
     a = _bytes(c.activation_dtype, "compute_dtype")
     lengths = c.shape.lengths
-    plan = _plan(c.schedule, c.pp, c.microbatches, c.subsequences, c.stages_per_rank, c.split_backward)
+    n, k = c.shape.microbatches, c.shape.num_subsequences
+    plan = _plan(c.schedule, c.pp, n, k, c.shape.stages_per_rank, c.split_backward)
     chunks = _chunk_split(args.n_layers, plan.chain_length)
     tokens = [length * c.microbatch_size for length in lengths]
     is_sequence = c.schedule in SEQUENCE_SCHEDULES
 
     weights = {s: _stage_bytes(args, c, a, chunks[s % plan.chain_length], tokens, is_sequence) for s in plan.stages}
     ranks = []
-    for r, (act, combined) in enumerate(_walks(plan, weights, tuple(lengths), c.microbatches)):
+    for r, (act, combined) in enumerate(_walks(plan, weights, tuple(lengths), n)):
         ranks.append(
             RankMemory(
                 **_state_bytes(args, c, plan, chunks, r),
@@ -640,7 +631,7 @@ def _workspace(
     for s in plan.stages_of(rank):
         layers, _, last = chunks[s % plan.chain_length]
         per_token = a * (2 * f + 2 * d + 2 * kv) / t if layers else 0.0
-        if unit and c.subsequences > 1 and layers:
+        if unit and c.shape.num_subsequences > 1 and layers:
             per_token += 8 * d / t
         if last:
             per_token = max(per_token, (8 + a) * args.vocab_size / t)
@@ -651,7 +642,7 @@ def _workspace(
 def _buffers(
     args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int, lengths: list[int]
 ) -> float:
-    scale = c.microbatches / plan.built_microbatches
+    scale = c.shape.microbatches / plan.built_microbatches
     e = plan.events_of(rank, len(lengths))
     total = 0.0
     for s in plan.stages_of(rank):
