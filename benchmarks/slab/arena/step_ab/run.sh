@@ -10,7 +10,7 @@ for round in 1 2; do
   for co in $order; do
     touch /work/main/.venv/.torchtitan_seq-installed
     cd ${tree[$co]} && PYTHONPATH=${tree[$co]} python benchmarks/bench.py --schedules 1F1B,Seq1F1B:4:compute,Seq1F1B:8:even \
-      --seq-lens 2048,4096 --steps 4 --rounds 1 --out $out/$co/r$round > $out/${co}_r$round.log 2>&1
+      --seq-lens ${SEQ_LENS:-2048,4096} --steps 4 --rounds 1 --out $out/$co/r$round > $out/${co}_r$round.log 2>&1
     echo "$co r$round rc=$? $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >> $out/log
   done
 done
