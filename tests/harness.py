@@ -54,6 +54,7 @@ class Variant:
     ac: str = "none"  # torchtitan activation checkpointing: none, full, selective:<layers|op>
     dp_shard: int = 1  # FSDP2 degree, through torchtitan's parallelize_llama
     tp: int = 1  # tensor-parallel degree, likewise
+    cp: int = 1  # context-parallel degree: each unit's queries over cp ranks (FSDP then spans them)
     compile: str | None = None  # torch.compile backend of torchtitan's per-block compile, e.g. "inductor"
     documents: bool = False  # packed documents (block-causal attention), laid out by packed_tokens
     optimizer_steps: int = 0  # SGD steps (and BSIPipe/Chimera copy syncs) on both sides before the compared step
@@ -61,7 +62,7 @@ class Variant:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp_shard * self.tp
+        return self.pp * self.dp_shard * self.cp * self.tp
 
     @property
     def stages_per_rank(self) -> int:
@@ -146,8 +147,8 @@ def _free_port() -> int:
 
 
 def dp_rank_of(rank: int, v: Variant) -> int:
-    """Data-parallel coordinate of ``rank`` in torchtitan's mesh order (pp, dp_shard, tp)."""
-    return rank // v.tp % v.dp_shard
+    """Data-parallel coordinate of ``rank`` in torchtitan's mesh order (pp, dp_shard, cp, tp)."""
+    return rank // (v.tp * v.cp) % v.dp_shard
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -166,7 +167,7 @@ def _pipeline_chunks(whole, args, v: Variant):
     from torchtitan_seq.pipeline import split_model
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=v.dp_shard, cp=1, tp=v.tp, pp=v.pp, ep=1, etp=1, world_size=v.world)
+    dims = ParallelDims(dp_replicate=1, dp_shard=v.dp_shard, cp=v.cp, tp=v.tp, pp=v.pp, ep=1, etp=1, world_size=v.world)
     dims.build_mesh()
     pp_mesh = dims.get_mesh("pp")
     cls = SEQUENCE_SCHEDULES[v.schedule]
@@ -178,6 +179,7 @@ def _pipeline_chunks(whole, args, v: Variant):
     job.parallelism.pipeline_parallel_degree = v.pp
     job.parallelism.data_parallel_shard_degree = v.dp_shard
     job.parallelism.tensor_parallel_degree = v.tp
+    job.parallelism.context_parallel_degree = v.cp
     job.parallelism.disable_loss_parallel = True
     job.compile.enable = v.compile is not None
     job.compile.backend = v.compile or "inductor"
@@ -276,13 +278,17 @@ class _Reference:
         return loss, {n: p.grad.clone() for n, p in self.model.named_parameters()}
 
 
-def _stages(v: Variant, args, chunks, pp_mesh) -> list:
+def _stages(v: Variant, args, chunks, dims) -> list:
     """This rank's pipeline stages over ``chunks``, cut into the variant's units."""
-    from torchtitan_seq.partition import UnitCost, partition_sequence
+    from torchtitan_seq.context_parallel import ContextShard
+    from torchtitan_seq.shape import JobShape
     from torchtitan_seq.stage import SequencePipelineStage
 
-    # Sequence parallelism shards every unit evenly over the TP ranks.
-    lengths = partition_sequence(v.seq_len, v.k, v.partition, multiple=v.tp, cost=UnitCost.from_model_args(args))
+    # Cut as the runtime cuts: sequence parallelism shards every unit evenly over the TP ranks, CP
+    # into 2 cp chunks.
+    lengths = JobShape.of_model(args, v.seq_len, v.k, v.partition, tp=v.tp, cp=v.cp).lengths
+    shard = ContextShard.of_group(dims.get_mesh("cp").get_group() if v.cp > 1 else None)
+    pp_mesh = dims.get_mesh("pp")
     return [
         SequencePipelineStage(
             chunk,
@@ -291,6 +297,7 @@ def _stages(v: Variant, args, chunks, pp_mesh) -> list:
             torch.device("cpu"),
             lengths=lengths,
             chain_length=chain,
+            context_shard=shard,
             group=pp_mesh.get_group(),
         )
         for index, chain, chunk in chunks
@@ -366,9 +373,7 @@ class _PipelineRun:
             self.copies_diff.append(self.schedule.copies.max_difference())
 
 
-def _report(
-    run: _PipelineRun, chunks, stages: list, losses: list | None, compared: tuple[float, dict], pp_group
-) -> dict:
+def _report(run: _PipelineRun, chunks, stages: list, losses: list | None, compared: tuple[float, dict], dims) -> dict:
     """This rank's side of the comparison with the reference's ``compared`` loss and gradients
     (:func:`run_variants` merges the ranks')."""
     from torch._dynamo.utils import counters
@@ -390,9 +395,12 @@ def _report(
         "graphs": run.graphs,
         "graph_breaks": sum(counters["graph_break"].values()),
     }
-    # Every last stage holds its units' losses (BSIPipe and Chimera have two); the pipeline's sum is the loss.
+    # Every last stage holds its units' losses (BSIPipe and Chimera have two); the pipeline's sum is the
+    # loss, and under CP the sum of the CP ranks' shares.
     loss = torch.tensor(float(sum(losses)) if run.last else 0.0)
-    dist.all_reduce(loss, group=pp_group)
+    dist.all_reduce(loss, group=dims.get_mesh("pp").get_group())
+    if dims.cp > 1:
+        dist.all_reduce(loss, group=dims.get_mesh("cp").get_group())
     if run.last:
         out["loss_rel"] = abs(loss.item() - ref_loss) / abs(ref_loss)
         out["n_losses"] = len(losses)
@@ -406,7 +414,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
     rows = _data_parallel_rows(v, rank)
     reference = _Reference(model, rows)
     chunks, pp_mesh, dims = _pipeline_chunks(whole, args, v)
-    stages = _stages(v, args, chunks, pp_mesh)
+    stages = _stages(v, args, chunks, dims)
     with _mutated(v, dims):
         run = _PipelineRun(v, chunks, stages, rows)
         for b in batches[:-1]:
@@ -416,7 +424,7 @@ def _run_variant(v: Variant, rank: int) -> dict:
             reference.optimizer.step()
         losses = run.step(batches[-1], repeats=v.steps)
         compared = reference.step(batches[-1])
-    return _report(run, chunks, stages, losses, compared, pp_mesh.get_group())
+    return _report(run, chunks, stages, losses, compared, dims)
 
 
 def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: str) -> None:

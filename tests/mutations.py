@@ -122,8 +122,8 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
 
     calls = attention._calls
 
-    def without_prefix(documents, offset, length, bottom_right):
-        causal, prefix = calls(documents, offset, length, bottom_right)
+    def without_prefix(documents, segments, bottom_right):
+        causal, prefix = calls(documents, segments, bottom_right)
         caller = sys._getframe(1)  # the forward op, in the phase the KV context gave it
         recomputing = caller.f_code.co_name == "_unit_attention" and caller.f_locals.get("phase") is Phase.RECOMPUTE
         return causal, [] if recomputing else prefix
@@ -203,6 +203,44 @@ def _across_documents(ctx: MutationContext) -> list:
     return [mock.patch.object(Documents, "start_of", lambda self, row, position: 0)]
 
 
+def _cp_shard_left_out(ctx: MutationContext) -> list:
+    """Context parallelism: a unit's gathered K/V miss the last CP rank's share (zeros there)."""
+    from torchtitan_seq.context_parallel import ContextShard
+
+    gather = ContextShard.gather
+
+    def without_last(self, share):
+        whole = gather(self, share)
+        for a, b in ContextShard(None, self.size - 1, self.size).segments(0, whole.shape[2]):
+            whole[:, :, a:b] = 0
+        return whole
+
+    return [mock.patch.object(ContextShard, "gather", without_last)]
+
+
+def _cp_kv_grads_local(ctx: MutationContext) -> list:
+    """Context parallelism: each CP rank keeps its own queries' dK/dV of its positions; nothing is
+    summed over the CP group."""
+    from torchtitan_seq.context_parallel import ContextShard
+
+    return [mock.patch.object(ContextShard, "reduce_scatter", lambda self, whole: self.shard(whole, 2))]
+
+
+def _cp_second_chunk_positions(ctx: MutationContext) -> list:
+    """Context parallelism: RoPE reads the second chunk of a CP rank's share one position early."""
+    from torchtitan_seq.models.llama3_seq import model
+
+    positions = model.unit_positions
+
+    def second_off(unit, device):
+        p = positions(unit, device)
+        if unit.queries is not None:
+            p[:, p.shape[1] // 2 :] -= 1
+        return p
+
+    return [mock.patch.object(model, "unit_positions", second_off)]
+
+
 MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "prefix_dk_dropped": lambda ctx: _prefix_grads(keep_k=False, keep_v=True),
     "prefix_dv_dropped": lambda ctx: _prefix_grads(keep_k=True, keep_v=False),
@@ -217,6 +255,9 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "copies_not_synced": _copies_not_synced,
     "across_documents": _across_documents,
     "slab_offset": _slab_offset,
+    "cp_shard_left_out": _cp_shard_left_out,
+    "cp_kv_grads_local": _cp_kv_grads_local,
+    "cp_second_chunk_positions": _cp_second_chunk_positions,
 }
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from .documents import Documents
 from .kernels import AttentionKernel, select_kernel
@@ -104,34 +105,37 @@ class _Call:
 
 
 def _calls(
-    documents: Documents | None, offset: int, length: int, bottom_right: bool
+    documents: Documents | None, segments: tuple[tuple[int, int], ...], bottom_right: bool
 ) -> tuple[list[_Call], list[_Call]]:
-    """The kernel calls of ``length`` queries at ``offset`` under ``documents`` (None: causal):
-    causal calls whose queries cover the unit once, and unmasked prefix calls over queries
-    already covered, merged by log-sum-exp. Per batch row (every row at once without documents)
-    each document piece inside the unit is a causal call over its own keys; the piece of the
-    document continuing into the unit reads that document's prefix too: in the same call where
-    the kernel aligns causal masks at the bottom right, else in one unmasked call of its own."""
-    rows_pieces = (
-        [(_EVERY, [(0, length)], 0)]
-        if documents is None
-        else [
-            (slice(b, b + 1), documents.pieces(b, offset, offset + length), documents.start_of(b, offset))
-            for b in range(len(documents.starts))
-        ]
-    )
+    """The kernel calls of queries at the positions ``segments`` ([start, stop) ranges, laid out in
+    q in that order: one for a whole unit, a CP rank's two chunks) under ``documents`` (None:
+    causal): causal calls whose queries cover every segment once, and unmasked prefix calls over
+    queries already covered, merged by log-sum-exp. Per segment and batch row (every row at once
+    without documents) each document piece inside the segment is a causal call over its own keys;
+    the piece of the document continuing into the segment reads that document's keys before the
+    segment too: in the same call where the kernel aligns causal masks at the bottom right, else in
+    one unmasked call of its own."""
+    one = documents is None and len(segments) == 1  # one call covers all of q
+    rows = [_EVERY] if documents is None else [slice(b, b + 1) for b in range(len(documents.starts))]
     causal: list[_Call] = []
     prefix: list[_Call] = []
-    for rows, pieces, first in rows_pieces:
-        whole = documents is None
-        calls = [_Call(rows, _EVERY if whole else slice(a, b), slice(offset + a, offset + b), True) for a, b in pieces]
-        if first < offset:  # the continuing document's prefix [first, offset)
-            head = calls[0]
-            if bottom_right:
-                calls[0] = _Call(rows, head.queries, slice(first, head.keys.stop), True)
-            else:
-                prefix.append(_Call(rows, head.queries, slice(first, offset), False))
-        causal += calls
+    local = 0  # where the segment's queries start in q
+    for start, stop in segments:
+        for b, row in enumerate(rows):
+            pieces = [(0, stop - start)] if documents is None else documents.pieces(b, start, stop)
+            first = 0 if documents is None else documents.start_of(b, start)
+            calls = [
+                _Call(row, _EVERY if one else slice(local + a, local + e), slice(start + a, start + e), True)
+                for a, e in pieces
+            ]
+            if first < start:  # the continuing document's keys [first, start)
+                head = calls[0]
+                if bottom_right:
+                    calls[0] = _Call(row, head.queries, slice(first, head.keys.stop), True)
+                else:
+                    prefix.append(_Call(row, head.queries, slice(first, start), False))
+            causal += calls
+        local += stop - start
     return causal, prefix
 
 
@@ -189,11 +193,13 @@ def _attention_backward(
     """dq, and dk, dv of the unit's own keys, of :func:`_attention_forward` given its merged
     ``out`` and ``lse``; the gradient of earlier keys goes to the slab."""
     offset, slab = keys.offset, keys.slab
-    length = q.shape[2]
+    length = keys.own[0].shape[2]  # the unit's keys (under CP more than its queries here)
     whole = len(causal) == 1 and causal[0].index == (_EVERY, _EVERY, _EVERY)
     if not whole:
         dq = torch.empty_like(q)
-        dk, dv = (torch.empty_like(t) for t in keys.own)
+        # zeros: a CP rank's calls leave other ranks' keys unread, and bottom-right calls of its two
+        # chunks read some keys twice
+        dk, dv = (torch.zeros_like(t) for t in keys.own)
     for c in causal:
         dq_i, dk_i, dv_i = kernel.backward(dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], True, scale)
         cut = max(offset - c.keys.start, 0)  # keys before the unit: a bottom-right call's prefix
@@ -203,13 +209,20 @@ def _attention_backward(
         if whole:
             dq, dk, dv = dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:]
         else:
-            dq[c.index], dk[c.rows, :, own], dv[c.rows, :, own] = dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:]
+            dq[c.index] = dq_i
+            dk[c.rows, :, own] += dk_i[:, :, cut:]
+            dv[c.rows, :, own] += dv_i[:, :, cut:]
     for c in prefix:
         dq_i, dk_i, dv_i = kernel.backward(
             dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], False, scale
         )
         dq[c.index] += dq_i
-        slab.accumulate(dk_i, dv_i, c.rows, c.keys.start)
+        if c.keys.start >= offset:  # keys within the unit, read from its own (a CP rank's later chunk)
+            own = slice(c.keys.start - offset, c.keys.stop - offset)
+            dk[c.rows, :, own] += dk_i
+            dv[c.rows, :, own] += dv_i
+        else:  # read from the slab, laid out as it lays positions out
+            slab.accumulate(dk_i, dv_i, c.rows, c.keys.start)
     later_k, later_v = slab.take(offset, length) if slab is not None else (None, None)
     if later_k is not None:
         n = later_k.shape[2]
@@ -232,7 +245,7 @@ def _whole_sequence_forward(
     """Causal attention over the whole sequence, block-causal given ``documents`` (one causal call
     per document piece, no mask, nothing before position 0): q (B, Hq, L, D), k, v (B, Hkv, L, D).
     Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
-    causal, prefix = _calls(documents, 0, q.shape[2], kernel.bottom_right)
+    causal, prefix = _calls(documents, ((0, q.shape[2]),), kernel.bottom_right)
     return _attention_forward(kernel, q, _Keys((k, v), 0, None), causal, prefix, scale)
 
 
@@ -248,8 +261,26 @@ def _whole_sequence_backward(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (shaped like q, k, v) of :func:`_whole_sequence_forward`, given its ``out`` and ``lse``."""
-    causal, prefix = _calls(documents, 0, q.shape[2], kernel.bottom_right)
+    causal, prefix = _calls(documents, ((0, q.shape[2]),), kernel.bottom_right)
     return _attention_backward(kernel, dout, q, _Keys((k, v), 0, None), out, lse, causal, prefix, scale)
+
+
+def _own_keys(
+    context: KVContext, kernel: AttentionKernel, layer_id: int, phase: Phase, k: Tensor, v: Tensor
+) -> tuple[tuple[Tensor, Tensor], KVSlab]:
+    """The running unit's own K and V (B, Hkv, L, D) in position order, and its microbatch's slab:
+    FORWARD writes them into the slab (gathered over the CP group, each rank's ``k``, ``v`` being its
+    share); RECOMPUTE reads the slab its forward wrote, where under CP the whole unit's K/V lie."""
+    shard = context.shard
+    if phase is Phase.FORWARD:
+        k, v = shard.gather(k), shard.gather(v)
+        cp = shard.size > 1  # other ranks' chunks of the unit read keys of the last unit too
+        return (k, v), context.append(layer_id, k, v, with_own=kernel.bottom_right or cp, ascending=kernel.bottom_right)
+    slab = context.recorded(layer_id)
+    if shard.size > 1:
+        own_k, own_v, flipped = context.own(layer_id)
+        k, v = (own_k.flip(2), own_v.flip(2)) if flipped else (own_k, own_v)
+    return (k, v), slab
 
 
 @torch.library.custom_op("torchtitan_seq::unit_attention", mutates_args=())
@@ -259,21 +290,19 @@ def _unit_attention(
     """A bound layer's attention (``ids``: its binding), in the KV context's phase: FORWARD, the
     unit's K/V (B, Hkv, L, D) written into its microbatch's slab first, its queries q (B, Hq, L, D)
     attend to the prefix and their own keys; RECOMPUTE, the same from the slab the unit's forward
-    wrote, nothing written; outside a unit, causal attention over ``q``'s sequence. ``compiled``:
-    called from a compiled graph (see :func:`_save_unit`). Returns out (B, Hq, L, D) and lse
-    (B, Hq, L) float32."""
+    wrote, nothing written; outside a unit, causal attention over ``q``'s sequence. Under context
+    parallelism q, k and v are the CP rank's share of the unit (L / c tokens), and the unit's K/V
+    are gathered over the CP group. ``compiled``: called from a compiled graph (see
+    :func:`_save_unit`). Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
     context, kernel, layer_id = _bound(ids)
     phase = context.phase(forward=True)
     if phase is None:
         out, lse = _whole_sequence_forward(kernel, q, k, v, None, scale)
     else:
         unit = context.unit
-        if phase is Phase.FORWARD:
-            slab = context.append(layer_id, k, v, with_own=kernel.bottom_right)
-        else:
-            slab = context.recorded(layer_id)
-        causal, prefix = _calls(context.documents_of(unit), unit.offset, q.shape[2], kernel.bottom_right)
-        out, lse = _attention_forward(kernel, q, _Keys((k, v), unit.offset, slab), causal, prefix, scale)
+        own, slab = _own_keys(context, kernel, layer_id, phase, k, v)
+        causal, prefix = _calls(context.documents_of(unit), unit.segments, kernel.bottom_right)
+        out, lse = _attention_forward(kernel, q, _Keys(own, unit.offset, slab), causal, prefix, scale)
     return _heads_inner(out), lse.contiguous()
 
 
@@ -285,7 +314,9 @@ def _unit_attention_backward(
     (``kv_flipped``: k and v as a descending slab holds them, last position first). In phase
     BACKWARD it sends the dK/dV of the prefix the unit read to its slab's gradient, and adds what
     the later units (run backward first) sent the unit's own keys; outside a unit, the gradients
-    of causal attention over the whole sequence."""
+    of causal attention over the whole sequence. Under context parallelism k and v are the whole
+    unit's, as saved, and so are dk and dv: this rank's part of them (:func:`_unit_backward`
+    reduce-scatters them)."""
     context, kernel, layer_id = _bound(ids)
     dout = dout.contiguous()
     if kv_flipped:  # a copy of the unit's own K/V for its causal calls, not of the prefix
@@ -295,7 +326,7 @@ def _unit_attention_backward(
     else:
         unit = context.unit
         keys = _Keys((k, v), unit.offset, context.recorded(layer_id))
-        causal, prefix = _calls(context.documents_of(unit), unit.offset, q.shape[2], kernel.bottom_right)
+        causal, prefix = _calls(context.documents_of(unit), unit.segments, kernel.bottom_right)
         dq, dk, dv = _attention_backward(kernel, dout, q, keys, out, lse, causal, prefix, scale)
     # A custom op's outputs must have the strides of its fake implementation.
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -332,19 +363,25 @@ def _fake_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *_) -> tuple[
 
 def _save_unit(ctx, inputs, output) -> None:
     """Saves q, the output and log-sum-exp, and the unit's K/V: in eager mode the slab's views
-    where they lie (the slab is then the one copy of K/V, and the saved-tensor count sees it);
-    a compiled graph saves its own k, v (the op's Python state is not traced)."""
+    where they lie (the slab is then the one copy of K/V, and the saved-tensor count sees it; under
+    context parallelism the whole unit's, gathered); a compiled graph saves its own k, v (the op's
+    Python state is not traced)."""
     q, k, v, ids, ctx.scale, compiled = inputs
-    ctx.kv_flipped = False
+    ctx.kv_flipped, ctx.shard = False, None
     if not compiled:
         context, _, layer_id = _bound(ids)
         k, v, ctx.kv_flipped = context.own(layer_id) or (k, v, False)
+        ctx.shard = context.shard if context.unit is not None and context.shard.size > 1 else None
     ctx.save_for_backward(q, k, v, *output, ids)
 
 
 def _unit_backward(ctx, dout: Tensor, _dlse: Tensor | None):
-    """dq, dk, dv; no gradient for ids, scale and compiled."""
-    return *_unit_attention_backward(dout, *ctx.saved_tensors, ctx.scale, ctx.kv_flipped), None, None, None
+    """dq, dk, dv, under context parallelism dk and dv of this rank's share of the unit, summed over
+    the CP ranks' queries; no gradient for ids, scale and compiled."""
+    dq, dk, dv = _unit_attention_backward(dout, *ctx.saved_tensors, ctx.scale, ctx.kv_flipped)
+    if ctx.shard is not None:
+        dk, dv = ctx.shard.reduce_scatter(dk), ctx.shard.reduce_scatter(dv)
+    return dq, dk, dv, None, None, None
 
 
 def _save_documents(ctx, inputs, output) -> None:
@@ -416,6 +453,9 @@ class SequenceAttention(nn.Module):
         Returns (B, Hq, L, D)."""
         if self.ids is None:
             return _whole_sequence_attention(q, k, v, documents, scale, is_causal, enable_gqa)
+        # torchtitan's context parallelism wraps every attention layer's inputs as DTensors sharded on
+        # the sequence, for torch's ring attention; a bound layer runs its own on the local shares.
+        q, k, v = (t.to_local() if isinstance(t, DTensor) else t for t in (q, k, v))
         if not is_causal:
             raise ValueError("SequenceAttention runs units of causal attention only")
         scale = q.shape[-1] ** -0.5 if scale is None else scale

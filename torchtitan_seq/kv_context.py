@@ -6,7 +6,11 @@ microbatch and layer, one :class:`KVSlab`: K and V of the microbatch's keys that
 read, each unit's written at its offset as it runs forward (one copy of the unit's own K/V,
 never of the prefix), so a unit reads its whole prefix, or prefix and own keys together, as
 one view. The last unit's keys are read by no later unit: it writes them only where its
-kernel reads prefix and own keys in one call (``with_own``).
+kernel reads prefix and own keys in one call, or under context parallelism (``with_own``).
+
+Context parallelism (:attr:`KVContext.shard`, :mod:`torchtitan_seq.context_parallel`): a CP rank
+computes a share of each unit's queries (:attr:`Unit.queries`) and writes the unit's whole K/V,
+gathered over the CP group, so the slab holds the same positions as without CP.
 
 Gradients flow backwards through the slab without joining the units' autograd graphs
 (joining them would let the backward of unit j walk into, and free, the graph of unit j-1):
@@ -54,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .context_parallel import ContextShard
 from .documents import Documents
 from .kv_placement import ArenaPlan, Pass, SlabPlacement, plan_arenas
 
@@ -69,10 +74,18 @@ class Unit:
     offset: int  # position of the unit's first token in the full sequence
     length: int  # tokens in the unit
     num_subsequences: int  # k, the units the microbatch is cut into
+    queries: tuple[tuple[int, int], ...] | None = None
+    """Positions [start, stop) of the unit's queries this rank computes, in the order its tensors lay them
+    out: a CP rank's share (:meth:`~torchtitan_seq.context_parallel.ContextShard.segments`); None: all."""
 
     @property
     def is_last(self) -> bool:
         return self.index == self.num_subsequences - 1
+
+    @property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """The positions of this rank's queries, [start, stop) ranges in their tensors' order."""
+        return self.queries or ((self.offset, self.offset + self.length),)
 
 
 class Phase(enum.Enum):
@@ -164,8 +177,10 @@ class KVContext:
     shared by microbatches (:func:`~torchtitan_seq.kv_placement.plan_arenas`); otherwise each
     microbatch's slab is an arena of its own."""
 
-    def __init__(self, lengths: list[int] | None = None) -> None:
+    def __init__(self, lengths: list[int] | None = None, shard: ContextShard | None = None) -> None:
         self.lengths = lengths
+        self.shard = shard or ContextShard()
+        """This rank's share of every unit under context parallelism (the whole unit without)."""
         self.unit: Unit | None = None
         """The unit being run, forward (:meth:`running`) or backward (:meth:`backward`), or None."""
         self.documents: list[Documents] | None = None
@@ -265,11 +280,15 @@ class KVContext:
         k, v = slab.keys(unit.offset, unit.offset + unit.length)
         return k.data, v.data, slab.descending
 
-    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False) -> KVSlab:
+    def append(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False, ascending: bool = False
+    ) -> KVSlab:
         """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
         unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
-        kernel reads them apart from the prefix). The first unit places the slab: room for the
-        keys later units read, the last unit's too if ``with_own``. Returns the slab."""
+        kernel reads them apart from the prefix; under CP other ranks' queries read them as their
+        prefix). The first unit places the slab: room for the keys later units read, the last unit's
+        too if ``with_own``; ``ascending``: in position order whatever its arena (a kernel that reads
+        prefix and own keys in one causal call). Returns the slab."""
         unit = self.unit
         if unit is None or self._backward:
             raise RuntimeError("KVContext.append called outside a unit's forward")
@@ -283,13 +302,13 @@ class KVContext:
             )
         self._live.setdefault(unit.microbatch, set()).add(unit.index)
         if slab is None:
-            slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, with_own)
+            slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, with_own, ascending)
         if not unit.is_last or with_own:
             self._check_room(unit, slab)
             slab.write(unit.offset, k, v)
         return slab
 
-    def _place(self, layer_id: int, m: int, k: torch.Tensor, with_own: bool) -> KVSlab:
+    def _place(self, layer_id: int, m: int, k: torch.Tensor, with_own: bool, ascending: bool) -> KVSlab:
         """Microbatch ``m``'s slab for ``layer_id``, in the arena its plan names (allocated by its
         first slab), or in one of its own."""
         b, h, _, d = k.shape
@@ -297,7 +316,7 @@ class KVContext:
             return KVSlab(k.new_empty(b, h, 0, d), k.new_empty(b, h, 0, d))
         size = sum(self.lengths[: None if with_own else -1])
         if m not in self._placed:
-            alternate = not with_own  # a descending slab serves unmasked reads only (see kv_placement)
+            alternate = not ascending  # a descending slab serves unmasked reads only (see kv_placement)
             plan = self._plan(alternate, size)
             solo = (size, SlabPlacement(-1 - m, descending=False))
             self._placed[m] = (plan.capacity, plan.slabs[m]) if m in plan.slabs else solo

@@ -4,7 +4,8 @@ The runtime (:mod:`torchtitan_seq.pipeline`), the job check, the simulator, the 
 the planner all take the subsequence lengths from a :class:`JobShape`, so that the planner
 evaluates the very cut the runtime trains: k lengths from
 :func:`~torchtitan_seq.partition.partition_sequence`, each a whole multiple of
-lcm(``length_multiple``, TP degree) (sequence parallelism shards a unit's tokens TP ways).
+lcm(``length_multiple``, TP degree) (sequence parallelism shards a unit's tokens TP ways; under
+context parallelism, of 2 CP x TP).
 Plain Python: neither torch nor torchtitan is imported.
 """
 
@@ -41,6 +42,8 @@ class JobShape:
     """``sequence_pipeline.length_multiple``."""
     tp: int = 1
     """The TP degree."""
+    cp: int = 1
+    """The CP degree: every unit is cut into 2 ``cp`` equal chunks (:mod:`torchtitan_seq.context_parallel`)."""
     microbatches: int = 1
     """N, microbatches per step and pipeline (local batch size / microbatch size)."""
     stages_per_rank: int | None = None
@@ -74,8 +77,10 @@ class JobShape:
 
     @property
     def multiple(self) -> int:
-        """What every subsequence length is a multiple of: lcm(length_multiple, tp)."""
-        return math.lcm(self.length_multiple, self.tp)
+        """What every subsequence length is a multiple of: lcm(length_multiple, tp), and under context
+        parallelism of 2 cp x tp (2 cp chunks, each CP rank's two sharded TP ways), as torchtitan asks of
+        whole sequences."""
+        return math.lcm(self.length_multiple, self.tp * (2 * self.cp if self.cp > 1 else 1))
 
     @property
     def lengths(self) -> list[int]:

@@ -16,6 +16,7 @@ from torch.distributed.pipelining.stage import _RecvInfo
 from torch.utils._pytree import tree_map_only
 
 from .attention import bind_kv_context
+from .context_parallel import ContextShard
 from .kernels import AttentionKernel, select_kernel
 from .kv_context import KVContext, Unit
 from .ordering import B, F, I, W, stage_passes
@@ -31,7 +32,9 @@ class SequencePipelineStage(PipelineStage):
     layers; ``lengths`` are the subsequence lengths [L_0, ..., L_{k-1}] of every microbatch;
     ``kernel`` is the block attention kernel, chosen for ``device`` when omitted. Where the
     stages form several chains (BSIPipe's and Chimera's two), stage s is first of its chain when
-    s % ``chain_length`` == 0 (one chain by default). The other arguments are ``PipelineStage``'s.
+    s % ``chain_length`` == 0 (one chain by default). ``context_shard``: this rank's share of every
+    unit under context parallelism (:mod:`torchtitan_seq.context_parallel`; None: the whole unit).
+    The other arguments are ``PipelineStage``'s.
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class SequencePipelineStage(PipelineStage):
         lengths: list[int],
         kernel: AttentionKernel | None = None,
         chain_length: int | None = None,
+        context_shard: ContextShard | None = None,
         **kwargs: Any,
     ) -> None:
         self.chain_length = chain_length or num_stages
@@ -51,7 +55,7 @@ class SequencePipelineStage(PipelineStage):
         if not lengths or min(lengths) < 1:
             raise ValueError(f"subsequence lengths must be positive, got {lengths}")
         self.lengths = list(lengths)
-        self.kv_context = KVContext(self.lengths)
+        self.kv_context = KVContext(self.lengths, context_shard)
         bind_kv_context(submodule, self.kv_context, kernel or select_kernel(torch.device(device)))
 
     @property
@@ -98,7 +102,9 @@ class SequencePipelineStage(PipelineStage):
     def unit(self, unit_id: int) -> Unit:
         """The (microbatch, subsequence) unit behind torch's microbatch index."""
         m, j = divmod(unit_id, len(self.lengths))
-        return Unit(m, j, sum(self.lengths[:j]), self.lengths[j], len(self.lengths))
+        offset, length, shard = sum(self.lengths[:j]), self.lengths[j], self.kv_context.shard
+        queries = shard.segments(offset, length) if shard.size > 1 else None
+        return Unit(m, j, offset, length, len(self.lengths), queries)
 
     def forward_one_chunk(
         self,

@@ -6,7 +6,7 @@ gradient is off by more than 100x the tolerance, relative to its own scale.
 The clean twin of every variant (the same variant without its mutation)
 passes the same comparison in the exactness tests (test_seq1f1b.py,
 test_interleaved.py, test_compose.py, test_bsipipe.py, test_chimera.py,
-test_packed_documents.py), so what fails here is
+test_packed_documents.py, test_context_parallel.py), so what fails here is
 the mutation alone.
 """
 
@@ -35,7 +35,13 @@ TWO_RANKS = [
     Variant("across_documents", k=4, documents=True, mutation="across_documents"),
     Variant("slab_offset", k=4, partition="compute", mutation="slab_offset"),
 ]
-FOUR_RANKS = [Variant("tp_wrong_shard", k=4, tp=2, seq_len=64, mutation="tp_wrong_shard")]
+FOUR_RANKS = [
+    Variant("tp_wrong_shard", k=4, tp=2, seq_len=64, mutation="tp_wrong_shard"),
+    # pp 2 x cp 2
+    Variant("cp_shard_left_out", k=3, partition="compute", cp=2, seq_len=48, mutation="cp_shard_left_out"),
+    Variant("cp_kv_grads_local", k=3, partition="compute", cp=2, seq_len=48, mutation="cp_kv_grads_local"),
+    Variant("cp_second_chunk_positions", k=4, cp=2, seq_len=64, mutation="cp_second_chunk_positions"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +118,15 @@ def test_unit_attending_across_a_document_boundary(results):
 def test_unit_writing_its_kv_at_the_wrong_slab_offset(results):
     """Units after the first write their K/V into the slab one position early."""
     _check(results, "slab_offset")
+
+
+def test_context_parallel_kv_shard_left_out_of_the_gather(results):
+    _check(results, "cp_shard_left_out")
+
+
+def test_context_parallel_kv_gradients_not_reduce_scattered(results):
+    _check(results, "cp_kv_grads_local")
+
+
+def test_context_parallel_second_chunk_positions_off(results):
+    _check(results, "cp_second_chunk_positions")

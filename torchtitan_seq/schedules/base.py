@@ -151,7 +151,8 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         self._unit_losses.clear()
 
     def _split_units(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
-        """(batch, seq, ...) -> N k tensors (batch / N, L_j, ...), unit-id order."""
+        """(batch, seq, ...) -> N k tensors (batch / N, L_j, ...), unit-id order; under context
+        parallelism this rank's share of each unit, (batch / N, L_j / c, ...)."""
         if t.shape[0] % self.num_microbatches:
             raise ValueError(
                 f"{name} has batch size {t.shape[0]}, not a multiple of the {self.num_microbatches} microbatches"
@@ -161,7 +162,8 @@ class SequenceSchedule(_PipelineScheduleRuntime):
                 f"{name} has sequence length {t.shape[1]}, but the schedule cuts "
                 f"{sum(self.lengths)} tokens into subsequences {self.lengths}"
             )
-        return [unit for mb in t.tensor_split(self.num_microbatches) for unit in mb.split(self.lengths, dim=1)]
+        shard = self._stages[0].kv_context.shard  # a CP rank's share of each unit
+        return [shard.shard(unit) for mb in t.tensor_split(self.num_microbatches) for unit in mb.split(self.lengths, 1)]
 
     def step(
         self,
@@ -177,8 +179,10 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         args: the first stage's inputs, each (batch, seq_len, ...); empty on other ranks. target:
         (batch, seq_len) on the rank of the last stage. attention_masks: packed documents, (batch,
         seq_len) document ids (:func:`~torchtitan_seq.documents.document_ids`), on every rank, as
-        torchtitan passes its block-causal flavors' masks; None: causal. Returns the last stage's
-        output, (batch, seq_len, ...), if asked for.
+        torchtitan passes its block-causal flavors' masks; None: causal. Under context parallelism
+        every CP rank gets the whole batch and takes its share of each unit itself. Returns the last
+        stage's output, (batch, seq_len, ...) (under CP this rank's shares, (batch, seq_len / c, ...)),
+        if asked for.
         """
         if kwargs:
             raise TypeError(f"sequence schedules take the model inputs positionally, got {sorted(kwargs)}")

@@ -4,7 +4,7 @@ Its parameters, FQNs, initialisation, TP plan and checkpoints are Llama 3's, and
 flavor is offered under its torchtitan name; the block-causal ones (``debugmodel_flex_attn``,
 ``8B_varlen``, ...) get the batch's document ids (:mod:`torchtitan_seq.documents`) as their
 ``attention_masks``, whatever kernel runs. While a pipeline stage runs a unit at offset s, the model
-reads RoPE at positions [s, s+L) and each layer attends through the stage's KV context
+reads RoPE at positions [s, s+L) (a CP rank at its share's) and each layer attends through the stage's KV context
 (:func:`~torchtitan_seq.attention.bind_kv_context`); otherwise it is plain Llama 3.
 """
 
@@ -95,6 +95,7 @@ class SeqTransformer(Transformer):
 
 
 def unit_positions(unit: Unit, device: torch.device) -> torch.Tensor:
-    """RoPE positions of ``unit``: (1, L), the range [offset, offset + L) of the whole sequence (under
-    sequence parallelism too: RoPE is applied after the gather, to the whole unit)."""
-    return torch.arange(unit.offset, unit.offset + unit.length, device=device).unsqueeze(0)
+    """RoPE positions of ``unit``'s queries on this rank: (1, L), the range [offset, offset + L) of the
+    whole sequence, or a CP rank's two chunks of it, (1, L / c) (under sequence parallelism too: RoPE
+    is applied after the gather, to the rank's whole share)."""
+    return torch.cat([torch.arange(a, b, device=device) for a, b in unit.segments]).unsqueeze(0)
