@@ -164,7 +164,7 @@ def _pipeline_chunks(whole, args, v: Variant):
     from torchtitan.models.llama3.infra.parallelize import parallelize_llama
 
     from torchtitan_seq.cpu_compat import fsdp_for_gloo
-    from torchtitan_seq.pipeline import split_model
+    from torchtitan_seq.pipeline import chunk_parallel_dims, split_model
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 
     dims = ParallelDims(dp_replicate=1, dp_shard=v.dp_shard, cp=v.cp, tp=v.tp, pp=v.pp, ep=1, etp=1, world_size=v.world)
@@ -187,7 +187,8 @@ def _pipeline_chunks(whole, args, v: Variant):
     mode, _, option = v.ac.partition(":")
     job.activation_checkpoint.mode = mode
     job.activation_checkpoint.selective_ac_option = option or "2"
-    chunks = [(index, chain, parallelize_llama(chunk, dims, job)) for index, chain, chunk in split]
+    chunk_dims = chunk_parallel_dims(dims)  # as torchtitan_seq parallelises chunks inside torchtitan
+    chunks = [(index, chain, parallelize_llama(chunk, chunk_dims, job)) for index, chain, chunk in split]
     fsdp_for_gloo([chunk for _, _, chunk in chunks])
     return chunks, pp_mesh, dims
 

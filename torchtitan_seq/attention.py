@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from .documents import Documents
 from .kernels import AttentionKernel, select_kernel
@@ -453,9 +452,6 @@ class SequenceAttention(nn.Module):
         Returns (B, Hq, L, D)."""
         if self.ids is None:
             return _whole_sequence_attention(q, k, v, documents, scale, is_causal, enable_gqa)
-        # torchtitan's context parallelism wraps every attention layer's inputs as DTensors sharded on
-        # the sequence, for torch's ring attention; a bound layer runs its own on the local shares.
-        q, k, v = (t.to_local() if isinstance(t, DTensor) else t for t in (q, k, v))
         if not is_causal:
             raise ValueError("SequenceAttention runs units of causal attention only")
         scale = q.shape[-1] ** -0.5 if scale is None else scale

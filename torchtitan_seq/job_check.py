@@ -40,7 +40,10 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
         _check_validation(job_config, n_microbatches)
         _check_activation_checkpointing(job_config)
         _check_documents(job_config, spec)
+        _check_context_parallel(job_config)
         _check_shape(job_config, spec)
+    else:
+        _check_torch_context_parallel(job_config, spec)
 
 
 def _check_degrees(job_config: JobConfig, world_size: int) -> None:
@@ -105,17 +108,12 @@ def _check_instrumentation(job_config: JobConfig) -> None:
 
 
 def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
-    """A sequence schedule needs chunk-aware attention, and owns the sequence dimension alone."""
+    """A sequence schedule needs chunk-aware attention."""
     par, name = job_config.parallelism, job_config.parallelism.pipeline_parallel_schedule
     if spec.pipelining_fn is not pipeline_sequence_llm:
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {name!r} needs a model with chunk-aware attention, "
             f'but model.name = {job_config.model.name!r} has none: set [model] name = "llama3_seq"'
-        )
-    if par.context_parallel_degree > 1:
-        raise ValueError(
-            f"parallelism.context_parallel_degree = {par.context_parallel_degree} cannot be combined with "
-            f"the sequence schedule {name}: both cut the sequence; set it to 1"
         )
 
 
@@ -123,14 +121,14 @@ def _check_cuda_precision(job_config: JobConfig, world_size: int) -> None:
     """torchtitan 0.2.2 trains in float32 under pipeline parallelism unless FSDP casts the parameters;
     torch's CUDA attention kernels (and flash-attn), which units run on, take bf16 and fp16 only."""
     par = job_config.parallelism
-    fixed = par.data_parallel_replicate_degree * par.context_parallel_degree * par.tensor_parallel_degree
-    fixed *= par.pipeline_parallel_degree
+    # torchtitan's FSDP shards over the data-parallel shard and CP ranks
+    fixed = par.data_parallel_replicate_degree * par.tensor_parallel_degree * par.pipeline_parallel_degree
     low_precision = job_config.training.mixed_precision_param in ("bfloat16", "float16")
     fsdp_casts = world_size // fixed > 1 and low_precision
     if torch.cuda.is_available() and par.pipeline_parallel_degree > 1 and not fsdp_casts:
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} on CUDA needs bf16 or "
-            "fp16 activations, but without FSDP (parallelism.data_parallel_shard_degree > 1, with "
+            "fp16 activations, but without FSDP (parallelism.data_parallel_shard_degree or context_parallel_degree > 1, with "
             "training.mixed_precision_param = 'bfloat16') torchtitan trains pipelines in float32, which the CUDA "
             "attention kernels do not take: shard the data parallel dimension, or use one of torch's schedules"
         )
@@ -182,6 +180,45 @@ def _check_documents(job_config: JobConfig, spec: TrainSpec) -> None:
             f"sequence_pipeline.expected_document_length = {seq.expected_document_length} needs a "
             f"block-causal flavor, but model.flavor = {flavor!r} is causal: pick one (e.g. "
             "debugmodel_flex_attn) or set it to 0"
+        )
+
+
+def _check_context_parallel(job_config: JobConfig) -> None:
+    """A sequence schedule's CP (:mod:`torchtitan_seq.context_parallel`) balances each unit head-tail and
+    all-gathers its K/V, in eager attention."""
+    par, name = job_config.parallelism, job_config.parallelism.pipeline_parallel_schedule
+    if par.context_parallel_degree == 1:
+        return
+    cp = f"parallelism.context_parallel_degree = {par.context_parallel_degree} with the sequence schedule {name}"
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        raise ValueError(
+            f"{cp} cannot run with compile.enable = true yet: a compiled block saves its own share of K/V for "
+            "backward, not the unit's gathered K/V; turn compile off (or CP)"
+        )
+    if job_config.validation.enable:
+        raise ValueError(
+            f"{cp} cannot run with validation.enable = true yet: torchtitan's validator shards whole sequences "
+            "(and the RoPE table) for its own CP; turn validation off (or CP)"
+        )
+    if par.context_parallel_rotate_method != "allgather" or par.context_parallel_load_balancer != "headtail":
+        raise ValueError(
+            f"{cp} all-gathers each unit's K/V and gives each CP rank a chunk from each end of it: set "
+            "parallelism.context_parallel_rotate_method = 'allgather' and context_parallel_load_balancer = "
+            "'headtail' (the defaults)"
+        )
+
+
+def _check_torch_context_parallel(job_config: JobConfig, spec: TrainSpec) -> None:
+    """torchtitan's own CP (torch's schedules) shards flex attention's block masks; llama3_seq's block-causal
+    flavors attend by document ids, which it cannot shard."""
+    par, flavor = job_config.parallelism, job_config.model.flavor
+    block_causal = spec.model_args[flavor].attn_mask_type == "block_causal"
+    if par.context_parallel_degree > 1 and block_causal and spec.pipelining_fn is pipeline_sequence_llm:
+        raise ValueError(
+            f"parallelism.context_parallel_degree = {par.context_parallel_degree} with "
+            f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} and the block-causal "
+            f"model.flavor = {flavor!r}: torchtitan's CP shards flex attention's block masks, not the document "
+            "ids llama3_seq attends by; use a sequence schedule (they run CP on packed documents) or a causal flavor"
         )
 
 

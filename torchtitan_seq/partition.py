@@ -7,7 +7,7 @@ output layer grow with a unit's tokens, attention with the (query, key) pairs it
 so later units, with longer prefixes, get fewer tokens. With packed documents of
 expected length D a query reaches back about D keys however far into the sequence it
 is, so the cut tends to even as D shrinks. Lengths are whole multiples of ``multiple``
-(at least the TP degree, so sequence-parallel shards stay whole).
+(of the TP degree, so sequence-parallel shards stay whole, and under context parallelism of 2 x CP x TP).
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ def partition_sequence(
     if seq_len % multiple:
         raise ValueError(
             f"training.seq_len = {seq_len} is not a multiple of {multiple} (the subsequence length "
-            "multiple, at least the TP degree): change seq_len or sequence_pipeline.length_multiple"
+            "multiple: of sequence_pipeline.length_multiple, the TP degree and, under CP, 2 x CP x TP): change "
+            "seq_len or sequence_pipeline.length_multiple"
         )
     blocks = seq_len // multiple
     if blocks < k:

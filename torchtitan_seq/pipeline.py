@@ -1,13 +1,15 @@
 """Building a sequence pipeline inside torchtitan (the ``pipelining_fn`` of our train spec).
 
 For a sequence schedule it splits the model with torchtitan's own ``pipeline_module_split``
-(:func:`split_model`), applies torchtitan's SPMD parallelisms per chunk, cuts the sequence as the
+(:func:`split_model`), applies torchtitan's SPMD parallelisms per chunk (CP ranks as FSDP's:
+:func:`chunk_parallel_dims`), cuts the sequence as the
 job's :class:`~torchtitan_seq.shape.JobShape` says (:func:`job_shape`) and wraps each chunk in a
 :class:`~torchtitan_seq.stage.SequencePipelineStage`; any other schedule goes to ``pipeline_llm``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,17 +23,19 @@ from torchtitan.distributed import pipeline_parallel as titan_pp
 from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.tools.logging import logger
 
+from .context_parallel import ContextShard
 from .kernels import select_kernel
 from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 from .shape import JobShape
 from .stage import SequencePipelineStage
 
-__all__ = ["job_shape", "stages_per_rank", "split_model", "pipeline_sequence_llm"]
+__all__ = ["job_shape", "stages_per_rank", "split_model", "chunk_parallel_dims", "pipeline_sequence_llm"]
 
 
 def job_shape(job_config: JobConfig, model_args: TransformerModelArgs, tp_degree: int, pp_degree: int) -> JobShape:
     """The job's :class:`~torchtitan_seq.shape.JobShape`: ``[sequence_pipeline]`` over ``training.seq_len``,
-    N = local batch / microbatch size and v (:func:`stages_per_rank`) of a sequence schedule."""
+    N = local batch / microbatch size and v (:func:`stages_per_rank`) of a sequence schedule, its
+    lengths cut for TP and CP (``parallelism.context_parallel_degree``)."""
     cfg, par = job_config.sequence_pipeline, job_config.parallelism
     return JobShape.of_model(
         model_args,
@@ -41,6 +45,7 @@ def job_shape(job_config: JobConfig, model_args: TransformerModelArgs, tp_degree
         document_length=cfg.expected_document_length,
         length_multiple=cfg.length_multiple,
         tp=tp_degree,
+        cp=par.context_parallel_degree,
         microbatches=job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size,
         stages_per_rank=stages_per_rank(job_config, model_args, pp_degree),
     )
@@ -101,6 +106,19 @@ def split_model(
     return [(stage, len(module_names), chunk) for (stage, _), chunk in zip(held[pp_mesh.get_local_rank()], chunks)]
 
 
+def chunk_parallel_dims(parallel_dims: ParallelDims) -> ParallelDims:
+    """The degrees a sequence schedule's chunks are parallelised with (``parallelize_fn``): the job's, with
+    the CP ranks as FSDP's. Their parameters are sharded and their gradients summed over data-parallel x
+    CP ranks as torchtitan does under CP (same meshes), but attention runs the schedule's own CP inside
+    each unit (:mod:`torchtitan_seq.context_parallel`), not the hooks torchtitan puts on attention
+    layers for whole sequences (its ring attention; under flex attention a K/V all-gather of its own)."""
+    if not parallel_dims.cp_enabled:
+        return parallel_dims
+    dims = copy.copy(parallel_dims)  # the meshes, built, are shared
+    dims.dp_shard, dims.cp = parallel_dims.dp_shard * parallel_dims.cp, 1
+    return dims
+
+
 def pipeline_sequence_llm(
     model: nn.Module,
     parallel_dims: ParallelDims,
@@ -133,9 +151,11 @@ def pipeline_sequence_llm(
     options = cls.options_from_config(cfg)
     pp_mesh = parallel_dims.get_mesh("pp")
     kernel = select_kernel(torch.device(device), cfg.attention_backend)
+    shard = ContextShard.of_group(parallel_dims.get_mesh("cp").get_group() if parallel_dims.cp_enabled else None)
+    chunk_dims = chunk_parallel_dims(parallel_dims)
     stages, model_parts = [], []
     for index, chain_length, chunk in split_model(model, pp_mesh, name, device, names, **options):
-        model_parts.append(parallelize_fn(chunk, parallel_dims, job_config))
+        model_parts.append(parallelize_fn(chunk, chunk_dims, job_config))
         stages.append(
             SequencePipelineStage(
                 model_parts[-1],
@@ -145,6 +165,7 @@ def pipeline_sequence_llm(
                 lengths=lengths,
                 kernel=kernel,
                 chain_length=chain_length,
+                context_shard=shard,
                 group=pp_mesh.get_group("pp"),
             )
         )

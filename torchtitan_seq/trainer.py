@@ -7,7 +7,8 @@ normalised recipe to be exact; torch's get it too, so both train alike. Every ra
 loss (not -1). Instrumentation runs only on the steps that report it: saved activations are
 metered (:mod:`torchtitan_seq.memory`) on the steps ``[sequence_pipeline] activation_memory_freq``
 picks, with no saved-tensor hook on the others, and compute actions are timed
-(:mod:`torchtitan_seq.timeline`) on logged steps only.
+(:mod:`torchtitan_seq.timeline`) on logged steps only. Under context parallelism a sequence schedule
+takes whole sequences and shards each unit itself.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +65,22 @@ class SeqTrainer(Trainer):
         finally:
             timeline.RECORDER.disable()
             self.metering = False
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        """torchtitan's, except that under context parallelism a sequence schedule gets whole sequences:
+        it gives each CP rank a share of every unit (:mod:`torchtitan_seq.context_parallel`), where
+        torchtitan would shard whole sequences (and their RoPE positions) before the pipeline cuts them."""
+        if not (self.parallel_dims.cp_enabled and isinstance(getattr(self, "pp_schedule", None), SequenceSchedule)):
+            return super().post_dataloading_process(input_dict, labels)
+        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        extra_kwargs: dict[str, Any] = {}
+        if getattr(self.model_args, "attn_type", "sdpa") in ("flex", "varlen"):  # block-causal: document ids
+            extra_kwargs["attention_masks"] = self.model_parts[0].get_attention_masks(
+                input_batch=input_dict["input"], tokenizer=self.tokenizer, extra_inputs=extra_inputs
+            )
+        return input_dict["input"], labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor

@@ -1,4 +1,4 @@
-"""Sequence schedules composed with torchtitan's FSDP2, TP, activation checkpointing and DCP,
+"""Sequence schedules composed with torchtitan's FSDP2, TP, CP, activation checkpointing and DCP,
 run as a user runs them: ./run_train.sh on CPU ranks (gloo).
 
 tests/exactness/test_compose.py checks the same compositions against a single-process
@@ -20,6 +20,7 @@ SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4", "--lr_
 TINY = ("--training.seq_len", "256", "--training.local_batch_size", "4", "--lr_scheduler.total_steps", str(STEPS))
 TOL_SCHEDULES = 1e-3  # Seq1F1B against 1F1B: same maths, different summation order
 TOL_RESUME = 1e-5  # a resumed run against the uninterrupted one
+TOL_CP = 2e-5  # pp=2 x cp=2 against pp=2 from the same weights: fp32 round-off, and the log's 5 decimals
 LOSS = "loss_metrics/global_avg_loss"
 
 # The runs below skip run_train.sh's start-up check (check=False, ~7 s a run;
@@ -175,14 +176,60 @@ def test_resuming_from_a_dcp_checkpoint_logs_the_uninterrupted_losses(uninterrup
 
 
 # ---------------------------------------------------------------------------
-# 4. Context parallelism cuts the sequence too: refused at start-up.
+# 4. Context parallelism inside units: pp=2 x cp=2 logs the losses of pp=2.
+#
+# Both runs start from one seed checkpoint (torchtitan's --checkpoint.create_seed_checkpoint, on one
+# process): FSDP, which torchtitan applies over the CP ranks, would otherwise initialise the weights
+# otherwise. float32 parameters, as the pp=2 run (FSDP casts them to bf16 by default).
+
+CP_CONFIGS = {"causal": "train_configs/debug_model.toml", "block-causal": "train_configs/debug_block_causal.toml"}
 
 
 @pytest.mark.slow
-def test_context_parallel_with_a_sequence_schedule_fails_fast_with_one_message(tmp_path):
-    run = run_train("--parallelism.context_parallel_degree", "2", dump_folder=tmp_path, env={"NGPU": "4"}, timeout=60)
+@pytest.mark.parametrize("config", list(CP_CONFIGS))
+def test_context_parallel_logs_the_losses_of_the_pipeline_alone(config, tmp_path):
+    env = {"CONFIG_FILE": CP_CONFIGS[config]}
+    seed = (
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--training.steps",
+        "1",
+    )
+    made = run_train(*SMALL, *seed, dump_folder=tmp_path / "seed", env={**env, "NGPU": "1"}, check=False)
+    assert made.returncode == 0 and "Created seed checkpoint" in made.output, made.output[-3000:]
+    common = (
+        *SMALL,
+        "--training.steps",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "seed" / "checkpoint" / "step-0"),
+        "--checkpoint.interval",
+        "100",
+        "--training.mixed_precision_param",
+        "float32",
+    )
+    ref = run_train(*common, dump_folder=tmp_path / "pp", env={**env, "NGPU": "2"}, check=False)
+    cp = run_train(
+        *common, "--parallelism.context_parallel_degree", "2", dump_folder=tmp_path / "cp", env={**env, "NGPU": "4"}
+    )
+    assert_trained(ref, 2)
+    assert_trained(cp, 2)
+    assert "Building device mesh with parallelism: pp=2, dp_replicate=1, dp_shard=1, cp=2, tp=1" in cp.output
+    assert_same_losses(cp, ref, TOL_CP)
+
+
+@pytest.mark.slow
+def test_context_parallel_with_compile_fails_fast_with_one_message(tmp_path):
+    run = run_train(
+        "--parallelism.context_parallel_degree", "2", "--compile.enable", dump_folder=tmp_path, env={"NGPU": "4"}
+    )
     assert run.returncode == 2, run.output[-3000:]
     lines = [line for line in run.output.splitlines() if line.strip()]
     assert len(lines) == 1, run.output[-3000:]
-    assert "parallelism.context_parallel_degree = 2" in lines[0] and "Seq1F1B" in lines[0], lines[0]
+    assert "parallelism.context_parallel_degree = 2" in lines[0] and "compile.enable" in lines[0], lines[0]
     assert not any(tmp_path.iterdir())  # nothing started

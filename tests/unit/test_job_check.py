@@ -108,3 +108,41 @@ def test_two_chains_refuse_torch_2_11(monkeypatch, schedule):
     with pytest.raises(ValueError, match=f"'{schedule}' needs torch 2.13 or newer, not 2.11.0"):
         _check("--parallelism.pipeline_parallel_schedule", schedule)
     _check("--parallelism.pipeline_parallel_schedule", "InterleavedSeq1F1B")  # one chain: runs on 2.11
+
+
+CP2 = ("--parallelism.context_parallel_degree", "2")
+
+
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B", "BSIPipe", "Chimera", "TeraPipe"])
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_flex_attn"])
+def test_context_parallel_passes_with_every_sequence_schedule(schedule, flavor):
+    _check(*CP2, "--parallelism.pipeline_parallel_schedule", schedule, "--model.flavor", flavor, world=4)
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (("--compile.enable",), "cannot run with compile.enable = true yet"),
+        (("--validation.enable", "--validation.seq_len", "2048"), "cannot run with validation.enable = true yet"),
+        (("--parallelism.context_parallel_rotate_method", "alltoall"), "context_parallel_rotate_method = 'allgather'"),
+        (("--parallelism.context_parallel_load_balancer", "ptrr"), "context_parallel_load_balancer = 'headtail'"),
+        (("--sequence_pipeline.length_multiple", "1", "--training.seq_len", "2050"), "not a multiple of 4"),
+        (
+            ("--parallelism.pipeline_parallel_schedule", "1F1B", "--model.flavor", "debugmodel_flex_attn"),
+            "torchtitan's CP shards flex attention's block masks",
+        ),
+    ],
+    ids=["compile", "validation", "alltoall", "ptrr", "seq-len", "torch-schedule-block-causal"],
+)
+def test_context_parallel_refusals_name_the_setting(overrides, needle):
+    with pytest.raises(ValueError) as e:
+        _check(*CP2, *overrides, world=4)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("config", ["llama3_8b_32k", "llama3_8b_32k_block_causal"])
+def test_the_8b_configs_take_context_parallelism_as_their_comment_says(config):
+    register()
+    args = ["--job.config_file", f"train_configs/{config}.toml", *CP2, "--parallelism.data_parallel_shard_degree", "1"]
+    args += ["--training.seq_len", "131072", "--compile.no-enable"]
+    check_job(ConfigManager().parse_args(resolve_args(args)), 8)
