@@ -109,7 +109,7 @@ def _check_instrumentation(job_config: JobConfig) -> None:
 
 def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
     """A sequence schedule needs chunk-aware attention."""
-    par, name = job_config.parallelism, job_config.parallelism.pipeline_parallel_schedule
+    name = job_config.parallelism.pipeline_parallel_schedule
     if spec.pipelining_fn is not pipeline_sequence_llm:
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {name!r} needs a model with chunk-aware attention, "
@@ -128,8 +128,8 @@ def _check_cuda_precision(job_config: JobConfig, world_size: int) -> None:
     if torch.cuda.is_available() and par.pipeline_parallel_degree > 1 and not fsdp_casts:
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} on CUDA needs bf16 or "
-            "fp16 activations, but without FSDP (parallelism.data_parallel_shard_degree or context_parallel_degree > 1, with "
-            "training.mixed_precision_param = 'bfloat16') torchtitan trains pipelines in float32, which the CUDA "
+            "fp16 activations, but without FSDP (parallelism.data_parallel_shard_degree or context_parallel_degree "
+            "> 1, with training.mixed_precision_param = 'bfloat16') torchtitan trains pipelines in float32, which the CUDA "
             "attention kernels do not take: shard the data parallel dimension, or use one of torch's schedules"
         )
 
