@@ -129,8 +129,8 @@ def _check_cuda_precision(job_config: JobConfig, world_size: int) -> None:
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} on CUDA needs bf16 or "
             "fp16 activations, but without FSDP (parallelism.data_parallel_shard_degree or context_parallel_degree "
-            "> 1, with training.mixed_precision_param = 'bfloat16') torchtitan trains pipelines in float32, which the CUDA "
-            "attention kernels do not take: shard the data parallel dimension, or use one of torch's schedules"
+            "> 1, with training.mixed_precision_param = 'bfloat16') torchtitan trains pipelines in float32, which "
+            "the CUDA attention kernels do not take: shard the data parallel dimension, or use one of torch's schedules"
         )
 
 
