@@ -42,14 +42,14 @@ class JobShape:
     """``sequence_pipeline.length_multiple``."""
     tp: int = 1
     """The TP degree."""
-    cp: int = 1
-    """The CP degree: every unit is cut into 2 ``cp`` equal chunks (:mod:`torchtitan_seq.context_parallel`)."""
     microbatches: int = 1
     """N, microbatches per step and pipeline (local batch size / microbatch size)."""
     stages_per_rank: int | None = None
     """v, model chunks per pipeline rank; None: the schedule's own."""
     whole: bool = False
     """True for torch's schedules: they run each sequence as one unit, uncut."""
+    cp: int = 1
+    """The CP degree: every unit is cut into 2 ``cp`` equal chunks (:mod:`torchtitan_seq.context_parallel`)."""
 
     def __post_init__(self) -> None:
         # lcm() would take a negative multiple for its absolute value and 0 for "no cut" silently.

@@ -123,7 +123,7 @@ def test_wrong_models_miss(monkeypatch):
         patch.setattr(mm, "_saved_per_token", no_log_softmax)
         assert _worst("none") > TOLERANCE
 
-    def one_microbatch(plan, weights, lengths, n):
+    def one_microbatch(plan, weights, lengths, n, with_own=False):
         return [(max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0) for rank in sorted(plan.order)]
 
     with monkeypatch.context() as patch:

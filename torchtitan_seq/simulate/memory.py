@@ -67,6 +67,13 @@ slab in it:
   the keys before the last unit, S - L_{k-1} tokens, from the microbatch's first backward
   (its input-gradient pass) to the slab's end.
 
+**Context parallelism** (the shape's ``cp`` = c, :mod:`torchtitan_seq.context_parallel`): a rank
+computes 1/c of every unit's tokens, so every per-token figure above (activations, workspace, receive
+buffers) counts b L_j / c tokens, but its slab holds the whole sequence's K/V, S tokens (the last
+unit's too: other CP ranks' queries read it as their prefix), as does the slab's gradient; the
+units' attention saves views of it for their own K/V, the last unit's included. FSDP shards over
+``dp_shard`` x c ranks.
+
 ``kv_context`` is what these add to the peak: the largest activations + context over the
 rank's actions, less the activation peak (so activations + kv_context is that sum's peak).
 
@@ -170,7 +177,8 @@ class MemoryConfig:
     microbatch_size: int = 1
     """b, sequences per microbatch (``pipeline_parallel_microbatch_size``)."""
     dp_shard: int = 1
-    """FSDP degree (``data_parallel_shard_degree``); FSDP is on when it is above 1."""
+    """``data_parallel_shard_degree``; FSDP shards over it and the CP degree (the shape's ``cp``), and is
+    on when their product is above 1, as torchtitan builds its mesh."""
     activation_checkpoint: ACMode = "none"
     """``activation_checkpoint.mode``."""
     selective_ac_option: str = "2"
@@ -207,7 +215,9 @@ class MemoryConfig:
         option = self.selective_ac_option
         if self.activation_checkpoint == "selective" and option != "op" and not (option.isdigit() and int(option)):
             raise ValueError(f"selective_ac_option = {option!r}: use 'op' or a positive integer")
-        counts = {name: getattr(self.shape, name) for name in ("seq_len", "num_subsequences", "tp", "microbatches")}
+        counts = {
+            name: getattr(self.shape, name) for name in ("seq_len", "num_subsequences", "tp", "cp", "microbatches")
+        }
         counts |= {"pp": self.pp, "microbatch_size": self.microbatch_size, "dp_shard": self.dp_shard}
         for name, value in counts.items():
             if value < 1:
@@ -232,8 +242,18 @@ class MemoryConfig:
         return self.shape.tp
 
     @property
+    def cp(self) -> int:
+        """c, the CP degree (the shape's): a rank holds 1/c of each unit's tokens, and the whole K/V."""
+        return self.shape.cp
+
+    @property
+    def fsdp_degree(self) -> int:
+        """The ranks FSDP shards over: data-parallel shards x CP."""
+        return self.dp_shard * self.cp
+
+    @property
     def fsdp(self) -> bool:
-        return self.dp_shard > 1
+        return self.fsdp_degree > 1
 
     @property
     def activation_dtype(self) -> str:
@@ -295,13 +315,13 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
 
     weights = {s: _stage_bytes(args, c, a, chunks[s % plan.chain_length], tokens, is_sequence) for s in plan.stages}
     ranks = []
-    for r, (act, combined) in enumerate(_walks(plan, weights, tuple(lengths), n)):
+    for r, (act, combined) in enumerate(_walks(plan, weights, tuple(lengths), n, c.cp > 1)):
         ranks.append(
             RankMemory(
                 **_state_bytes(args, c, plan, chunks, r),
                 activations=round(act),
                 kv_context=round(combined - act),
-                workspace=round(_workspace(args, c, a, plan, chunks, r, max(tokens), is_sequence)),
+                workspace=round(_workspace(args, c, a, plan, chunks, r, max(tokens) / c.cp, is_sequence)),
                 buffers=round(_buffers(args, c, a, plan, chunks, r, lengths)),
             )
         )
@@ -325,8 +345,9 @@ class _Plan:
     """:func:`_events` per (rank, k), filled as :meth:`events_of` is asked for them."""
     merged: dict[int, tuple[_Events, np.ndarray]] = field(default_factory=dict, compare=False, repr=False)
     """Per k, every rank's events end to end, and where each rank's begin (see :meth:`merged_events`)."""
-    arenas: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
-    """Per subsequence lengths, :func:`_arena_events` of every rank end to end (see :meth:`merged_arenas`)."""
+    arenas: dict[tuple[tuple[int, ...], bool], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    """Per subsequence lengths and ``with_own``, :func:`_arena_events` of every rank end to end (see
+    :meth:`merged_arenas`)."""
     by_rank: dict[int, list[int]] = field(init=False, compare=False, repr=False)
     """Per rank, its stages, sorted."""
     forwards_first: np.ndarray = field(init=False, compare=False, repr=False)
@@ -360,12 +381,12 @@ class _Plan:
             self.merged[k] = (_Events(*(np.concatenate(f) for f in zip(*parts))), starts)
         return self.merged[k]
 
-    def merged_arenas(self, lengths: tuple[int, ...]) -> np.ndarray:
+    def merged_arenas(self, lengths: tuple[int, ...], with_own: bool) -> np.ndarray:
         """Every rank's :func:`_arena_events` end to end, ranks ascending, as :meth:`merged_events`."""
-        if lengths not in self.arenas:
-            parts = [_arena_events(self.order[r], lengths) for r in sorted(self.order)]
-            self.arenas[lengths] = np.concatenate(parts)
-        return self.arenas[lengths]
+        if (lengths, with_own) not in self.arenas:
+            parts = [_arena_events(self.order[r], lengths, with_own) for r in sorted(self.order)]
+            self.arenas[lengths, with_own] = np.concatenate(parts)
+        return self.arenas[lengths, with_own]
 
 
 @functools.lru_cache(maxsize=256)
@@ -404,7 +425,8 @@ def _stage_bytes(
     tokens: list[int],
     is_sequence: bool,
 ) -> _StageBytes:
-    """What units of ``tokens`` tokens weigh on a stage running ``chunk``."""
+    """What units of ``tokens`` tokens weigh on a stage running ``chunk`` (under CP a rank computes 1/c of
+    each unit's tokens and its slab holds the whole sequence's K/V, the last unit's too)."""
     layers, first, last = chunk
     per_token = _saved_per_token(args, c, a, layers, first, last, is_sequence)
     recomputed = _recomputed_fraction(c)
@@ -414,10 +436,11 @@ def _stage_bytes(
     if not is_sequence:  # torch's schedules: K/V are the unit's own, no context
         return _StageBytes([n * per_token for n in tokens], constant=table)
     kv = 2 * _kv_width(args) / c.tp * a * layers  # K and V, a token
-    slab = (sum(tokens) - tokens[-1]) * kv  # the keys later units read
+    slab = (sum(tokens) - (tokens[-1] if c.cp == 1 else 0)) * kv  # the keys later units (or CP ranks) read
     saved_kv = kv * (1 - recomputed)  # in the per-token bytes: where the slab holds them, its views
+    own = [n / c.cp * (per_token - saved_kv) for n in tokens]  # K/V in the slab: units 0..k-2, all under CP
     return _StageBytes(
-        [n * (per_token - saved_kv) for n in tokens[:-1]] + [tokens[-1] * per_token],
+        own[:-1] + [tokens[-1] * per_token if c.cp == 1 else own[-1]],
         slab * (1 - recomputed),
         slab * recomputed,
         slab,
@@ -465,12 +488,12 @@ def _events(actions: tuple, k: int) -> _Events:
     return _Events(*(table[:, i] for i in range(5)))
 
 
-def _arena_events(actions: tuple, lengths: tuple[int, ...]) -> np.ndarray:
+def _arena_events(actions: tuple, lengths: tuple[int, ...], with_own: bool = False) -> np.ndarray:
     """Per action of a rank, the K/V arenas that the KV context allocates (+) or lets go (-) there, in
-    slabs (a slab: the keys later units read): each stage's arenas as it plans them
-    (:func:`~torchtitan_seq.kv_placement.plan_arenas`), from a write into an empty one to the end of
-    the last backward of a slab in it."""
-    size = sum(lengths[:-1])
+    slabs (a slab: the keys later units read; ``with_own``, under CP, the last unit's too): each stage's
+    arenas as it plans them (:func:`~torchtitan_seq.kv_placement.plan_arenas`), from a write into an
+    empty one to the end of the last backward of a slab in it."""
+    size = sum(lengths[: None if with_own else -1])
     deltas = np.zeros(len(actions))
     for stage in {a.stage_index for a in actions} if size else ():
         where, passes = stage_passes(actions, stage, len(lengths))
@@ -481,13 +504,15 @@ def _arena_events(actions: tuple, lengths: tuple[int, ...]) -> np.ndarray:
     return deltas
 
 
-def _walks(plan: _Plan, weights: dict[int, _StageBytes], lengths: tuple[int, ...], n: int) -> list[tuple[float, float]]:
+def _walks(
+    plan: _Plan, weights: dict[int, _StageBytes], lengths: tuple[int, ...], n: int, with_own: bool = False
+) -> list[tuple[float, float]]:
     """Per rank, (peak of saved activations, peak of activations + KV context) over its actions
     (bookkeeping in :func:`_events` and :func:`_arena_events`, built once per plan and lengths; all
-    ranks in one pass)."""
+    ranks in one pass); ``with_own``: slabs hold the last unit's K/V too (CP)."""
     k = len(lengths)
     e, starts = plan.merged_events(k)
-    arenas = plan.merged_arenas(lengths)
+    arenas = plan.merged_arenas(lengths, with_own)
     stages = np.array(list(weights))
     saved = np.zeros((stages.max() + 1, k))
     slab, held, grad, constant = (np.zeros(stages.max() + 1) for _ in range(4))
@@ -609,13 +634,13 @@ def _state_bytes(args: TransformerModelArgs, c: MemoryConfig, plan: _Plan, chunk
         # reduce-scatters after the last backward; without PP each layer reshards after use
         # and every backward reduce-scatters.
         pipelined = c.pp > 1
-        per_param = master / c.dp_shard + (compute if pipelined else 0)
+        per_param = master / c.fsdp_degree + (compute if pipelined else 0)
         grad = _bytes(c.mixed_precision_reduce, "mixed_precision_reduce")
-        grad_per_param = grad if pipelined else grad / c.dp_shard
+        grad_per_param = grad if pipelined else grad / c.fsdp_degree
     else:
         per_param = master + (compute if compute != master else 0)
         grad_per_param = master
-    optimizer = c.optimizer_states * _bytes(c.optimizer_dtype, "optimizer_dtype") / c.dp_shard
+    optimizer = c.optimizer_states * _bytes(c.optimizer_dtype, "optimizer_dtype") / c.fsdp_degree
     return {
         "parameters": round(sum(held) * per_param),
         "gradients": round(sum(held) * grad_per_param),
@@ -649,5 +674,5 @@ def _buffers(
         position = s % plan.chain_length
         tokens = float(np.sum(np.asarray(lengths)[e.unit[(e.stage == s) & (e.saved == 1)]]))
         ends = (position > 0) + (position < plan.chain_length - 1)
-        total += ends * tokens * scale * c.microbatch_size * a * args.dim / c.tp
+        total += ends * tokens * scale * c.microbatch_size * a * args.dim / (c.tp * c.cp)
     return total
