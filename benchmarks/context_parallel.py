@@ -23,11 +23,10 @@ from pathlib import Path
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's package
 
-from training_run import run_train  # noqa: E402  (benchmarks/, this script's folder)
-
 from torchtitan_seq.models.llama3_seq import seq_llama3_flavors  # noqa: E402
 from torchtitan_seq.shape import JobShape  # noqa: E402
 from torchtitan_seq.simulate.memory import MemoryConfig, predict_memory  # noqa: E402
+from training_run import run_train  # noqa: E402  (benchmarks/, this script's folder)
 
 K, MICROBATCHES, PP, LENGTH_MULTIPLE = 4, 4, 2, 64  # the config's
 MESHES = {"pp2": 1, "pp2 x cp2": 2}  # name: CP degree
