@@ -97,6 +97,25 @@ def test_a_transfer_takes_latency_plus_bytes_over_bandwidth():
     assert _run("GPipe", 2, 1, seq_len=seq_len, network=net).makespan == pytest.approx(6 + 2 * hop)
 
 
+def test_context_parallel_splits_compute_and_gathers_kv_per_layer():
+    """Seq1F1B, k = 1, p = 2, N = 1, uniform costs, CP 2 on one node: each rank's compute and
+    transfers halve, and each of the stage's layers all-gathers the unit's K/V in F (c - 1 = 1 ring step
+    of a rank's share of K and V) and reduce-scatters their gradient in B."""
+    args = seq_llama3_flavors["debugmodel"]
+    seq_len, link = 840, sim.Link(1e9, 1e-4)
+    seconds = args.n_layers * UnitCost.from_model_args(args).forward(seq_len, 0) / (2 * 2 * FLOPS)
+    net = sim.Network(link, link, gpus_per_node=2, gpus_per_rank=2, context_parallel=2, flops_per_gpu=FLOPS)
+    kv = 2 * (args.n_kv_heads or args.n_heads) * (args.dim // args.n_heads)
+    gather = link.latency + seq_len / 2 * kv * 2 / link.bandwidth  # one step, bf16
+    assert net.kv_collective_seconds(args, seq_len) == pytest.approx(gather)
+    comm = args.n_layers / 2 * gather / seconds
+    hop = (link.latency + seq_len * args.dim * 2 / 2 / link.bandwidth) / seconds
+    r = _run("Seq1F1B", 2, 1, 1, seq_len=seq_len, network=net)
+    assert r.makespan == pytest.approx((1 + comm) * 2 + (2 + comm) * 2 + 2 * hop)
+    with pytest.raises(ValueError, match="context_parallel"):
+        sim.Network(gpus_per_rank=2, tensor_parallel=2, context_parallel=2)
+
+
 def test_each_unit_sends_its_own_bytes():
     """Seq1F1B, p = 2, one microbatch of units 200 and 600 tokens long: rank 1's second
     forward waits for the 600 tokens' transfer (2 time units), its first for 200's (2/3)."""

@@ -104,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
         ("gpus_per_node", int, "GPUs per node"),
         ("gpus_per_rank", int, "GPUs per pipeline rank: tp x dp x cp"),
         ("tensor_parallel", int, "TP degree: compute and transfers split this many ways"),
+        ("context_parallel", int, "CP degree: compute and transfers split this many ways, plus K/V collectives"),
         ("microbatch_size", int, "sequences per microbatch"),
         ("activation_bytes", int, "bytes per activation element sent"),
         ("parameter_bytes", int, "bytes per parameter in the copies' all-reduces"),

@@ -33,6 +33,11 @@ measured units' F + B to a fixed cost per unit plus a cost per token and per
 files). The 'transformer' cost has no fixed cost; ``SimConfig.unit_overhead``
 adds one (seconds per layer, as :attr:`UnitCostFit.fixed` over the layers of the
 stage it was measured on), shared between a unit's passes in proportion to them.
+
+Context parallelism (``network.context_parallel`` c): a rank computes 1/c of each unit (the cost
+models' time unit then spans c GPUs; measured times are divided by c) and every layer adds the
+all-gather of the unit's K/V to F and the reduce-scatter of their gradient to B (or I), as
+:meth:`~.network.Network.kv_collective_seconds` times them.
 """
 
 from __future__ import annotations
@@ -118,7 +123,36 @@ def unit_and_chunk_times(config: SimConfig, lengths: list[int]) -> tuple[UnitTim
             for chunk, measured in zip(held, per_chunk)
         }
     recompute = config.recompute
-    return _recomputing(times, recompute), {key: _recomputing(t, recompute) for key, t in chunks.items()}
+    times, chunks = _recomputing(times, recompute), {key: _recomputing(t, recompute) for key, t in chunks.items()}
+    if config.network.context_parallel > 1:  # after recomputation, which gathers nothing
+        cp = _context_parallel(config, lengths)
+        times, chunks = cp(times), {key: cp(t) for key, t in chunks.items()}
+    return times, chunks
+
+
+def _context_parallel(config: SimConfig, lengths: list[int]) -> Callable[[UnitTimes], UnitTimes]:
+    """Under CP (``config.network.context_parallel`` c): a CP rank computes 1/c of each unit (measured
+    times, taken without CP, divided by c; the cost models' time unit already counts c GPUs a
+    microbatch), and each of the time unit's layers all-gathers the unit's K/V in F and
+    reduce-scatters their gradient in its backward's first pass (B, or I)."""
+    network = config.network
+    measured = config.cost not in ("uniform", "transformer")
+    share = 1 / network.context_parallel if measured else 1.0
+    comm = (0.0,) * len(lengths)
+    if not network.free:
+        layers = model_args(config).n_layers / config.pp  # the time unit's stage
+        unit = seconds_per_time_unit(config)
+        comm = tuple(layers * network.kv_collective_seconds(model_args(config), n) / unit for n in lengths)
+
+    def split(times: UnitTimes) -> UnitTimes:
+        def plus(passes: tuple[float, ...] | None, add: bool) -> tuple[float, ...] | None:
+            if passes is None:
+                return None
+            return tuple(t * share + (x if add else 0.0) for t, x in zip(passes, comm))
+
+        return UnitTimes(F=plus(times.F, True), B=plus(times.B, True), I=plus(times.I, True), W=plus(times.W, False))
+
+    return split
 
 
 def _with_fixed_cost(times: UnitTimes, fixed: float) -> UnitTimes:
@@ -278,6 +312,7 @@ def job_shape(config: SimConfig) -> JobShape:
         config.microbatches,
         config.stages_per_rank,
         whole=config.schedule not in SEQUENCE_SCHEDULES,
+        cp=config.network.context_parallel,
     )
 
 

@@ -14,6 +14,11 @@ applies it to one simulated step:
   rank ``latency + bytes / bandwidth`` after the SEND, over the link between
   the two ranks; transfers do not contend (each GPU has its own NIC and
   NVLink lanes; links are full duplex).
+- under context parallelism (``context_parallel`` c, :mod:`torchtitan_seq.context_parallel`) a rank
+  computes 1/c of every unit and sends its share; in each layer it all-gathers the unit's K/V over
+  its CP group and reduce-scatters their gradient in backward (:meth:`Network.kv_collective_seconds`:
+  a ring of c - 1 steps, each one rank's share of K/V over the CP link). CP ranks are ``tensor_parallel``
+  apart in the mesh, inside a pipeline rank's GPUs: on one node unless c x tp GPUs span several.
 - the schedules that hold two copies of each model chunk (BSIPipe, Chimera)
   end the step as :class:`~torchtitan_seq.schedules.MirroredCopies` does: each
   pair of ranks that share chunks all-reduces the gradients of those chunks
@@ -108,6 +113,9 @@ class Network:
     """GPUs behind one pipeline rank: tp x dp x cp (pp is the mesh's outermost dimension)."""
     tensor_parallel: int = 1
     """TP degree (a divisor of ``gpus_per_rank``): a rank's compute and its transfers split tp ways."""
+    context_parallel: int = 1
+    """CP degree (``gpus_per_rank`` a multiple of it x tp): a rank's compute and its transfers split cp
+    ways, plus every unit's K/V collectives."""
     microbatch_size: int = 1
     """Sequences per microbatch."""
     activation_bytes: int = 2
@@ -119,12 +127,12 @@ class Network:
     (allowed only with free links or a cost file in seconds)."""
 
     def __post_init__(self) -> None:
-        g, n, tp = self.gpus_per_rank, self.gpus_per_node, self.tensor_parallel
-        if min(g, n, tp, self.microbatch_size) < 1 or g % tp or (n % g and g % n):
+        g, n, tp, cp = self.gpus_per_rank, self.gpus_per_node, self.tensor_parallel, self.context_parallel
+        if min(g, n, tp, cp, self.microbatch_size) < 1 or g % (tp * cp) or (n % g and g % n):
             raise ValueError(
-                f"network: gpus_per_node {n}, gpus_per_rank {g}, tensor_parallel {tp}, microbatch_size "
-                f"{self.microbatch_size}: all >= 1, tensor_parallel dividing gpus_per_rank, and one of "
-                "gpus_per_node and gpus_per_rank a multiple of the other"
+                f"network: gpus_per_node {n}, gpus_per_rank {g}, tensor_parallel {tp}, context_parallel {cp}, "
+                f"microbatch_size {self.microbatch_size}: all >= 1, tensor_parallel x context_parallel dividing "
+                "gpus_per_rank, and one of gpus_per_node and gpus_per_rank a multiple of the other"
             )
 
     @property
@@ -148,8 +156,19 @@ class Network:
                 "links that cost time need the GPUs' achieved FLOP/s to convert the cost model's unit "
                 "into seconds: set flops_per_gpu (--flops-per-gpu), or use a cost file in seconds"
             )
-        flops = self.microbatch_size * args.n_layers * cost.forward(seq_len, 0) / (pp * self.tensor_parallel)
-        return flops / self.flops_per_gpu
+        flops = self.microbatch_size * args.n_layers * cost.forward(seq_len, 0)
+        return flops / (pp * self.tensor_parallel * self.context_parallel * self.flops_per_gpu)
+
+    def kv_collective_seconds(self, args: TransformerModelArgs, length: int) -> float:
+        """One layer's all-gather of a unit's K/V over the CP group (its gradient's reduce-scatter moves the
+        same): c - 1 ring steps, each a rank's share, b L / c tokens of K and V, over the CP link."""
+        c = self.context_parallel
+        if c == 1:
+            return 0.0
+        kv = 2 * (args.n_kv_heads or args.n_heads) * (args.dim // args.n_heads) / self.tensor_parallel
+        share = self.microbatch_size * length / c * kv * self.activation_bytes
+        link = self.intra_node if c * self.tensor_parallel <= self.gpus_per_node else self.inter_node
+        return (c - 1) * link.seconds(share)
 
 
 def parameter_count(args: TransformerModelArgs) -> int:
@@ -169,7 +188,7 @@ class Transfers:
 
     network: Network
     unit_bytes: tuple[float, ...]
-    """Bytes a SEND of subsequence j carries (activations or their gradient), per GPU."""
+    """Bytes a SEND of subsequence j carries (activations or their gradient), per GPU (a TP and CP rank's share)."""
     chunk_bytes: float
     """Parameter bytes of one model chunk per GPU (1/num_chunks of the model, / tp)."""
     seconds_per_time_unit: float
@@ -186,7 +205,7 @@ class Transfers:
         """Transfers of a model of ``args`` cut into ``num_chunks`` equal chunks (the cost model's
         equal stages), its sequences into subsequences of ``lengths``."""
         tp = network.tensor_parallel
-        per_token = network.microbatch_size * args.dim * network.activation_bytes / tp
+        per_token = network.microbatch_size * args.dim * network.activation_bytes / (tp * network.context_parallel)
         chunk = parameter_count(args) / num_chunks * network.parameter_bytes / tp
         return cls(network, tuple(length * per_token for length in lengths), chunk, seconds_per_time_unit)
 
