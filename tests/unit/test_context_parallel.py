@@ -69,7 +69,7 @@ class _OneRankOfTwo(ContextShard):
 def test_both_ranks_shares_add_up_to_whole_sequence_attention(descending):
     """Two microbatches of k = 2 units through one context in a 1F1B order, each in an arena of its own
     or the second sharing the first's from its top (descending): each CP rank's output, dq and its part
-    of dk (summed over the ranks) equal SDPA's over the whole sequence."""
+    of dk and dv (summed over the ranks) equal SDPA's over the whole sequence."""
     lengths, s = [8, 8], 16
     g = torch.Generator().manual_seed(0)
     data = [[torch.randn(1, h, s, 4, generator=g) for h in (4, 2, 2, 4)] for _ in range(2)]  # q, k, v, dout
@@ -81,7 +81,7 @@ def test_both_ranks_shares_add_up_to_whole_sequence_attention(descending):
         ref.append((out.detach(), q.grad, k.grad, v.grad))
     passes = [(True, 0, 0), (True, 0, 1), (False, 0, 1), (True, 1, 0), (False, 0, 0), (True, 1, 1)]
     passes += [(False, 1, 1), (False, 1, 0)]
-    dk = [[torch.zeros(1, 2, s, 4) for _ in range(2)] for _ in range(2)]  # per rank, per microbatch
+    dkv = [[torch.zeros(2, 1, 2, s, 4) for _ in range(2)] for _ in range(2)]  # per rank and microbatch: dk, dv
     for rank in range(2):
         shard = _OneRankOfTwo(None, rank, 2)
         context = KVContext(lengths, shard)
@@ -109,6 +109,6 @@ def test_both_ranks_shares_add_up_to_whole_sequence_attention(descending):
             out, dq, _, _ = ref[m]
             torch.testing.assert_close(outs[m, j], out[:, :, rows], atol=1e-6, rtol=0)
             torch.testing.assert_close(qq.grad, dq[:, :, rows], atol=1e-6, rtol=0)
-            dk[rank][m][:, :, 8 * j : 8 * j + 8] = kk.grad
+            dkv[rank][m][:, :, :, 8 * j : 8 * j + 8] = torch.stack([kk.grad, vv.grad])
     for m in range(2):
-        torch.testing.assert_close(dk[0][m] + dk[1][m], ref[m][2], atol=1e-6, rtol=0)
+        torch.testing.assert_close(dkv[0][m] + dkv[1][m], torch.stack(ref[m][2:]), atol=1e-6, rtol=0)
