@@ -3,7 +3,7 @@
     python -m torchtitan_seq.plan --flavor 8B --seq-len 32768 --gpus 64 --gpu-memory-gib 80 \\
         --local-batch-size 16 [--tp 8] [--gpus-per-node 8] [--cost FILE] [--json]
 
-The search covers the pipeline, tensor- and data-parallel (FSDP) degrees, the
+The search covers the pipeline, tensor-, context- and data-parallel (FSDP) degrees, the
 schedule (torch's and the sequence schedules), k, the partition and the
 activation checkpointing mode (:data:`CHOICES` on every split of the GPUs); the
 stages per rank are each schedule's own, not searched. Every configuration is cut
@@ -18,10 +18,14 @@ simulate every combination at full size:
 - candidates are visited best bound first (their tokens/s without bubbles or
   transfers) and the search stops once the next bound cannot enter the table;
   memory is only predicted for what is visited;
-- a configuration is slower than the same one with less TP or less
+- a configuration is slower than the same one with less TP, less CP or less
   recomputation (its bound is lower, so it comes later): once one fits, the
   heavier ones of its schedule choice and p are skipped, and when the
-  heaviest-saving one (most TP, full AC) does not fit, none of them is tried;
+  heaviest-saving one of a CP degree (most TP, full AC) does not fit, none of that
+  CP degree is tried. CP (:mod:`torchtitan_seq.context_parallel`) splits each unit's
+  compute over c GPUs of the same replica and adds K/V collectives, while data
+  parallelism over them would run other sequences: a CP plan only enters the table
+  where its twin without CP does not fit (long sequences, tight memory);
 - a step is simulated at N' = min(N, 2p) and 2N' microbatches and extended
   linearly to N (at N alone where N <= 4p): past the warm-up each further
   microbatch adds the same time (within 1%, tested), on the compute-only lists (``torch_lowering=False``:
@@ -85,6 +89,7 @@ AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
 # Forward passes recomputed per backward: torchtitan's 'selective' default checkpoints every 2nd layer.
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
 TP_DEGREES = (1, 2, 4, 8)
+CP_DEGREES = (1, 2, 4, 8)
 
 H200_UNIT_OVERHEAD_S = 2.11e-3
 """Seconds a unit's forward + backward costs per layer beyond its share of the FLOPs, measured on
@@ -159,6 +164,8 @@ class Plan:
     """The subsequence lengths evaluated, which the runtime cuts with :meth:`overrides`."""
     length_multiple: int = LENGTH_MULTIPLE
     """``sequence_pipeline.length_multiple`` of the job (the lengths are multiples of it and of tp)."""
+    cp: int = 1
+    """``context_parallel_degree`` (sequence schedules only)."""
 
     def overrides(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
         """The configuration as ``./run_train.sh`` arguments."""
@@ -169,6 +176,7 @@ class Plan:
             "parallelism.pipeline_parallel_degree": self.pp,
             "parallelism.tensor_parallel_degree": self.tp,
             "parallelism.data_parallel_shard_degree": self.dp_shard,
+            **({"parallelism.context_parallel_degree": self.cp} if self.cp > 1 else {}),
             "parallelism.pipeline_parallel_microbatch_size": 1,
             "parallelism.pipeline_parallel_schedule": self.schedule,
             "activation_checkpoint.mode": self.activation_checkpoint,
@@ -225,9 +233,11 @@ class Job:
     """Calibration files (``bench.py --calibrate``) of this flavor and sequence length."""
     length_multiple: int = LENGTH_MULTIPLE
     """``sequence_pipeline.length_multiple``: every subsequence length a multiple of it and of tp."""
+    cp: int | None = None
+    """A fixed CP degree (sequence schedules); None searches 1, 2, 4, 8."""
 
-    def shape(self, choice: ScheduleChoice, tp: int) -> JobShape:
-        """The cut and microbatches of ``choice`` at TP ``tp``, as the runtime derives them."""
+    def shape(self, choice: ScheduleChoice, tp: int, cp: int = 1) -> JobShape:
+        """The cut and microbatches of ``choice`` at TP ``tp`` and CP ``cp``, as the runtime derives them."""
         return JobShape.of_model(
             flavor_shape(self.flavor),
             self.seq_len,
@@ -238,6 +248,7 @@ class Job:
             microbatches=self.local_batch_size,
             stages_per_rank=choice.stages_per_rank,
             whole=choice.schedule not in SEQUENCE_SCHEDULES,
+            cp=cp,
         )
 
 
@@ -249,12 +260,13 @@ class _Candidate:
     dp: int
     ac: ACMode
     bound: float
+    cp: int = 1
     """tokens/s without bubbles or transfers under the cost model: what the simulation
     can at best reach (with measured costs, about)."""
 
 
-def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int]]:
-    """(pp, tp, dp_shard) splits of the GPUs: TP within a node and dividing the heads, pp >= 2."""
+def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int, int]]:
+    """(pp, tp, cp, dp_shard) splits of the GPUs: TP within a node and dividing the heads, pp >= 2."""
     heads = (args.n_heads, args.n_kv_heads or args.n_heads)
     if job.tp is not None:
         if cluster.gpus % job.tp:
@@ -267,11 +279,15 @@ def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int]]:
     tps = (
         [job.tp] if job.tp else [t for t in TP_DEGREES if t <= cluster.gpus_per_node and not any(h % t for h in heads)]
     )
+    if job.cp is not None and (job.cp < 1 or cluster.gpus % job.cp):
+        raise ValueError(f"--cp {job.cp}: it must be at least 1 and divide --gpus {cluster.gpus}")
+    cps = [job.cp] if job.cp else list(CP_DEGREES)
     meshes = [
-        (pp, tp, cluster.gpus // (pp * tp))
+        (pp, tp, cp, cluster.gpus // (pp * tp * cp))
         for tp in tps
         for pp in range(2, min(args.n_layers, cluster.gpus // tp) + 1)
-        if cluster.gpus % (pp * tp) == 0
+        for cp in cps
+        if cluster.gpus % (pp * tp * cp) == 0
     ]
     if not meshes:
         raise ValueError(
@@ -360,11 +376,12 @@ class _Costs:
         return dict(self.files).get((pp, choice.stages_per_rank, chunks, tuple(lengths)), "transformer")
 
 
-def _tp_seconds(args, seq_len: int, pp: int, tp: int, recompute: float, cluster: Cluster) -> float:
+def _tp_seconds(args, seq_len: float, pp: int, tp: int, recompute: float, cluster: Cluster) -> float:
     """Tensor parallelism's collectives for one microbatch on one rank, which torchtitan does
     not overlap with compute: per layer, sequence parallelism's two all-gathers and two
     reduce-scatters of the activations (bf16) in forward, as many in backward and in each
-    recomputed forward, each moving (tp - 1) / tp of S x dim over a ring in the node."""
+    recomputed forward, each moving (tp - 1) / tp of S x dim (under CP the rank's S / c) over a
+    ring in the node."""
     if tp == 1:
         return 0.0
     per_collective = cluster.intra_node.seconds((tp - 1) / tp * seq_len * args.dim * 2)
@@ -388,6 +405,7 @@ def _simulated_step(
     job: Job,
     cluster: Cluster,
     costs: _Costs,
+    cp: int = 1,
 ) -> _Step:
     """A step's time, simulated at N' = min(N, 2p) and 2N' microbatches and extended to N
     (each microbatch past the warm-up adds the same time); at N alone where N <= 4p."""
@@ -395,8 +413,9 @@ def _simulated_step(
         cluster.intra_node,
         cluster.inter_node,
         cluster.gpus_per_node,
-        gpus_per_rank=tp * dp,
+        gpus_per_rank=tp * cp * dp,
         tensor_parallel=tp,
+        context_parallel=cp,
         flops_per_gpu=costs.flops_per_gpu,
     )
     config = SimConfig(
@@ -455,35 +474,39 @@ def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> 
     return True
 
 
-def memory(job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode) -> MemoryEstimate:
-    """The memory model's estimate for ``choice`` on a (pp, tp, rest data-parallel) split."""
+def memory(
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int = 1
+) -> MemoryEstimate:
+    """The memory model's estimate for ``choice`` on a (pp, tp, cp, rest data-parallel) split."""
     return predict_memory(
         MemoryConfig(
             job.flavor,
-            job.shape(choice, tp),
+            job.shape(choice, tp, cp),
             choice.schedule,
             pp,
-            dp_shard=cluster.gpus // (pp * tp),
+            dp_shard=cluster.gpus // (pp * tp * cp),
             activation_checkpoint=ac,
             device=cluster.device,
         )
     )
 
 
-def evaluate(job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int = 1, ac: ACMode = "none") -> Plan:
+def evaluate(
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int = 1, ac: ACMode = "none", cp: int = 1
+) -> Plan:
     """One configuration's predicted throughput, bubble and peak memory (what the search ranks)."""
     args = flavor_shape(job.flavor)
     costs = _Costs.load(job, cluster, args)
-    dp = cluster.gpus // (pp * tp)
-    peak = gib(memory(job, cluster, choice, pp, tp, ac).total)
-    c = _Candidate(choice, pp, tp, dp, ac, math.inf)
+    dp = cluster.gpus // (pp * tp * cp)
+    peak = gib(memory(job, cluster, choice, pp, tp, ac, cp).total)
+    c = _Candidate(choice, pp, tp, dp, ac, math.inf, cp)
     return _measure(c, job, cluster, costs, args, peak, peak <= cluster.gpu_memory_gib)
 
 
 def _measure(c: _Candidate, job: Job, cluster: Cluster, costs: _Costs, args, peak_gib: float, fits: bool) -> Plan:
     n = job.local_batch_size
-    step = _simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs)
-    seconds = step.seconds + n * _tp_seconds(args, job.seq_len, c.pp, c.tp, _RECOMPUTE[c.ac], cluster)
+    step = _simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs, c.cp)
+    seconds = step.seconds + n * _tp_seconds(args, job.seq_len / c.cp, c.pp, c.tp, _RECOMPUTE[c.ac], cluster)
     return _plan_of(c, job, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits)
 
 
@@ -503,23 +526,26 @@ def _plan_of(c: _Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubb
         peak_gib,
         bubble_ratio,
         fits,
-        tuple(job.shape(choice, c.tp).lengths),
+        tuple(job.shape(choice, c.tp, c.cp).lengths),
         job.length_multiple,
+        c.cp,
     )
 
 
-def _lengths(job: Job, choice: ScheduleChoice, tp: int) -> list[int] | None:
-    """The cut of ``choice`` at TP ``tp``, None where there is none (seq_len not a multiple of
-    lcm(length_multiple, tp), or fewer pieces than k)."""
+def _lengths(job: Job, choice: ScheduleChoice, tp: int, cp: int = 1) -> list[int] | None:
+    """The cut of ``choice`` at TP ``tp`` and CP ``cp``, None where there is none (seq_len not a
+    multiple of lcm(length_multiple, tp, 2 cp tp), fewer pieces than k, or CP with torch's schedules)."""
+    if cp > 1 and choice.schedule not in SEQUENCE_SCHEDULES:
+        return None
     try:
-        return job.shape(choice, tp).lengths
+        return job.shape(choice, tp, cp).lengths
     except ValueError:
         return None
 
 
 def _candidates(
     choice: ScheduleChoice,
-    by_pp: dict[int, list[tuple[int, int]]],
+    by_pp: dict[int, list[tuple[int, int, int]]],
     job: Job,
     cluster: Cluster,
     costs: _Costs,
@@ -528,26 +554,26 @@ def _candidates(
 ) -> list[_Candidate]:
     """``choice`` on every mesh and AC mode that can run it (and cut the sequence), with its bound."""
     n, out = job.local_batch_size, []
-    tps = {tp for splits in by_pp.values() for tp, _ in splits}
-    cuts = {tp: lengths for tp in tps if (lengths := _lengths(job, choice, tp)) is not None}
+    degrees = {(tp, cp) for splits in by_pp.values() for tp, cp, _ in splits}
+    cuts = {key: lengths for key in degrees if (lengths := _lengths(job, choice, *key)) is not None}
     for pp, splits in by_pp.items():
         if not cuts or not _runs(choice, pp, n, args.n_layers):
             continue
         for ac in AC_MODES:
             r = _RECOMPUTE[ac]
-            for tp, dp in splits:
-                if tp not in cuts:
+            for tp, cp, dp in splits:
+                if (tp, cp) not in cuts:
                     continue
-                lengths = cuts[tp]
+                lengths = cuts[tp, cp]
                 flops = n * _step_flops(cost, args.n_layers, lengths, pp, r) + _fill_flops(
                     choice, cost, args.n_layers, lengths, pp, r
                 )
-                # Every rank runs N k units on its n_layers / pp layers, each at the fixed cost.
+                # Every rank runs N k units on its n_layers / pp layers, each at the fixed cost (a CP
+                # rank too: it runs every unit, on 1/c of its tokens); CP's collectives are left out.
                 fixed = n * len(lengths) * args.n_layers / pp * costs.unit_overhead_s
-                seconds = (
-                    flops / (tp * costs.flops_per_gpu) + fixed + n * _tp_seconds(args, job.seq_len, pp, tp, r, cluster)
-                )
-                out.append(_Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds))
+                tp_seconds = n * _tp_seconds(args, job.seq_len / cp, pp, tp, r, cluster)
+                seconds = flops / (tp * cp * costs.flops_per_gpu) + fixed + tp_seconds
+                out.append(_Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds, cp))
     return out
 
 
@@ -588,44 +614,45 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
         )
     costs = _Costs.load(job, cluster, args)
     cost = UnitCost.from_model_args(args)
-    by_pp: dict[int, list[tuple[int, int]]] = {}
-    for pp, tp, dp in _meshes(job, cluster, args):
-        by_pp.setdefault(pp, []).append((tp, dp))
+    by_pp: dict[int, list[tuple[int, int, int]]] = {}
+    for pp, tp, cp, dp in _meshes(job, cluster, args):
+        by_pp.setdefault(pp, []).append((tp, cp, dp))
     candidates = [c for choice in CHOICES for c in _candidates(choice, by_pp, job, cluster, costs, args, cost)]
-    # Best bound first. A configuration is slower than one with no more TP and no more
+    # Best bound first. A configuration is slower than one with no more TP, no more CP and no more
     # recomputation (its bound is lower, so that one comes first): once one fits, the
     # heavier ones of its schedule and pp are skipped. Memory is only asked of what is visited.
     candidates.sort(key=lambda c: -c.bound)
     fitting: list[Plan] = []
-    kept: dict[tuple[ScheduleChoice, int], list[tuple[int, int]]] = {}
+    kept: dict[tuple[ScheduleChoice, int], list[tuple[int, int, int]]] = {}
     closest: list[tuple[float, _Candidate]] = []
-    lightest: dict[tuple[ScheduleChoice, int], bool] = {}
+    lightest: dict[tuple[ScheduleChoice, int, int], bool] = {}
     for c in candidates:
         if len(fitting) >= top and c.bound < fitting[top - 1].tokens_per_s:
             break
         key, level = (c.choice, c.pp), AC_MODES.index(c.ac)
-        if any(t <= c.tp and a <= level for t, a in kept.get(key, [])):
+        if any(t <= c.tp and q <= c.cp and a <= level for t, q, a in kept.get(key, [])):
             continue
-        if key not in lightest:  # the most TP with full AC: if that does not fit, nothing of key does
-            tp, dp = [(t, d) for t, d in by_pp[c.pp] if _lengths(job, c.choice, t) is not None][-1]
-            need = gib(memory(job, cluster, c.choice, c.pp, tp, "full").total)
-            lightest[key] = need <= cluster.gpu_memory_gib
-            if not lightest[key]:
+        light = (*key, c.cp)
+        if light not in lightest:  # the most TP with full AC: if that does not fit, nothing of it does
+            tp, dp = [(t, d) for t, q, d in by_pp[c.pp] if q == c.cp and _lengths(job, c.choice, t, q) is not None][-1]
+            need = gib(memory(job, cluster, c.choice, c.pp, tp, "full", c.cp).total)
+            lightest[light] = need <= cluster.gpu_memory_gib
+            if not lightest[light]:
                 closest = sorted([*closest, (need, replace(c, tp=tp, dp=dp, ac="full"))], key=lambda x: x[0])[:3]
-        if not lightest[key]:
+        if not lightest[light]:
             continue
-        need = gib(memory(job, cluster, c.choice, c.pp, c.tp, c.ac).total)
+        need = gib(memory(job, cluster, c.choice, c.pp, c.tp, c.ac, c.cp).total)
         if need > cluster.gpu_memory_gib:
             closest = sorted([*closest, (need, c)], key=lambda x: x[0])[:3]
             continue
-        kept.setdefault(key, []).append((c.tp, level))
+        kept.setdefault(key, []).append((c.tp, c.cp, level))
         fitting.append(_measure(c, job, cluster, costs, args, need, True))
         fitting.sort(key=lambda p: -p.tokens_per_s)
     if not fitting:
         need, c = closest[0]
         raise ValueError(
             f"--gpu-memory-gib {cluster.gpu_memory_gib:g}: nothing fits; the smallest configuration "
-            f"({c.choice.schedule}, pp {c.pp}, tp {c.tp}, k {c.choice.num_subsequences}, activation "
+            f"({c.choice.schedule}, pp {c.pp}, tp {c.tp}, cp {c.cp}, k {c.choice.num_subsequences}, activation "
             f"checkpointing {c.ac}) needs {need:.1f} GiB per GPU"
         )
     over = [_plan_of(c, job, math.nan, need, math.nan, False) for need, c in closest] if len(fitting) < top else []
@@ -633,11 +660,11 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
 
 
 def _table(plans: list[Plan]) -> str:
-    head = "| # | schedule | pp | tp | dp_shard | k | partition | v | AC | tokens/s | peak GiB | bubble | fits |"
+    head = "| # | schedule | pp | tp | cp | dp_shard | k | partition | v | AC | tokens/s | peak GiB | bubble | fits |"
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans, 1):
         rows.append(
-            f"| {i} | {p.schedule} | {p.pp} | {p.tp} | {p.dp_shard} | {p.num_subsequences} | {p.partition} | "
+            f"| {i} | {p.schedule} | {p.pp} | {p.tp} | {p.cp} | {p.dp_shard} | {p.num_subsequences} | {p.partition} | "
             f"{p.stages_per_rank} | {p.activation_checkpoint} | {p.tokens_per_s:,.0f} | {p.peak_memory_gib:.1f} | "
             f"{p.bubble_ratio:.3f} | {'yes' if p.fits else 'no'} |"
         )
@@ -657,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         help="sequences per data-parallel rank and step (one per microbatch)",
     )
     parser.add_argument("--tp", type=int, help="fix the TP degree (default: search 1, 2, 4, 8)")
+    parser.add_argument("--cp", type=int, help="fix the CP degree of sequence schedules (default: search 1, 2, 4, 8)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument(
         "--length-multiple",
@@ -689,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object: plans and overrides")
     a = parser.parse_args(argv)
     costs = tuple(f for path in a.cost for f in (sorted(path.glob("cost_*.json")) if path.is_dir() else [path]))
-    job = Job(a.flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple)
+    job = Job(a.flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple, a.cp)
     cluster = Cluster(
         a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12, unit_overhead_s=a.unit_overhead_ms / 1e3
     )

@@ -216,3 +216,38 @@ def test_ranking_and_activation_peaks_agree_with_the_recorded_benchmark():
     assert len(rows) >= 6
     swaps, worst = planner_check.check(rows)
     assert swaps <= 1 and worst <= 0.10, (swaps, worst, rows)
+
+
+def test_context_parallel_enters_where_its_twin_without_cp_does_not_fit(capsys):
+    """8B at 64K tokens on 64 GPUs of 80 GiB: without activation checkpointing nothing fits unless CP
+    shares each unit's activations, so the best plan runs CP (and no recomputation); its overrides set
+    the degree, its lengths are multiples of 2 cp x tp, and the same configuration without CP does not
+    fit. ``--cp 1`` searches without CP."""
+    argv = [
+        "--flavor",
+        "8B",
+        "--seq-len",
+        "65536",
+        "--gpus",
+        "64",
+        "--gpu-memory-gib",
+        "80",
+        "--local-batch-size",
+        "16",
+    ]
+    out = _json(capsys, *argv, "--tp", "2", "--top", "3")
+    best = out["plans"][0]
+    assert best["cp"] > 1 and best["activation_checkpoint"] == "none", best
+    assert f"--parallelism.context_parallel_degree {best['cp']}" in out["overrides"]
+    assert all(n % (2 * best["cp"] * best["tp"]) == 0 for n in best["lengths"])
+    assert best["pp"] * best["tp"] * best["cp"] * best["dp_shard"] == 64
+    job, cluster = planner.Job("8B", 65536, 16, tp=2), planner.Cluster(64, 80)
+    choice = planner.ScheduleChoice(
+        best["schedule"], best["num_subsequences"], best["partition"], best["stages_per_rank"]
+    )
+    twin = planner.memory(job, cluster, choice, best["pp"], 2, "none")
+    assert planner.gib(twin.total) > 80
+    without = _json(capsys, *argv, "--tp", "2", "--top", "3", "--cp", "1")["plans"]
+    assert all(p["cp"] == 1 for p in without) and "context_parallel" not in planner.Plan(**without[0]).overrides(
+        "8B", 1, 1
+    )
