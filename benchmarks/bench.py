@@ -87,10 +87,11 @@ from pathlib import Path
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from calibration import calibrate, merge  # noqa: E402
+from torchtitan_seq.ordering import compute_leaves  # noqa: E402
 from torchtitan_seq.partition import PARTITIONS  # noqa: E402
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: E402
 from torchtitan_seq.simulate import SimConfig, simulate  # noqa: E402
-from torchtitan_seq.simulate.build import build, compute_leaves  # noqa: E402
+from torchtitan_seq.simulate.build import build  # noqa: E402
 from torchtitan_seq.simulate.costs import fit_cost_files  # noqa: E402
 from training_run import ROOT, Run, run_train  # noqa: E402
 

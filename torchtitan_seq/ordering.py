@@ -25,6 +25,7 @@ __all__ = [
     "I",
     "W",
     "ScheduleOrderError",
+    "compute_leaves",
     "validate_unit_order",
     "stage_passes",
     "chain_neighbour",
@@ -37,6 +38,11 @@ class ScheduleOrderError(ValueError):
     """A schedule breaks one of the ordering rules of this module."""
 
 
+def compute_leaves(action: _Action) -> tuple[_Action, ...]:
+    """The compute actions ``action`` runs: a compound action's parts (torch's OVERLAP_F_B), else itself."""
+    return action.sub_actions or (action,)
+
+
 def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences: int) -> None:
     """Check rules 1 and 2 on per-rank compute-only action lists; raise :class:`ScheduleOrderError`
     naming the rule, the rank, the step and the unit."""
@@ -46,7 +52,7 @@ def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences
         for t, action in enumerate(actions):
             if action is None:
                 continue
-            for a in action.sub_actions or (action,):  # a compound action's parts
+            for a in compute_leaves(action):
                 kind, stage, uid = a.computation_type, a.stage_index, a.microbatch_index
                 if kind not in (F, B, I, W):
                     continue
@@ -79,7 +85,7 @@ def stage_passes(actions: list[_Action | None] | tuple, stage: int, k: int) -> t
     where: list[int] = []
     passes: list[Pass] = []
     for i, action in enumerate(actions):
-        for a in (action.sub_actions or (action,)) if action is not None else ():
+        for a in compute_leaves(action) if action is not None else ():
             if a.stage_index == stage and a.computation_type in (F, B, W):
                 where.append(i)
                 passes.append((a.computation_type == F, *divmod(a.microbatch_index, k)))

@@ -14,10 +14,11 @@ from torchtitan_seq.kernels import select_kernel
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.memory import ActivationMemory
 from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
+from torchtitan_seq.ordering import compute_leaves
 from torchtitan_seq.shape import JobShape
 from torchtitan_seq.simulate import SimConfig, simulate
 from torchtitan_seq.simulate import memory as mm
-from torchtitan_seq.simulate.build import build, compute_leaves
+from torchtitan_seq.simulate.build import build
 from torchtitan_seq.simulate.network import chunk_parameters
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
-    OVERLAP_F_B,
     SEND_B,
     SEND_F,
     PipelineScheduleSingle,
@@ -35,7 +34,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from ..ordering import B, F, feeds, validate_unit_order
+from ..ordering import B, F, compute_leaves, feeds, validate_unit_order
 from ..partition import Partition
 from ..schedules import (
     SEQUENCE_SCHEDULES,
@@ -49,7 +48,7 @@ from ..schedules import (
 from ..shape import LENGTH_MULTIPLE
 from .network import Network
 
-__all__ = ["SimConfig", "MockStage", "Built", "build", "lower", "compute_leaves", "send_after_compute"]
+__all__ = ["SimConfig", "MockStage", "Built", "build", "lower", "send_after_compute"]
 
 # The V-shaped ones place two stages per rank as torchtitan does (generate_stage_to_rank_mapping style "v").
 _TORCH_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -234,11 +233,6 @@ def lower(
         if "can't schedule sends/recvs" not in str(e):
             raise
         return None, stage_to_rank
-
-
-def compute_leaves(action: _Action) -> tuple[_Action, ...]:
-    """The compute actions ``action`` runs: an OVERLAP_F_B's sub-actions, else itself."""
-    return action.sub_actions if action.computation_type == OVERLAP_F_B else (action,)
 
 
 def send_after_compute(

@@ -44,10 +44,10 @@ from typing import Any
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import SEND_B, SEND_F, _Action
 
-from ..ordering import B, F, I, W, fed_by
+from ..ordering import B, F, I, W, compute_leaves, fed_by
 from ..render import Interval, Timeline
 from ..schedules import PLACEMENTS, ActionLists, BidirectionalLayout
-from .build import SimConfig, build, compute_leaves, lower, send_after_compute
+from .build import SimConfig, build, lower, send_after_compute
 from .costs import ChunkTimes, UnitTimes, model_args, seconds_per_time_unit, subsequence_lengths, unit_and_chunk_times
 from .network import Transfers
 

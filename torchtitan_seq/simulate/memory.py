@@ -121,11 +121,11 @@ import numpy as np
 
 from ..flavors import ModelShape, chunk_split, flavor_shape, flavor_shapes
 from ..kv_placement import plan_arenas
-from ..ordering import B, F, I, W, stage_passes
+from ..ordering import B, F, I, W, compute_leaves, stage_passes
 from ..partition import ffn_hidden_dim
 from ..schedules import SEQUENCE_SCHEDULES
 from ..shape import JobShape
-from .build import SimConfig, build, compute_leaves
+from .build import SimConfig, build
 from .network import chunk_parameters
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
