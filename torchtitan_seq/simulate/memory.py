@@ -113,7 +113,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 
 from ..flavors import ModelShape, chunk_split, flavor_shape, flavor_shapes
-from ..kv_placement import plan_arenas
+from ..kv_placement import Pass, plan_arenas
 from ..ordering import B, F, I, W, stage_passes
 from ..partition import ffn_hidden_dim
 from ..schedules import SEQUENCE_SCHEDULES
@@ -327,6 +327,10 @@ class _Plan:
     """Per k, every rank's events end to end, and where each rank's begin (see :meth:`merged_events`)."""
     arenas: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
     """Per subsequence lengths, :func:`_arena_events` of every rank end to end (see :meth:`merged_arenas`)."""
+    passes: dict[tuple[int, int], list[tuple[list[int], tuple[Pass, ...]]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """Per (rank, k), each of its stages' passes where the rank runs them (see :meth:`passes_of`)."""
     by_rank: dict[int, list[int]] = field(init=False, compare=False, repr=False)
     """Per rank, its stages, sorted."""
     forwards_first: np.ndarray = field(init=False, compare=False, repr=False)
@@ -360,10 +364,20 @@ class _Plan:
             self.merged[k] = (_Events(*(np.concatenate(f) for f in zip(*parts))), starts)
         return self.merged[k]
 
+    def passes_of(self, rank: int, k: int) -> list[tuple[list[int], tuple[Pass, ...]]]:
+        """Per stage of ``rank``, :func:`~torchtitan_seq.ordering.stage_passes` with k subsequences,
+        found once: every cut of the sequence with k units walks the same passes."""
+        if (rank, k) not in self.passes:
+            actions = self.order[rank]
+            found = (stage_passes(actions, stage, k) for stage in {a.stage_index for a in actions})
+            self.passes[rank, k] = [(where, tuple(passes)) for where, passes in found]
+        return self.passes[rank, k]
+
     def merged_arenas(self, lengths: tuple[int, ...]) -> np.ndarray:
         """Every rank's :func:`_arena_events` end to end, ranks ascending, as :meth:`merged_events`."""
         if lengths not in self.arenas:
-            parts = [_arena_events(self.order[r], lengths) for r in sorted(self.order)]
+            k = len(lengths)
+            parts = [_arena_events(len(self.order[r]), self.passes_of(r, k), lengths) for r in sorted(self.order)]
             self.arenas[lengths] = np.concatenate(parts)
         return self.arenas[lengths]
 
@@ -465,15 +479,15 @@ def _events(actions: tuple, k: int) -> _Events:
     return _Events(*(table[:, i] for i in range(5)))
 
 
-def _arena_events(actions: tuple, lengths: tuple[int, ...]) -> np.ndarray:
-    """Per action of a rank, the K/V arenas that the KV context allocates (+) or lets go (-) there, in
-    slabs (a slab: the keys later units read): each stage's arenas as it plans them
-    (:func:`~torchtitan_seq.kv_placement.plan_arenas`), from a write into an empty one to the end of
-    the last backward of a slab in it."""
+def _arena_events(count: int, stages: list[tuple[list[int], tuple[Pass, ...]]], lengths: tuple[int, ...]) -> np.ndarray:
+    """Per action of a rank (``count`` of them), the K/V arenas that the KV context allocates (+) or
+    lets go (-) there, in slabs (a slab: the keys later units read): each stage's arenas as it plans
+    them (:func:`~torchtitan_seq.kv_placement.plan_arenas`) from its passes (``stages``: where the rank
+    runs each, and the passes), from a write into an empty one to the end of the last backward of a
+    slab in it."""
     size = sum(lengths[:-1])
-    deltas = np.zeros(len(actions))
-    for stage in {a.stage_index for a in actions} if size else ():
-        where, passes = stage_passes(actions, stage, len(lengths))
+    deltas = np.zeros(count)
+    for where, passes in stages if size else ():
         arenas = plan_arenas(passes, lengths, size)
         for start, end in arenas.busy:
             deltas[where[start]] += arenas.capacity / size
