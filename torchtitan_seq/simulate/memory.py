@@ -293,7 +293,9 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
     tokens = [length * c.microbatch_size for length in lengths]
     is_sequence = c.schedule in SEQUENCE_SCHEDULES
 
-    weights = {s: _stage_bytes(args, c, a, chunks[s % plan.chain_length], tokens, is_sequence) for s in plan.stages}
+    # Stages running alike chunks weigh alike: each chunk's bytes once (a chunk's layers and ends).
+    per_chunk = {chunk: _stage_bytes(args, c, a, chunk, tokens, is_sequence) for chunk in set(chunks)}
+    weights = {s: per_chunk[chunks[s % plan.chain_length]] for s in plan.stages}
     ranks = []
     for r, (act, combined) in enumerate(_walks(plan, weights, tuple(lengths), n)):
         ranks.append(
@@ -331,6 +333,8 @@ class _Plan:
         default_factory=dict, compare=False, repr=False
     )
     """Per (rank, k), each of its stages' passes where the rank runs them (see :meth:`passes_of`)."""
+    forwards: dict[tuple[int, int], dict[int, list[int]]] = field(default_factory=dict, compare=False, repr=False)
+    """Per (rank, k), per stage of the rank, its forwards of each unit (see :meth:`forwards_of`)."""
     by_rank: dict[int, list[int]] = field(init=False, compare=False, repr=False)
     """Per rank, its stages, sorted."""
     forwards_first: np.ndarray = field(init=False, compare=False, repr=False)
@@ -355,6 +359,17 @@ class _Plan:
         if (rank, k) not in self.events:
             self.events[rank, k] = _events(self.order[rank], k)
         return self.events[rank, k]
+
+    def forwards_of(self, rank: int, k: int) -> dict[int, list[int]]:
+        """Per stage of ``rank``, how many forwards of each unit j it runs with k subsequences, counted
+        once: the receive buffers of every cut with k units and every rank count them (:func:`_buffers`)."""
+        if (rank, k) not in self.forwards:
+            e = self.events_of(rank, k)
+            self.forwards[rank, k] = {
+                s: np.bincount(e.unit[(e.stage == s) & (e.saved == 1)], minlength=k).tolist()
+                for s in self.stages_of(rank)
+            }
+        return self.forwards[rank, k]
 
     def merged_events(self, k: int) -> tuple[_Events, np.ndarray]:
         """Every rank's :func:`_events` end to end, ranks ascending, and each rank's first index."""
@@ -657,11 +672,11 @@ def _buffers(
     args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int, lengths: list[int]
 ) -> float:
     scale = c.shape.microbatches / plan.built_microbatches
-    e = plan.events_of(rank, len(lengths))
+    forwards = plan.forwards_of(rank, len(lengths))
     total = 0.0
     for s in plan.stages_of(rank):
         position = s % plan.chain_length
-        tokens = float(np.sum(np.asarray(lengths)[e.unit[(e.stage == s) & (e.saved == 1)]]))
+        tokens = float(sum(count * length for count, length in zip(forwards[s], lengths)))
         ends = (position > 0) + (position < plan.chain_length - 1)
         total += ends * tokens * scale * c.microbatch_size * a * args.dim / c.tp
     return total
