@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,7 +123,7 @@ def _timelines(passes: tuple[Pass, ...], extents: list[int]) -> dict[int, _Timel
 def _joint_peak(a: _Timeline, b: _Timeline) -> int:
     """The most positions the slabs of ``a`` and ``b`` (two microbatches) use at once: their extents'
     sum after each change, in pass order (a pass is one microbatch's: no two changes coincide)."""
-    return max(itertools.accumulate(step for _, step in sorted(a.steps + b.steps)))
+    return max(itertools.accumulate(map(operator.itemgetter(1), sorted(a.steps + b.steps))))
 
 
 class _Arena:
