@@ -212,7 +212,7 @@ def plan_arenas(passes: Sequence[Pass], lengths: Sequence[int], size: int, alter
 
 @functools.lru_cache(maxsize=4096)
 def _plan_arenas(passes: tuple[Pass, ...], lengths: tuple[int, ...], size: int, alternate: bool) -> ArenaPlan:
-    """:func:`plan_arenas`, on hashable arguments."""
+    """:func:`plan_arenas` on tuples, which its cache can key on."""
     lines = _timelines(passes, slab_extents(lengths, size))
     if not lines:
         return ArenaPlan(size, {}, ())

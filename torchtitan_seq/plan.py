@@ -58,8 +58,8 @@ from typing import get_args
 
 if __name__ == "__main__":
     # Run as the command, the cyclic collector is off from here to the exit. Importing torch and
-    # torch.distributed.pipelining (below) makes hundreds of thousands of objects, and every collection
-    # they set off walks all of them: 0.8 s of a 3.5 s import. The search then makes millions of small
+    # torch.distributed.pipelining (below) makes hundreds of thousands of objects, and the collections
+    # they set off walk them again and again: 0.8 s of a 3.5 s import here. The search makes millions of small
     # acyclic objects (see _without_cycle_collection), and a collector turned back on would walk what it
     # cached once more just before the process ends. Imported as a module, nothing changes.
     gc.disable()
