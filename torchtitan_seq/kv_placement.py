@@ -24,7 +24,9 @@ and the memory model (:mod:`torchtitan_seq.simulate.memory`) place slabs alike.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,47 +71,59 @@ def slab_extents(lengths: Sequence[int], size: int) -> list[int]:
 class _Timeline:
     """A microbatch's slab extent (positions in use) after each pass that changes it."""
 
-    def __init__(self) -> None:
-        self.changes: list[tuple[int, int]] = []  # (pass index, extent from then on)
-        self.live: set[int] = set()
+    __slots__ = ("steps", "start", "end")
 
-    @property
-    def start(self) -> int:
-        return self.changes[0][0]
-
-    @property
-    def end(self) -> int:
+    def __init__(self, changes: list[tuple[int, int]]) -> None:
+        self.start = changes[0][0]
+        self.end = changes[-1][0]
         """The pass after which the slab holds nothing."""
-        return self.changes[-1][0]
-
-    def record(self, t: int, extents: list[int]) -> None:
-        extent = extents[max(self.live)] if self.live else 0
-        if not self.changes or self.changes[-1][1] != extent:
-            self.changes.append((t, extent))
+        self.steps = [(t, extent - before) for (t, extent), (_, before) in zip(changes, [(0, 0), *changes])]
+        """(pass index, change of the extent there)."""
 
 
-def _timelines(passes: Sequence[Pass], extents: list[int]) -> dict[int, _Timeline]:
-    """Per microbatch, its slab's extent over the passes: unit j in flight from its forward to the
-    end of its backward; a slab holds up to the end of its last unit in flight."""
-    lines: dict[int, _Timeline] = {}
+@functools.lru_cache(maxsize=1024)
+def _levels(passes: tuple[Pass, ...]) -> dict[int, list[tuple[int, int]]]:
+    """Per microbatch, (pass index, its last unit in flight, -1 for none) at each pass that changes
+    it: unit j in flight from its forward to the end of its backward. The lengths only map a unit to
+    its extent, so this part is built once per pass order (the memory model asks for the same passes
+    at several cuts of the sequence, and with one pass order on several stages)."""
+    live: dict[int, set[int]] = {}
+    levels: dict[int, list[tuple[int, int]]] = {}
     for t, (forward, m, j) in enumerate(passes):
-        line = lines.setdefault(m, _Timeline())
+        units = live.get(m)
+        if units is None:
+            units = live[m] = set()
+            levels[m] = []
         if forward:
-            line.live.add(j)
+            units.add(j)
         else:
-            line.live.discard(j)
-        line.record(t, extents)
+            units.discard(j)
+        level = max(units) if units else -1
+        line = levels[m]
+        if not line or line[-1][1] != level:
+            line.append((t, level))
+    return levels
+
+
+def _timelines(passes: tuple[Pass, ...], extents: list[int]) -> dict[int, _Timeline]:
+    """Per microbatch, its slab's extent over the passes: a slab holds up to the end of its last unit
+    in flight (:func:`_levels`, a change kept where the extent changes: two units may end alike)."""
+    of_level = [*extents, 0]  # level -1: nothing in flight
+    lines: dict[int, _Timeline] = {}
+    for m, levels in _levels(passes).items():
+        changes: list[tuple[int, int]] = []
+        for t, level in levels:
+            extent = of_level[level]
+            if not changes or changes[-1][1] != extent:
+                changes.append((t, extent))
+        lines[m] = _Timeline(changes)
     return lines
 
 
 def _joint_peak(a: _Timeline, b: _Timeline) -> int:
-    """The most positions the slabs of ``a`` and ``b`` use at once."""
-    merged = sorted([(t, 0, extent) for t, extent in a.changes] + [(t, 1, extent) for t, extent in b.changes])
-    now, peak = [0, 0], 0
-    for _, which, extent in merged:
-        now[which] = extent
-        peak = max(peak, now[0] + now[1])
-    return peak
+    """The most positions the slabs of ``a`` and ``b`` (two microbatches) use at once: their extents'
+    sum after each change, in pass order (a pass is one microbatch's: no two changes coincide)."""
+    return max(itertools.accumulate(map(operator.itemgetter(1), sorted(a.steps + b.steps))))
 
 
 class _Arena:
@@ -138,7 +152,14 @@ class _Greedy:
         same, other = arena.ends[side], arena.ends[1 - side]
         if same and self.lines[same[-1]].end >= self.lines[m].start:
             return False
-        return all(self._beside(o, m, capacity) for o in other)
+        # An end's slabs follow one another, so those that end before ``m`` starts are a prefix.
+        start = self.lines[m].start
+        for o in reversed(other):
+            if self.lines[o].end < start:
+                return True
+            if not self._beside(o, m, capacity):
+                return False
+        return True
 
     def place(self, capacity: int, alternate: bool) -> list[_Arena]:
         """Each microbatch, in the order its first forward runs, at the first arena end it fits."""
@@ -181,7 +202,17 @@ def plan_arenas(passes: Sequence[Pass], lengths: Sequence[int], size: int, alter
 
     Each arena holds one slab at its bottom and, with ``alternate``, one at its top at a time; a
     slab moves into an arena end once the end's last slab is gone. Capacities tried: ``size`` (no
-    sharing) and what each two microbatches starting one after the other hold at once."""
+    sharing) and what each two microbatches starting one after the other hold at once.
+
+    The plan is kept for the same arguments (the caller must not change it): the memory model asks
+    for one pass order and cut again and again (ranks and stages running alike, the planner's
+    configurations sharing a schedule's lists)."""
+    return _plan_arenas(tuple(passes), tuple(lengths), size, alternate)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_arenas(passes: tuple[Pass, ...], lengths: tuple[int, ...], size: int, alternate: bool) -> ArenaPlan:
+    """:func:`plan_arenas` on tuples, which its cache can key on."""
     lines = _timelines(passes, slab_extents(lengths, size))
     if not lines:
         return ArenaPlan(size, {}, ())

@@ -43,7 +43,7 @@ Interval = tuple[float, float, _Action]
 
 def busy_and_end(intervals: list[Interval]) -> tuple[float, float]:
     """One rank's busy time and latest action end."""
-    return sum(e - s for s, e, _ in intervals), max((e for _, e, _ in intervals), default=0.0)
+    return sum([e - s for s, e, _ in intervals]), max([e for _, e, _ in intervals], default=0.0)
 
 
 def bubble_ratios(busy: list[float], ends: list[float]) -> list[float]:

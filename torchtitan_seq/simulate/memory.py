@@ -120,7 +120,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 
 from ..flavors import ModelShape, chunk_split, flavor_shape, flavor_shapes
-from ..kv_placement import plan_arenas
+from ..kv_placement import Pass, plan_arenas
 from ..ordering import B, F, I, W, compute_leaves, stage_passes
 from ..partition import ffn_hidden_dim
 from ..schedules import SEQUENCE_SCHEDULES
@@ -313,7 +313,9 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
     tokens = [length * c.microbatch_size for length in lengths]
     is_sequence = c.schedule in SEQUENCE_SCHEDULES
 
-    weights = {s: _stage_bytes(args, c, a, chunks[s % plan.chain_length], tokens, is_sequence) for s in plan.stages}
+    # Stages running alike chunks weigh alike: each chunk's bytes once (a chunk's layers and ends).
+    per_chunk = {chunk: _stage_bytes(args, c, a, chunk, tokens, is_sequence) for chunk in set(chunks)}
+    weights = {s: per_chunk[chunks[s % plan.chain_length]] for s in plan.stages}
     ranks = []
     for r, (act, combined) in enumerate(_walks(plan, weights, tuple(lengths), n, c.cp > 1)):
         ranks.append(
@@ -348,6 +350,12 @@ class _Plan:
     arenas: dict[tuple[tuple[int, ...], bool], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
     """Per subsequence lengths and ``with_own``, :func:`_arena_events` of every rank end to end (see
     :meth:`merged_arenas`)."""
+    passes: dict[tuple[int, int], list[tuple[list[int], tuple[Pass, ...]]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """Per (rank, k), each of its stages' passes where the rank runs them (see :meth:`passes_of`)."""
+    forwards: dict[tuple[int, int], dict[int, list[int]]] = field(default_factory=dict, compare=False, repr=False)
+    """Per (rank, k), per stage of the rank, its forwards of each unit (see :meth:`forwards_of`)."""
     by_rank: dict[int, list[int]] = field(init=False, compare=False, repr=False)
     """Per rank, its stages, sorted."""
     forwards_first: np.ndarray = field(init=False, compare=False, repr=False)
@@ -373,6 +381,17 @@ class _Plan:
             self.events[rank, k] = _events(self.order[rank], k)
         return self.events[rank, k]
 
+    def forwards_of(self, rank: int, k: int) -> dict[int, list[int]]:
+        """Per stage of ``rank``, how many forwards of each unit j it runs with k subsequences, counted
+        once: the receive buffers of every cut with k units and every rank count them (:func:`_buffers`)."""
+        if (rank, k) not in self.forwards:
+            e = self.events_of(rank, k)
+            self.forwards[rank, k] = {
+                s: np.bincount(e.unit[(e.stage == s) & (e.saved == 1)], minlength=k).tolist()
+                for s in self.stages_of(rank)
+            }
+        return self.forwards[rank, k]
+
     def merged_events(self, k: int) -> tuple[_Events, np.ndarray]:
         """Every rank's :func:`_events` end to end, ranks ascending, and each rank's first index."""
         if k not in self.merged:
@@ -381,10 +400,22 @@ class _Plan:
             self.merged[k] = (_Events(*(np.concatenate(f) for f in zip(*parts))), starts)
         return self.merged[k]
 
+    def passes_of(self, rank: int, k: int) -> list[tuple[list[int], tuple[Pass, ...]]]:
+        """Per stage of ``rank``, :func:`~torchtitan_seq.ordering.stage_passes` with k subsequences,
+        found once: every cut of the sequence with k units walks the same passes."""
+        if (rank, k) not in self.passes:
+            actions = self.order[rank]
+            found = (stage_passes(actions, stage, k) for stage in {a.stage_index for a in actions})
+            self.passes[rank, k] = [(where, tuple(passes)) for where, passes in found]
+        return self.passes[rank, k]
+
     def merged_arenas(self, lengths: tuple[int, ...], with_own: bool) -> np.ndarray:
         """Every rank's :func:`_arena_events` end to end, ranks ascending, as :meth:`merged_events`."""
         if (lengths, with_own) not in self.arenas:
-            parts = [_arena_events(self.order[r], lengths, with_own) for r in sorted(self.order)]
+            k = len(lengths)
+            parts = [
+                _arena_events(len(self.order[r]), self.passes_of(r, k), lengths, with_own) for r in sorted(self.order)
+            ]
             self.arenas[lengths, with_own] = np.concatenate(parts)
         return self.arenas[lengths, with_own]
 
@@ -488,15 +519,17 @@ def _events(actions: tuple, k: int) -> _Events:
     return _Events(*(table[:, i] for i in range(5)))
 
 
-def _arena_events(actions: tuple, lengths: tuple[int, ...], with_own: bool = False) -> np.ndarray:
-    """Per action of a rank, the K/V arenas that the KV context allocates (+) or lets go (-) there, in
-    slabs (a slab: the keys later units read; ``with_own``, under CP, the last unit's too): each stage's
-    arenas as it plans them (:func:`~torchtitan_seq.kv_placement.plan_arenas`), from a write into an
-    empty one to the end of the last backward of a slab in it."""
+def _arena_events(
+    count: int, stages: list[tuple[list[int], tuple[Pass, ...]]], lengths: tuple[int, ...], with_own: bool = False
+) -> np.ndarray:
+    """Per action of a rank (``count`` of them), the K/V arenas that the KV context allocates (+) or
+    lets go (-) there, in slabs (a slab: the keys later units read; ``with_own``, under CP, the last
+    unit's too): each stage's arenas as it plans them (:func:`~torchtitan_seq.kv_placement.plan_arenas`)
+    from its passes (``stages``: where the rank runs each, and the passes), from a write into an empty
+    one to the end of the last backward of a slab in it."""
     size = sum(lengths[: None if with_own else -1])
-    deltas = np.zeros(len(actions))
-    for stage in {a.stage_index for a in actions} if size else ():
-        where, passes = stage_passes(actions, stage, len(lengths))
+    deltas = np.zeros(count)
+    for where, passes in stages if size else ():
         arenas = plan_arenas(passes, lengths, size)
         for start, end in arenas.busy:
             deltas[where[start]] += arenas.capacity / size
@@ -668,11 +701,11 @@ def _buffers(
     args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int, lengths: list[int]
 ) -> float:
     scale = c.shape.microbatches / plan.built_microbatches
-    e = plan.events_of(rank, len(lengths))
+    forwards = plan.forwards_of(rank, len(lengths))
     total = 0.0
     for s in plan.stages_of(rank):
         position = s % plan.chain_length
-        tokens = float(np.sum(np.asarray(lengths)[e.unit[(e.stage == s) & (e.saved == 1)]]))
+        tokens = float(sum(count * length for count, length in zip(forwards[s], lengths)))
         ends = (position > 0) + (position < plan.chain_length - 1)
         total += ends * tokens * scale * c.microbatch_size * a * args.dim / (c.tp * c.cp)
     return total
