@@ -660,7 +660,8 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
         need, c = closest[0]
         raise ValueError(
             f"--gpu-memory-gib {cluster.gpu_memory_gib:g}: nothing fits; the smallest configuration "
-            f"({c.choice.schedule}, pp {c.pp}, tp {c.tp}, cp {c.cp}, k {c.choice.num_subsequences}, activation "
+            f"({c.choice.schedule}, pp {c.pp}, tp {c.tp}{f', cp {c.cp}' if c.cp > 1 else ''}, "
+            f"k {c.choice.num_subsequences}, activation "
             f"checkpointing {c.ac}) needs {need:.1f} GiB per GPU"
         )
     over = [_plan_of(c, job, math.nan, need, math.nan, False) for need, c in closest] if len(fitting) < top else []
