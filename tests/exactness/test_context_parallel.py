@@ -23,6 +23,8 @@ FOUR_RANKS = [
 ] + [
     Variant("seq1f1b-k4-IW", k=4, split_backward=True, **CP),
     Variant("seq1f1b-k3-ac-full", k=3, partition="compute", ac="full", **CP),
+    Variant("seq1f1b-k3-ac-selective-1", k=3, partition="compute", ac="selective:1", **CP),
+    Variant("seq1f1b-k3-ac-selective-op", k=3, partition="compute", ac="selective:op", **CP),
     Variant("seq1f1b-k4-documents", k=4, documents=True, **CP),
     Variant("seq1f1b-k3-documents-ac-full", k=3, partition="compute", documents=True, ac="full", **CP),
     Variant("interleaved-k3-compute", schedule="InterleavedSeq1F1B", k=3, partition="compute", **CP),
