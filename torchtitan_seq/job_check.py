@@ -209,9 +209,15 @@ def _check_context_parallel(job_config: JobConfig) -> None:
 
 
 def _check_torch_context_parallel(job_config: JobConfig, spec: TrainSpec) -> None:
-    """torchtitan's own CP (torch's schedules) shards flex attention's block masks; llama3_seq's block-causal
-    flavors attend by document ids, which it cannot shard."""
+    """torchtitan's own CP (torch's schedules) runs torch's ring attention, which has no CPU kernel, and
+    shards flex attention's block masks, while llama3_seq's block-causal flavors attend by document ids."""
     par, flavor = job_config.parallelism, job_config.model.flavor
+    if par.context_parallel_degree > 1 and not torch.cuda.is_available():
+        raise ValueError(
+            f"parallelism.context_parallel_degree = {par.context_parallel_degree} with "
+            f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} needs CUDA: torchtitan's "
+            "CP runs torch's ring attention, which has no CPU kernel; use a sequence schedule (they run CP on CPUs)"
+        )
     block_causal = spec.model_args[flavor].attn_mask_type == "block_causal"
     if par.context_parallel_degree > 1 and block_causal and spec.pipelining_fn is pipeline_sequence_llm:
         raise ValueError(

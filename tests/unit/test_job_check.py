@@ -127,12 +127,9 @@ def test_context_parallel_passes_with_every_sequence_schedule(schedule, flavor):
         (("--parallelism.context_parallel_rotate_method", "alltoall"), "context_parallel_rotate_method = 'allgather'"),
         (("--parallelism.context_parallel_load_balancer", "ptrr"), "context_parallel_load_balancer = 'headtail'"),
         (("--sequence_pipeline.length_multiple", "1", "--training.seq_len", "2050"), "not a multiple of 4"),
-        (
-            ("--parallelism.pipeline_parallel_schedule", "1F1B", "--model.flavor", "debugmodel_flex_attn"),
-            "torchtitan's CP shards flex attention's block masks",
-        ),
+        (("--parallelism.pipeline_parallel_schedule", "1F1B"), "torch's ring attention, which has no CPU kernel"),
     ],
-    ids=["compile", "validation", "alltoall", "ptrr", "seq-len", "torch-schedule-block-causal"],
+    ids=["compile", "validation", "alltoall", "ptrr", "seq-len", "torch-schedule-on-cpu"],
 )
 def test_context_parallel_refusals_name_the_setting(overrides, needle):
     with pytest.raises(ValueError) as e:
@@ -146,3 +143,11 @@ def test_the_8b_configs_take_context_parallelism_as_their_comment_says(config):
     args = ["--job.config_file", f"train_configs/{config}.toml", *CP2, "--parallelism.data_parallel_shard_degree", "1"]
     args += ["--training.seq_len", "131072", "--compile.no-enable"]
     check_job(ConfigManager().parse_args(resolve_args(args)), 8)
+
+
+def test_torch_schedules_refuse_cp_on_block_causal_flavors(monkeypatch):
+    """On CUDA torchtitan's own CP runs, but not on llama3_seq's document ids."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    overrides = ("--parallelism.pipeline_parallel_schedule", "1F1B", "--model.flavor", "debugmodel_flex_attn")
+    with pytest.raises(ValueError, match="torchtitan's CP shards flex attention's block masks"):
+        _check(*CP2, *overrides, "--parallelism.data_parallel_shard_degree", "2", world=8)
