@@ -63,12 +63,9 @@ class ContextShard:
             return unit
         return torch.cat([unit.narrow(dim, a, b - a) for a, b in self.segments(0, unit.shape[dim])], dim=dim)
 
-    def _chunks(self, blocks: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's share ``blocks`` (c, B, H, L / c, D) as the unit's 2c chunks in position order."""
-        h = blocks.shape[3] // 2
-        return [blocks[i, :, :, :h] for i in range(self.size)] + [
-            blocks[i, :, :, h:] for i in reversed(range(self.size))
-        ]
+    def _of_rank(self, rank: int) -> ContextShard:
+        """Rank ``rank``'s share of the same group's units (for laying out every rank's, no collective)."""
+        return ContextShard(None, rank, self.size)
 
     def gather(self, share: torch.Tensor) -> torch.Tensor:
         """The unit's whole K or V (B, H, L, D) in position order, from every rank's ``share``
@@ -78,14 +75,20 @@ class ContextShard:
         # every rank's share stacked on the batch dimension, as the collective lays them out
         blocks = share.new_empty(self.size * share.shape[0], *share.shape[1:])
         _all_gather(blocks, share.contiguous(), group=self.group)
-        return torch.cat(self._chunks(blocks.unflatten(0, (self.size, -1))), dim=2)
+        whole = share.new_empty(*share.shape[:2], self.size * share.shape[2], share.shape[3])
+        for rank, block in enumerate(blocks.chunk(self.size)):
+            at = 0  # each share lays its segments out in order
+            for a, b in self._of_rank(rank).segments(0, whole.shape[2]):
+                whole[:, :, a:b] = block[:, :, at : at + b - a]
+                at += b - a
+        return whole
 
     def reduce_scatter(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's share (B, H, L / c, D) of ``whole`` (B, H, L, D) summed over the CP ranks: the
         gradient of the positions it owns, from every rank's queries."""
         if self.size == 1:
             return whole
-        blocks = torch.cat([ContextShard(None, r, self.size).shard(whole, 2) for r in range(self.size)])
+        blocks = torch.cat([self._of_rank(r).shard(whole, 2) for r in range(self.size)])
         share = blocks.new_empty(whole.shape[0], *blocks.shape[1:])
         _reduce_scatter(share, blocks, group=self.group)
         return share
