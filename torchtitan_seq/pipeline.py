@@ -111,7 +111,8 @@ def chunk_parallel_dims(parallel_dims: ParallelDims) -> ParallelDims:
     the CP ranks as FSDP's. Their parameters are sharded and their gradients summed over data-parallel x
     CP ranks as torchtitan does under CP (same meshes), but attention runs the schedule's own CP inside
     each unit (:mod:`torchtitan_seq.context_parallel`), not the hooks torchtitan puts on attention
-    layers for whole sequences (its ring attention; under flex attention a K/V all-gather of its own)."""
+    layers for whole sequences (its ring attention; under flex attention a K/V all-gather of its own).
+    The trainer's data processing sees them too, so that torchtitan does not shard whole sequences."""
     if not parallel_dims.cp_enabled:
         return parallel_dims
     dims = copy.copy(parallel_dims)  # the meshes, built, are shared

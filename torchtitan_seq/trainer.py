@@ -29,6 +29,7 @@ from .job_check import check_job
 from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
 from .metrics import SeqMetricsProcessor
+from .pipeline import chunk_parallel_dims
 from .schedules import SequenceSchedule
 
 __all__ = ["SeqTrainer"]
@@ -74,13 +75,12 @@ class SeqTrainer(Trainer):
         torchtitan would shard whole sequences (and their RoPE positions) before the pipeline cuts them."""
         if not (self.parallel_dims.cp_enabled and isinstance(getattr(self, "pp_schedule", None), SequenceSchedule)):
             return super().post_dataloading_process(input_dict, labels)
-        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
-        extra_kwargs: dict[str, Any] = {}
-        if getattr(self.model_args, "attn_type", "sdpa") in ("flex", "varlen"):  # block-causal: document ids
-            extra_kwargs["attention_masks"] = self.model_parts[0].get_attention_masks(
-                input_batch=input_dict["input"], tokenizer=self.tokenizer, extra_inputs=extra_inputs
-            )
-        return input_dict["input"], labels, extra_inputs, extra_kwargs
+        # torchtitan's own processing with its CP off for the call: the degrees the chunks see
+        dims, self.parallel_dims = self.parallel_dims, chunk_parallel_dims(self.parallel_dims)
+        try:
+            return super().post_dataloading_process(input_dict, labels)
+        finally:
+            self.parallel_dims = dims
 
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
