@@ -48,29 +48,31 @@ def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences
     naming the rule, the rank, the step and the unit."""
     k = num_subsequences
     for rank, actions in order.items():
-        done: set[tuple[int, _ComputationType, int]] = set()
+        # (stage, unit) pairs run, per kind: plain int tuples hash in C, an enum member in Python.
+        done: dict[_ComputationType, set[tuple[int, int]]] = {kind: set() for kind in (F, B, I, W)}
+        forwards = done[F]
         for t, action in enumerate(actions):
             if action is None:
                 continue
             for a in compute_leaves(action):
                 kind, stage, uid = a.computation_type, a.stage_index, a.microbatch_index
-                if kind not in (F, B, I, W):
+                if kind not in done:
                     continue
                 m, j = divmod(uid, k)
-                if kind == F and j > 0 and (stage, F, uid - 1) not in done:
+                if kind == F and j > 0 and (stage, uid - 1) not in forwards:
                     broken = f"rule 1 (forward in subsequence order): {{}} runs before subsequence {j - 1}"
-                elif kind != F and (stage, F, m * k + k - 1) not in done:
+                elif kind != F and (stage, m * k + k - 1) not in forwards:
                     broken = (
                         "rule 2 (backward after the microbatch's forwards): {} runs before the forward of "
                         f"subsequence {k - 1}"
                     )
-                elif kind != F and j < k - 1 and (stage, kind, uid + 1) not in done:
+                elif kind != F and j < k - 1 and (stage, uid + 1) not in done[kind]:
                     broken = (
                         "rule 2 (backward last-subsequence-first): {} runs before its "
                         f"{kind.value} of subsequence {j + 1}"
                     )
                 else:
-                    done.add((stage, kind, uid))
+                    done[kind].add((stage, uid))
                     continue
                 # The action is named only when a rule is broken: formatting it costs more than checking it.
                 where = f"rank {rank} step {t}: {a} (microbatch {m}, subsequence {j}) on stage {stage}"

@@ -76,7 +76,7 @@ from .shape import LENGTH_MULTIPLE, JobShape
 from .simulate.build import SimConfig, build
 from .simulate.costs import fit_cost_files, seconds_per_time_unit, subsequence_lengths
 from .simulate.engine import simulate
-from .simulate.memory import ACMode, Device, MemoryConfig, MemoryEstimate, gib, predict_memory
+from .simulate.memory import ACMode, Device, MemoryConfig, MemoryEstimate, gib, memory_floor, predict_memory
 from .simulate.network import Link, Network
 
 __all__ = [
@@ -321,17 +321,27 @@ def _step_flops(cost: UnitCost, n_layers: int, lengths: list[int], pp: int, reco
     return n_layers / pp * sum(f + b for f, b in _unit_flops(cost, lengths, recompute))
 
 
-def _fill_flops(
-    choice: ScheduleChoice, cost: UnitCost, n_layers: int, lengths: list[int], pp: int, recompute: float
-) -> float:
-    """FLOPs a one-chain pipeline cannot overlap: rank p-1 starts after the first unit's
-    forward crossed p-1 stages, and after its last backward another unit's backward crosses
-    p-1 stages (stages of n_layers / (p v) layers). Two-chain schedules start on both ends: 0."""
-    if choice.parameter_copies > 1:
-        return 0.0
-    units = _unit_flops(cost, lengths, recompute)
-    per_stage = n_layers / (pp * choice.stages_per_rank)
-    return (pp - 1) * per_stage * (min(f for f, _ in units) + min(b for _, b in units))
+def _fill_flops(choice: ScheduleChoice, units: list[tuple[float, float]], n_layers: int, pp: int) -> float:
+    """FLOPs the busiest-placed rank cannot overlap (``units``: :func:`_unit_flops`): its first forward
+    waits for a unit's forward to cross the stages before its first position in a chain, and after its
+    last backward that unit's backward crosses them again (stages of n_layers / chain length layers).
+    One chain: rank p-1, p-1 stages. Two chains start on both ends: a rank at position q holds
+    positions q and p-1-q of the chains (in a V also 2p-1-q and p+q), so the middle ranks wait
+    (p-1) // 2 stages."""
+    per_stage = n_layers * choice.parameter_copies / (pp * choice.stages_per_rank)
+    hops = (pp - 1) // choice.parameter_copies
+    return hops * per_stage * (min(f for f, _ in units) + min(b for _, b in units))
+
+
+def _path_flops(choice: ScheduleChoice, units: list[tuple[float, float]], n_layers: int, pp: int) -> float:
+    """FLOPs of one microbatch's longest chain of passes, which no schedule runs in parallel: unit 0's
+    forward through the chain's every stage, units 1..k-1's forwards on the last (each reads the K/V
+    of the one before), unit k-1's backward back through every stage, and units k-2..0's backwards on
+    the first (each takes its dK/dV from the ones after). What bounds a step with few microbatches
+    on many stages."""
+    per_stage = n_layers * choice.parameter_copies / (pp * choice.stages_per_rank)
+    (f0, _), (_, b_last) = units[0], units[-1]
+    return n_layers * (f0 + b_last) + per_stage * (sum(f for f, _ in units[1:]) + sum(b for _, b in units[:-1]))
 
 
 @dataclass(frozen=True)
@@ -396,6 +406,19 @@ def _tp_seconds(args, seq_len: float, pp: int, tp: int, recompute: float, cluste
     return args.n_layers / pp * 4 * (2 + recompute) * per_collective
 
 
+def _network(cluster: Cluster, costs: _Costs, tp: int, cp: int, dp: int) -> Network:
+    """The links of a (tp, cp, dp) rank of ``cluster``, at the costs' FLOP/s."""
+    return Network(
+        cluster.intra_node,
+        cluster.inter_node,
+        cluster.gpus_per_node,
+        gpus_per_rank=tp * cp * dp,
+        tensor_parallel=tp,
+        context_parallel=cp,
+        flops_per_gpu=costs.flops_per_gpu,
+    )
+
+
 @dataclass(frozen=True)
 class _Step:
     seconds: float
@@ -417,15 +440,7 @@ def _simulated_step(
 ) -> _Step:
     """A step's time, simulated at N' = min(N, 2p) and 2N' microbatches and extended to N
     (each microbatch past the warm-up adds the same time); at N alone where N <= 4p."""
-    network = Network(
-        cluster.intra_node,
-        cluster.inter_node,
-        cluster.gpus_per_node,
-        gpus_per_rank=tp * cp * dp,
-        tensor_parallel=tp,
-        context_parallel=cp,
-        flops_per_gpu=costs.flops_per_gpu,
-    )
+    network = _network(cluster, costs, tp, cp, dp)
     config = SimConfig(
         choice.schedule,
         pp,
@@ -482,21 +497,25 @@ def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> 
     return True
 
 
+def _memory_config(
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int
+) -> MemoryConfig:
+    return MemoryConfig(
+        job.flavor,
+        job.shape(choice, tp, cp),
+        choice.schedule,
+        pp,
+        dp_shard=cluster.gpus // (pp * tp * cp),
+        activation_checkpoint=ac,
+        device=cluster.device,
+    )
+
+
 def memory(
     job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int = 1
 ) -> MemoryEstimate:
     """The memory model's estimate for ``choice`` on a (pp, tp, cp, rest data-parallel) split."""
-    return predict_memory(
-        MemoryConfig(
-            job.flavor,
-            job.shape(choice, tp, cp),
-            choice.schedule,
-            pp,
-            dp_shard=cluster.gpus // (pp * tp * cp),
-            activation_checkpoint=ac,
-            device=cluster.device,
-        )
-    )
+    return predict_memory(_memory_config(job, cluster, choice, pp, tp, ac, cp))
 
 
 def evaluate(
@@ -560,27 +579,37 @@ def _candidates(
     args,
     cost: UnitCost,
 ) -> list[_Candidate]:
-    """``choice`` on every mesh and AC mode that can run it (and cut the sequence), with its bound."""
+    """``choice`` on every mesh and AC mode that can cut the sequence, with its bound (whether the
+    schedule runs on the mesh's pp is asked of the candidates the search visits: :func:`_runs`)."""
     n, out = job.local_batch_size, []
-    degrees = {(tp, cp) for splits in by_pp.values() for tp, cp, _ in splits}
+    degrees = {(tp, cp): dp for splits in by_pp.values() for tp, cp, dp in splits}
     cuts = {key: lengths for key in degrees if (lengths := _lengths(job, choice, *key)) is not None}
+    # Per layer, CP's K/V collectives of a step's units: an all-gather in each forward, a
+    # reduce-scatter in each backward.
+    kv_per_layer = {
+        (tp, cp): 2
+        * n
+        * sum(
+            _network(cluster, costs, tp, cp, degrees[tp, cp]).kv_collective_seconds(args, length) for length in lengths
+        )
+        for (tp, cp), lengths in cuts.items()
+    }
+    units = {(key, ac): _unit_flops(cost, lengths, _RECOMPUTE[ac]) for key, lengths in cuts.items() for ac in AC_MODES}
     for pp, splits in by_pp.items():
-        if not cuts or not _runs(choice, pp, n, args.n_layers):
-            continue
         for ac in AC_MODES:
             r = _RECOMPUTE[ac]
             for tp, cp, dp in splits:
                 if (tp, cp) not in cuts:
                     continue
-                lengths = cuts[tp, cp]
-                flops = n * _step_flops(cost, args.n_layers, lengths, pp, r) + _fill_flops(
-                    choice, cost, args.n_layers, lengths, pp, r
-                )
+                lengths, rate, u = cuts[tp, cp], tp * cp * costs.flops_per_gpu, units[(tp, cp), ac]
                 # Every rank runs N k units on its n_layers / pp layers, each at the fixed cost (a CP
-                # rank too: it runs every unit, on 1/c of its tokens); CP's collectives are left out.
+                # rank too: it runs every unit, on 1/c of its tokens) and CP's collectives; the step
+                # is no shorter than one microbatch's chain of passes either.
+                work = n * args.n_layers / pp * sum(f + b for f, b in u) + _fill_flops(choice, u, args.n_layers, pp)
                 fixed = n * len(lengths) * args.n_layers / pp * costs.unit_overhead_s
-                tp_seconds = n * _tp_seconds(args, job.seq_len / cp, pp, tp, r, cluster)
-                seconds = flops / (tp * cp * costs.flops_per_gpu) + fixed + tp_seconds
+                busy = work / rate + fixed + kv_per_layer[tp, cp] * args.n_layers / pp
+                step = max(busy, _path_flops(choice, u, args.n_layers, pp) / rate)
+                seconds = step + n * _tp_seconds(args, job.seq_len / cp, pp, tp, r, cluster)
                 out.append(_Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds, cp))
     return out
 
@@ -627,35 +656,26 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
         by_pp.setdefault(pp, []).append((tp, cp, dp))
     candidates = [c for choice in CHOICES for c in _candidates(choice, by_pp, job, cluster, costs, args, cost)]
     # Best bound first. A configuration is slower than one with no more TP, no more CP and no more
-    # recomputation (its bound is lower, so that one comes first): once one fits, the
-    # heavier ones of its schedule and pp are skipped. Memory is only asked of what is visited.
+    # recomputation (its bound is lower, so that one mostly comes first): once one fits, the
+    # heavier ones of its schedule and pp are skipped, or dropped where a near tie of bounds
+    # visited one first. Memory is only asked of what is visited.
     candidates.sort(key=lambda c: -c.bound)
-    fitting: list[Plan] = []
+    fitting: list[tuple[Plan, tuple[ScheduleChoice, int], tuple[int, int, int]]] = []
     kept: dict[tuple[ScheduleChoice, int], list[tuple[int, int, int]]] = {}
-    closest: list[tuple[float, _Candidate]] = []
-    lightest: dict[tuple[ScheduleChoice, int, int], bool] = {}
+    check = _MemoryCheck(job, cluster, by_pp)
     for c in candidates:
-        if len(fitting) >= top and c.bound < fitting[top - 1].tokens_per_s:
+        if len(fitting) >= top and c.bound < fitting[top - 1][0].tokens_per_s:
             break
-        key, level = (c.choice, c.pp), AC_MODES.index(c.ac)
-        if any(t <= c.tp and q <= c.cp and a <= level for t, q, a in kept.get(key, [])):
+        key, degrees = (c.choice, c.pp), (c.tp, c.cp, AC_MODES.index(c.ac))
+        if any(all(map(int.__le__, lighter, degrees)) for lighter in kept.get(key, [])):
             continue
-        light = (*key, c.cp)
-        if light not in lightest:  # the most TP with full AC: if that does not fit, nothing of it does
-            tp, dp = [(t, d) for t, q, d in by_pp[c.pp] if q == c.cp and _lengths(job, c.choice, t, q) is not None][-1]
-            need = gib(memory(job, cluster, c.choice, c.pp, tp, "full", c.cp).total)
-            lightest[light] = need <= cluster.gpu_memory_gib
-            if not lightest[light]:
-                closest = sorted([*closest, (need, replace(c, tp=tp, dp=dp, ac="full"))], key=lambda x: x[0])[:3]
-        if not lightest[light]:
+        if not _runs(c.choice, c.pp, job.local_batch_size, args.n_layers) or (need := check.need(c)) is None:
             continue
-        need = gib(memory(job, cluster, c.choice, c.pp, c.tp, c.ac, c.cp).total)
-        if need > cluster.gpu_memory_gib:
-            closest = sorted([*closest, (need, c)], key=lambda x: x[0])[:3]
-            continue
-        kept.setdefault(key, []).append((c.tp, c.cp, level))
-        fitting.append(_measure(c, job, cluster, costs, args, need, True))
-        fitting.sort(key=lambda p: -p.tokens_per_s)
+        kept.setdefault(key, []).append(degrees)
+        fitting = [f for f in fitting if f[1] != key or not all(map(int.__le__, degrees, f[2]))]  # no heavier
+        fitting.append((_measure(c, job, cluster, costs, args, need, True), key, degrees))
+        fitting.sort(key=lambda f: -f[0].tokens_per_s)
+    closest = check.closest() if len(fitting) < top else []
     if not fitting:
         need, c = closest[0]
         raise ValueError(
@@ -664,8 +684,101 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
             f"k {c.choice.num_subsequences}, activation "
             f"checkpointing {c.ac}) needs {need:.1f} GiB per GPU"
         )
-    over = [_plan_of(c, job, math.nan, need, math.nan, False) for need, c in closest] if len(fitting) < top else []
-    return fitting[:top] + over
+    over = [_plan_of(c, job, math.nan, need, math.nan, False) for need, c in closest]
+    return [plan for plan, _, _ in fitting[:top]] + over
+
+
+_Group = tuple[ScheduleChoice, int, int]
+"""(choice, pp, cp): candidates that differ only in TP and AC."""
+
+
+@dataclass
+class _Miss:
+    """A configuration met that does not fit: ``gib`` its estimate's need, or a floor of it."""
+
+    gib: float
+    exact: bool
+    candidate: _Candidate
+    group: _Group | None = None
+    """A candidate's group: the miss counts only where the group's lightest fits (else the search
+    skips the candidate and counts the lightest); None: a lightest."""
+
+
+class _MemoryCheck:
+    """Whether the search's candidates fit, asking the memory model as little as the answer needs.
+
+    A group's lightest candidate (most TP, full AC) is taken to need the least: where it does not
+    fit, no candidate of the group is kept, and the lightest, not the candidate, counts as met
+    (:meth:`closest`). Every need is first weighed against the memory model's floor
+    (:func:`~torchtitan_seq.simulate.memory.memory_floor`), which most candidates exceed by far,
+    and the estimate taken only where the floor fits; a group's lightest is estimated only once a
+    candidate of it fits (what the first visit would have met is worked out in :meth:`closest`)."""
+
+    def __init__(self, job: Job, cluster: Cluster, by_pp: dict[int, list[tuple[int, int, int]]]) -> None:
+        self.job, self.cluster, self.by_pp = job, cluster, by_pp
+        self.met: list[_Miss] = []
+        """Misses in the order met; a group's lightest at the group's first candidate."""
+        self.lightest: dict[_Group, tuple[_Candidate, float | None]] = {}
+        """Per group met, its lightest and its need: None until estimated, inf where its floor is over."""
+
+    def _config(self, c: _Candidate) -> MemoryConfig:
+        return _memory_config(self.job, self.cluster, c.choice, c.pp, c.tp, c.ac, c.cp)
+
+    def _estimate(self, c: _Candidate) -> float:
+        return gib(predict_memory(self._config(c)).total)
+
+    def need(self, c: _Candidate) -> float | None:
+        """The GiB per GPU ``c`` needs where it and its group's lightest fit the budget, else None."""
+        budget, group = self.cluster.gpu_memory_gib, (c.choice, c.pp, c.cp)
+        if group not in self.lightest:
+            tp, dp = [
+                (t, d) for t, q, d in self.by_pp[c.pp] if q == c.cp and _lengths(self.job, c.choice, t, q) is not None
+            ][-1]
+            light = replace(c, tp=tp, dp=dp, ac="full")
+            floor = gib(memory_floor(self._config(light)))
+            self.lightest[group] = light, (math.inf if floor > budget else None)
+            self.met.append(_Miss(floor, False, light))
+        light, light_need = self.lightest[group]
+        if light_need == math.inf:
+            return None
+        config = self._config(c)
+        floor = gib(memory_floor(config))
+        if floor <= budget:
+            floor = gib(memory_floor(config, walked=True))
+        if floor > budget:
+            self.met.append(_Miss(floor, False, c, group))
+            return None
+        if (need := self._estimate(c)) > budget:
+            self.met.append(_Miss(need, True, c, group))
+            return None
+        if light_need is None:
+            light_need = self._lightest_need(group)
+        return need if light_need <= budget else None
+
+    def _lightest_need(self, group: _Group) -> float:
+        light, need = self.lightest[group]
+        if need is None or need == math.inf:
+            need = self._estimate(light)
+            self.lightest[group] = light, need
+        return need
+
+    def closest(self) -> list[tuple[float, _Candidate]]:
+        """The three configurations met closest to fitting, with their needs (ties: the first met first):
+        misses in ascending order of need or floor, estimated while one may still beat the third."""
+        budget, best = self.cluster.gpu_memory_gib, []
+        for low, i in sorted((miss.gib, i) for i, miss in enumerate(self.met)):
+            if len(best) == 3 and low > best[-1][0]:
+                break
+            miss = self.met[i]
+            if miss.group is None:  # a lightest: met where it does not fit
+                need = self._lightest_need((miss.candidate.choice, miss.candidate.pp, miss.candidate.cp))
+            elif self._lightest_need(miss.group) > budget:
+                continue  # the search skipped the candidate: its lightest does not fit
+            else:
+                need = miss.gib if miss.exact else self._estimate(miss.candidate)
+            if need > budget:
+                best = sorted([*best, (need, i, miss.candidate)], key=lambda x: x[:2])[:3]
+        return [(need, c) for need, _, c in best]
 
 
 def _table(plans: list[Plan]) -> str:

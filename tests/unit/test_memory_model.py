@@ -315,3 +315,46 @@ def test_bad_settings():
         mm.MemoryConfig("8B", JobShape(8192), activation_checkpoint="selective", selective_ac_option="every")
     with pytest.raises(ValueError, match="model = 'llama9'"):
         mm.predict_memory(mm.MemoryConfig("llama9", JobShape(8192)))
+
+
+def _floor_cases(flavors=(("debugmodel", 2048), ("8B", 65536), ("70B", 131072))):
+    """Jobs across flavors, schedules, pipeline, TP and CP degrees and AC modes, as the planner asks."""
+    from torchtitan_seq import plan as planner
+
+    for flavor, seq_len in flavors:
+        job = planner.Job(flavor, seq_len, 8)
+        for i, choice in enumerate(planner.CHOICES):
+            for pp in (2, 4, 8):
+                for tp, cp, ac in ((1, 1, "none"), (2, 2, "selective"), (1, 4, "full"), (8, 1, "none")):
+                    if (i + pp + tp) % 3 or planner._lengths(job, choice, tp, cp) is None:
+                        continue  # a third of them, each flavor a different third
+                    if not planner._runs(choice, pp, 8, planner.flavor_shape(flavor).n_layers):
+                        continue
+                    yield mm.MemoryConfig(
+                        flavor, job.shape(choice, tp, cp), choice.schedule, pp, dp_shard=4, activation_checkpoint=ac
+                    )
+
+
+def test_the_floor_is_below_the_estimate_and_close_to_it_once_walked():
+    """memory_floor never exceeds predict_memory's total (it decides what the planner drops unasked), and
+    with the lists (walked) it is most of it: it is what lets the planner estimate so few configurations."""
+    ratios = []
+    for config in _floor_cases():
+        total = mm.predict_memory(config).total
+        floor, walked = mm.memory_floor(config), mm.memory_floor(config, walked=True)
+        assert floor <= walked <= total, (config, floor, walked, total)
+        ratios.append(walked / total)
+    ratios.sort()
+    assert len(ratios) > 150 and ratios[len(ratios) // 2] > 0.85 and ratios[0] > 0.3, ratios[:: len(ratios) // 10]
+
+
+def test_the_floor_places_stages_as_the_lists_do():
+    """memory_floor counts each rank's stages from the schedule's placement (stages_by_rank), without
+    the lists: the very stages the built lists run on each rank."""
+    from torchtitan_seq.simulate.build import stages_by_rank
+
+    for config in _floor_cases(flavors=(("debugmodel", 2048),)):
+        shape = config.shape
+        plan = mm._plan(config.schedule, config.pp, 8, shape.num_subsequences, shape.stages_per_rank, False)
+        placed = stages_by_rank(config.schedule, config.pp, shape.stages_per_rank)
+        assert placed == tuple(tuple(plan.stages_of(r)) for r in range(config.pp)), config.schedule

@@ -251,3 +251,82 @@ def test_context_parallel_enters_where_its_twin_without_cp_does_not_fit(capsys):
     assert all(p["cp"] == 1 for p in without) and "context_parallel" not in planner.Plan(**without[0]).overrides(
         "8B", 1, 1
     )
+
+
+def _candidates(job: planner.Job, cluster: planner.Cluster) -> list:
+    args = planner.flavor_shape(job.flavor)
+    costs, cost = planner._Costs.load(job, cluster, args), planner.UnitCost.from_model_args(args)
+    by_pp: dict[int, list[tuple[int, int, int]]] = {}
+    for pp, tp, cp, dp in planner._meshes(job, cluster, args):
+        by_pp.setdefault(pp, []).append((tp, cp, dp))
+    found = [
+        c for choice in planner.CHOICES for c in planner._candidates(choice, by_pp, job, cluster, costs, args, cost)
+    ]
+    return [c for c in found if planner._runs(c.choice, c.pp, job.local_batch_size, args.n_layers)]
+
+
+@pytest.mark.parametrize(
+    "flavor,seq_len,gpus,microbatches", [("debugmodel", 2048, 16, 4), ("8B", 32768, 128, 8), ("8B", 65536, 64, 16)]
+)
+def test_no_candidate_simulates_faster_than_its_bound(flavor, seq_len, gpus, microbatches):
+    """The search stops at the first candidate whose bound cannot enter the table, so a bound below
+    what the simulation gives would drop a plan: the rank's work with its fill and drain (two-chain
+    schedules start on both ends), one microbatch's chain of passes (many stages, few microbatches)
+    and CP's collectives are all there is. Every schedule, pp, TP, CP and AC mode, a tenth of them."""
+    job, cluster = planner.Job(flavor, seq_len, microbatches), planner.Cluster(gpus, 80)
+    args = planner.flavor_shape(flavor)
+    costs = planner._Costs.load(job, cluster, args)
+    candidates = _candidates(job, cluster)
+    tight = 0.0
+    for c in candidates[:: max(1, len(candidates) // 60)]:
+        simulated = planner._measure(c, job, cluster, costs, args, 0.0, True).tokens_per_s
+        assert simulated <= c.bound * (1 + 1e-9), (c, simulated)
+        tight = max(tight, simulated / c.bound)
+    assert tight > 0.9  # and the bounds are not loose for all
+
+
+def test_a_fitting_plan_leaves_out_its_heavier_twins(capsys, monkeypatch):
+    """Of one schedule choice on one pp, a plan with no less TP, CP and recomputation than another that
+    fits is left out, whichever the search meets first: here CP plans' bounds are raised (still bounds)
+    so that the search meets them before their twins without CP."""
+    candidates = planner._candidates
+
+    def cp_first(*args, **kwargs):
+        return [replace(c, bound=c.bound * (2 if c.cp > 1 else 1)) for c in candidates(*args, **kwargs)]
+
+    monkeypatch.setattr(planner, "_candidates", cp_first)
+    plans = _json(capsys, *SMALL, "--unit-overhead-ms", "0", "--tp", "1", "--gpu-memory-gib", "64", "--top", "200")
+    levels = planner.AC_MODES
+
+    def key(p: dict) -> tuple:
+        return p["schedule"], p["num_subsequences"], p["partition"], p["stages_per_rank"], p["pp"]
+
+    def degrees(p: dict) -> tuple:
+        return p["tp"], p["cp"], levels.index(p["activation_checkpoint"])
+
+    plans = plans["plans"]
+    assert len(plans) > 30
+    for p in plans:
+        for q in plans:
+            if p is not q and key(p) == key(q):
+                assert not all(a <= b for a, b in zip(degrees(q), degrees(p))), (q, p)
+
+
+def test_the_rows_that_do_not_fit_are_the_estimates_of_those_met_closest(capsys):
+    """Where fewer plans fit than asked for, three that do not follow, with the memory model's estimate
+    (not the floor the search dropped them by), closest first."""
+    argv = [*SMALL, "--unit-overhead-ms", "0", "--tp", "1", "--gpu-memory-gib", "0.07"]
+    plans = _json(capsys, *argv)["plans"]
+    over = [p for p in plans if not p["fits"]]
+    assert len(over) == 3 and len(plans) < 13, plans
+    job, cluster = planner.Job("debugmodel", 2048, 8, tp=1), planner.Cluster(4, 0.07)
+    needs = []
+    for p in over:
+        choice = planner.ScheduleChoice(p["schedule"], p["num_subsequences"], p["partition"], p["stages_per_rank"])
+        needs.append(
+            planner.gib(
+                planner.memory(job, cluster, choice, p["pp"], p["tp"], p["activation_checkpoint"], p["cp"]).total
+            )
+        )
+        assert p["peak_memory_gib"] == needs[-1] > 0.07, p
+    assert needs == sorted(needs)

@@ -48,7 +48,7 @@ from ..schedules import (
 from ..shape import LENGTH_MULTIPLE
 from .network import Network
 
-__all__ = ["SimConfig", "MockStage", "Built", "build", "lower", "send_after_compute"]
+__all__ = ["SimConfig", "MockStage", "Built", "build", "stages_by_rank", "lower", "send_after_compute"]
 
 # The V-shaped ones place two stages per rank as torchtitan does (generate_stage_to_rank_mapping style "v").
 _TORCH_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -156,14 +156,8 @@ def build(config: SimConfig) -> Built:
                 f"{config.schedule} is torch's schedule: it runs whole microbatches "
                 "(subsequences 1) and picks its own backward split"
             )
-        cls = get_schedule_class(config.schedule)
-        single = issubclass(cls, PipelineScheduleSingle)
-        v = config.stages_per_rank or (1 if single else 2)
-        if (single and v != 1) or (not single and v < 2):
-            raise ValueError(
-                f"{config.schedule} runs {'one stage' if single else 'at least 2 stages'} per rank, not {v}"
-            )
-        placement = "v" if config.schedule in _TORCH_V_SCHEDULES else "loop"
+        cls, v, placement = _torch_layout(config.schedule, config.stages_per_rank)
+        single = v == 1
         mapping = generate_stage_to_rank_mapping(p, p * v, style=placement)
         stages = [MockStage(s, p * v, p) for s, r in mapping.items() if r == 0]
         sched = cls(stages[0] if single else stages, n)
@@ -173,6 +167,37 @@ def build(config: SimConfig) -> Built:
             f"unknown schedule {config.schedule!r}: use one of {sorted(SEQUENCE_SCHEDULES) + list(TORCH_SCHEDULES)}"
         )
     return Built(order, v, placement, getattr(cls, "parameter_copies", 1))
+
+
+def _torch_layout(schedule: str, stages_per_rank: int | None) -> tuple[type, int, str]:
+    """One of torch's schedules: its class, its stages per rank and their placement style."""
+    cls = get_schedule_class(schedule)
+    single = issubclass(cls, PipelineScheduleSingle)
+    v = stages_per_rank or (1 if single else 2)
+    if (single and v != 1) or (not single and v < 2):
+        raise ValueError(f"{schedule} runs {'one stage' if single else 'at least 2 stages'} per rank, not {v}")
+    return cls, v, "v" if schedule in _TORCH_V_SCHEDULES else "loop"
+
+
+@functools.lru_cache(maxsize=256)
+def stages_by_rank(
+    schedule: str, pp: int, stages_per_rank: int | None = None, bidirectional_placement: Placement = "paired"
+) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the stages :func:`build`'s lists of ``schedule`` place on it (``stages_per_rank`` and
+    ``bidirectional_placement`` as :class:`SimConfig`'s), without building the lists."""
+    if schedule in SEQUENCE_SCHEDULES:
+        cls = SEQUENCE_SCHEDULES[schedule]
+        v = stages_per_rank or cls.stages_per_rank
+        options = {"placement": bidirectional_placement} if cls.stage_placement == "bidirectional" else {}
+        held = cls.place_stages(pp, pp * v // getattr(cls, "parameter_copies", 1), **options)
+        return tuple(tuple(sorted(stage for stage, _ in stages)) for stages in held)
+    if schedule not in TORCH_SCHEDULES:
+        raise ValueError(
+            f"unknown schedule {schedule!r}: use one of {sorted(SEQUENCE_SCHEDULES) + list(TORCH_SCHEDULES)}"
+        )
+    _, v, placement = _torch_layout(schedule, stages_per_rank)
+    mapping = generate_stage_to_rank_mapping(pp, pp * v, style=placement)
+    return tuple(tuple(sorted(s for s, r in mapping.items() if r == rank)) for rank in range(pp))
 
 
 @functools.lru_cache(maxsize=512)

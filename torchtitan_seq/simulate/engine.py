@@ -90,8 +90,6 @@ class SimResult(Timeline):
 
     cost: str
     lengths: list[int]
-    peak_activations: list[float]
-    """Per rank, in M (see the module docstring)."""
     parameter_copies: int
     deadlock: Deadlock | None
     lowered: dict[int, list[_Action]] = field(repr=False)
@@ -104,6 +102,13 @@ class SimResult(Timeline):
     def makespan(self) -> float:
         """The step: the last compute, or the copies' all-reduces after it."""
         return max([super().makespan, *self.copies_synced])
+
+    @functools.cached_property
+    def peak_activations(self) -> list[float]:
+        """Per rank, in M (see the module docstring); worked out when asked (the planner never does)."""
+        share = self.parameter_copies / self.stages_per_rank  # a stage's layers over a 1/p stage's
+        weights = [length / sum(self.lengths) * share for length in self.lengths]
+        return [_peak(self.timeline[r], weights, self.subsequences) for r in sorted(self.timeline)]
 
     def title(self) -> str:
         return (
@@ -419,7 +424,6 @@ def simulate_order(
         _sync_copies(timeline, stage_to_rank, chain_length, parameter_copies, transfers) if parameter_copies > 1 else []
     )
 
-    weights = [length / sum(lengths) * share for length in lengths]
     return SimResult(
         schedule=schedule,
         pp=p,
@@ -429,7 +433,6 @@ def simulate_order(
         split_backward=split_backward,
         cost=cost,
         lengths=list(lengths),
-        peak_activations=[_peak(timeline[r], weights, k) for r in sorted(timeline)],
         parameter_copies=parameter_copies,
         copies_synced=copies_synced,
         deadlock=deadlock,

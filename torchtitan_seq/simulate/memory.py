@@ -125,7 +125,7 @@ from ..ordering import B, F, I, W, compute_leaves, stage_passes
 from ..partition import ffn_hidden_dim
 from ..schedules import SEQUENCE_SCHEDULES
 from ..shape import JobShape
-from .build import SimConfig, build
+from .build import SimConfig, build, stages_by_rank
 from .network import chunk_parameters
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
@@ -136,6 +136,7 @@ __all__ = [
     "RankMemory",
     "MemoryEstimate",
     "predict_memory",
+    "memory_floor",
     "gib",
     "DType",
     "DTYPE_BYTES",
@@ -331,6 +332,90 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
     return MemoryEstimate(**dataclasses.asdict(ranks[worst]), rank=worst, ranks=tuple(ranks))
 
 
+def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
+    """A lower bound of ``predict_memory(config).total`` without the schedule's lists (tens of
+    microseconds, where the first estimate of a shape builds its lists and plans its arenas, and
+    every estimate walks them): a search asks it first and drops what cannot fit.
+
+    Each rank holds its stages' parameters, gradients and optimizer states, its workspace and its
+    receive buffers (a chain's stage receives every unit of the chain's microbatches: N, or N / 2
+    in each of two chains), as the estimate counts them; the stages come from the schedule's
+    placement (:func:`~.build.stages_by_rank`). Of activations it holds, whatever the schedule,
+    every unit of some microbatch on each of its stages of one chain at once, with the microbatch's
+    slab and each stage's RoPE table: once the microbatch's last unit has run forward on the rank's
+    deepest stage of the chain, its units have all run forward on the shallower ones (a forward
+    reads the previous stage's output and, for unit j, the stage's K/V of units 0..j-1), and none
+    has run backward on any (a backward needs the next stage's input gradient and, on a stage, the
+    dK/dV of the units after it, so the last unit's backward on the deepest stage comes first).
+    Other microbatches in flight and the arenas' sharing are left out.
+
+    ``walked``: the rank's activations are also at least what its units weigh where it holds the
+    most of them (found once per schedule shape, :meth:`_Plan.fullest`); this takes the schedule's
+    lists, built once per shape as :func:`predict_memory` builds them, but no arenas and no walk."""
+    args, c = config.model_args, config
+    a = _bytes(c.activation_dtype, "compute_dtype")
+    layout = _chunk_layout(c.schedule, c.pp, c.shape.stages_per_rank, args.n_layers)
+    tokens = [length * c.microbatch_size for length in c.shape.lengths]
+    is_sequence = c.schedule in SEQUENCE_SCHEDULES
+    rates = _state_rates(c)
+    received = c.shape.microbatches / layout.copies * sum(c.shape.lengths)  # tokens a chain's stage receives
+    weights = [_stage_bytes(args, c, a, chunk, tokens, is_sequence) for chunk in layout.chunks]
+    params = np.array([chunk_parameters(args, *chunk, c.tp) for chunk in layout.chunks])
+    workspace = np.array([_workspace_per_token(args, c, a, chunk, is_sequence) for chunk in layout.chunks])
+    buffers = np.array([_buffer_bytes_per_token(args, c, a, chunk) for chunk in layout.chunks]) * received
+    microbatch = np.array([sum(w.saved) + w.held + w.slab + w.constant for w in weights])
+
+    base = (
+        layout.count @ params * (rates.parameters + rates.gradients)
+        + layout.primary @ params * rates.optimizer
+        + np.max(np.where(layout.count > 0, workspace, 0.0), axis=1) * max(tokens) / c.cp
+        + layout.count @ buffers
+    )
+    floor = base + (layout.per_chain @ microbatch).max(axis=1)  # (ranks,)
+    if walked:
+        shape = c.shape
+        plan = _plan(
+            c.schedule, c.pp, shape.microbatches, shape.num_subsequences, shape.stages_per_rank, c.split_backward
+        )
+        live, holding = plan.fullest(shape.num_subsequences, args.n_layers)  # (ranks, kinds, k), (ranks, kinds)
+        saved, constant = np.array([w.saved for w in weights]), np.array([w.constant for w in weights])
+        units = np.einsum("rtj,tj->r", live, saved) + holding @ constant
+        scale = np.where(plan.forwards_first, shape.microbatches / plan.built_microbatches, 1.0)
+        floor = np.maximum(floor, base + units * scale)
+    # The estimate rounds five sums of the fullest rank to bytes: 3 bytes below, the floor is below it.
+    return float(floor.max()) - 3
+
+
+class _ChunkLayout(NamedTuple):
+    """Which model chunks each rank's stages run, counted per kind of chunk (a chunk's layers and ends)."""
+
+    chunks: list[tuple[float, bool, bool]]
+    """The kinds of chunk."""
+    count: np.ndarray
+    """(ranks, kinds): the rank's stages of each kind."""
+    primary: np.ndarray
+    """(ranks, kinds): those of chain A (the copies that hold optimizer states)."""
+    per_chain: np.ndarray
+    """(ranks, chains, kinds): the rank's stages of each kind per chain."""
+    copies: int
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_layout(schedule: str, pp: int, stages_per_rank: int | None, n_layers: int) -> _ChunkLayout:
+    """:func:`memory_floor`'s view of where a schedule places its stages (:func:`~.build.stages_by_rank`)."""
+    copies = getattr(SEQUENCE_SCHEDULES.get(schedule), "parameter_copies", 1)
+    by_rank = stages_by_rank(schedule, pp, stages_per_rank)
+    chain_length = pp * len(by_rank[0]) // copies
+    of_stage = _chunk_split(n_layers, chain_length)
+    chunks = sorted(set(of_stage))
+    count, per_chain = np.zeros((pp, len(chunks))), np.zeros((pp, copies, len(chunks)))
+    for r, stages in enumerate(by_rank):
+        for s in stages:
+            per_chain[r, s // chain_length, chunks.index(of_stage[s % chain_length])] += 1
+    count = per_chain.sum(axis=1)
+    return _ChunkLayout(chunks, count, per_chain[:, 0], per_chain, copies)
+
+
 # --------------------------------------------------------------------------
 # The schedule: each rank's actions, built once per shape
 
@@ -356,6 +441,8 @@ class _Plan:
     """Per (rank, k), each of its stages' passes where the rank runs them (see :meth:`passes_of`)."""
     forwards: dict[tuple[int, int], dict[int, list[int]]] = field(default_factory=dict, compare=False, repr=False)
     """Per (rank, k), per stage of the rank, its forwards of each unit (see :meth:`forwards_of`)."""
+    live: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, compare=False, repr=False)
+    """Per (k, layers), the units each rank holds where it holds the most (see :meth:`fullest`)."""
     by_rank: dict[int, list[int]] = field(init=False, compare=False, repr=False)
     """Per rank, its stages, sorted."""
     forwards_first: np.ndarray = field(init=False, compare=False, repr=False)
@@ -391,6 +478,25 @@ class _Plan:
                 for s in self.stages_of(rank)
             }
         return self.forwards[rank, k]
+
+    def fullest(self, k: int, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where each rank holds the most units (its saved activations' events counted, bytes aside),
+        per kind of chunk (a chunk's layers and ends, in :func:`_chunk_layout`'s order): per rank, kind
+        and unit j the units held, and per rank and kind the stages holding any; found once per k."""
+        if (k, n_layers) not in self.live:
+            of_stage = _chunk_split(n_layers, self.chain_length)
+            chunks = sorted(set(of_stage))
+            kinds = [chunks.index(of_stage[s % self.chain_length]) for s in range(len(self.stages))]
+            units, holding = np.zeros((len(self.order), len(chunks), k)), np.zeros((len(self.order), len(chunks)))
+            for r in sorted(self.order):
+                e = self.events_of(r, k)
+                until = int(np.argmax(np.cumsum(e.saved))) + 1
+                live = np.zeros((len(self.stages), k))
+                np.add.at(live, (e.stage[:until], e.unit[:until]), e.saved[:until])
+                np.add.at(units[r], kinds, live)
+                np.add.at(holding[r], kinds, live.sum(axis=1) > 0)
+            self.live[k, n_layers] = units, holding
+        return self.live[k, n_layers]
 
     def merged_events(self, k: int) -> tuple[_Events, np.ndarray]:
         """Every rank's :func:`_events` end to end, ranks ascending, and each rank's first index."""
@@ -654,13 +760,16 @@ def _saved_per_token(
 # Parameters, gradients, optimizer, workspace, buffers
 
 
-def _state_bytes(args: TransformerModelArgs, c: MemoryConfig, plan: _Plan, chunks, rank: int) -> dict[str, int]:
-    held = [chunk_parameters(args, *chunks[s % plan.chain_length], c.tp) for s in plan.stages_of(rank)]
-    primary = [
-        chunk_parameters(args, *chunks[s % plan.chain_length], c.tp)
-        for s in plan.stages_of(rank)
-        if s < plan.chain_length
-    ]
+class _StateRates(NamedTuple):
+    """Bytes a rank holds per parameter of a stage it holds."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    """Per parameter of chain A's copy only (see the module docstring)."""
+
+
+def _state_rates(c: MemoryConfig) -> _StateRates:
     master, compute = _bytes(c.param_dtype, "param_dtype"), _bytes(c.activation_dtype, "compute_dtype")
     if c.fsdp:
         # Under PP torchtitan keeps the unsharded copy through the step and the schedule
@@ -674,27 +783,43 @@ def _state_bytes(args: TransformerModelArgs, c: MemoryConfig, plan: _Plan, chunk
         per_param = master + (compute if compute != master else 0)
         grad_per_param = master
     optimizer = c.optimizer_states * _bytes(c.optimizer_dtype, "optimizer_dtype") / c.fsdp_degree
+    return _StateRates(per_param, grad_per_param, optimizer)
+
+
+def _state_bytes(args: TransformerModelArgs, c: MemoryConfig, plan: _Plan, chunks, rank: int) -> dict[str, int]:
+    held = [chunk_parameters(args, *chunks[s % plan.chain_length], c.tp) for s in plan.stages_of(rank)]
+    primary = [
+        chunk_parameters(args, *chunks[s % plan.chain_length], c.tp)
+        for s in plan.stages_of(rank)
+        if s < plan.chain_length
+    ]
+    rates = _state_rates(c)
     return {
-        "parameters": round(sum(held) * per_param),
-        "gradients": round(sum(held) * grad_per_param),
-        "optimizer": round(sum(primary) * optimizer),
+        "parameters": round(sum(held) * rates.parameters),
+        "gradients": round(sum(held) * rates.gradients),
+        "optimizer": round(sum(primary) * rates.optimizer),
     }
+
+
+def _workspace_per_token(
+    args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tuple[float, bool, bool], unit: bool
+) -> float:
+    """The largest transient of a pass on a stage running ``chunk``, per token of its longest unit."""
+    d, t, f, kv = args.dim, c.tp, ffn_hidden_dim(args), _kv_width(args)
+    layers, _, last = chunk
+    per_token = a * (2 * f + 2 * d + 2 * kv) / t if layers else 0.0
+    if unit and c.shape.num_subsequences > 1 and layers:
+        per_token += 8 * d / t
+    if last:
+        per_token = max(per_token, (8 + a) * args.vocab_size / t)
+    return per_token
 
 
 def _workspace(
     args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int, longest: int, unit: bool
 ) -> float:
-    d, t, f, kv = args.dim, c.tp, ffn_hidden_dim(args), _kv_width(args)
-    largest = 0.0
-    for s in plan.stages_of(rank):
-        layers, _, last = chunks[s % plan.chain_length]
-        per_token = a * (2 * f + 2 * d + 2 * kv) / t if layers else 0.0
-        if unit and c.shape.num_subsequences > 1 and layers:
-            per_token += 8 * d / t
-        if last:
-            per_token = max(per_token, (8 + a) * args.vocab_size / t)
-        largest = max(largest, per_token)
-    return largest * longest
+    chunks_held = (chunks[s % plan.chain_length] for s in plan.stages_of(rank))
+    return max(_workspace_per_token(args, c, a, chunk, unit) for chunk in chunks_held) * longest
 
 
 def _buffers(
@@ -704,8 +829,15 @@ def _buffers(
     forwards = plan.forwards_of(rank, len(lengths))
     total = 0.0
     for s in plan.stages_of(rank):
-        position = s % plan.chain_length
         tokens = float(sum(count * length for count, length in zip(forwards[s], lengths)))
-        ends = (position > 0) + (position < plan.chain_length - 1)
-        total += ends * tokens * scale * c.microbatch_size * a * args.dim / (c.tp * c.cp)
+        total += tokens * scale * _buffer_bytes_per_token(args, c, a, chunks[s % plan.chain_length])
     return total
+
+
+def _buffer_bytes_per_token(
+    args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tuple[float, bool, bool]
+) -> float:
+    """Receive buffers of a stage running ``chunk``, per token of the units it runs: activations in
+    but into a chain's first stage, gradients in but into its last."""
+    _, first, last = chunk
+    return ((not first) + (not last)) * c.microbatch_size * a * args.dim / (c.tp * c.cp)
