@@ -15,14 +15,24 @@ the recomputation of the AC mode, plus TP's collectives, which torchtitan does
 not overlap (data-parallel collectives are taken as overlapped). It does not
 simulate every combination at full size:
 
-- candidates are visited best bound first (their tokens/s without bubbles or
-  transfers) and the search stops once the next bound cannot enter the table;
-  memory is only predicted for what is visited;
+- candidates are visited best bound first and the search stops once the next bound
+  cannot enter the table. A bound is the tokens/s of a step no shorter than the
+  busiest rank's work (its units, their fixed cost and CP's K/V collectives) with the
+  fill and drain before its first and after its last pass (p - 1 stages on one chain,
+  (p - 1) // 2 where two chains start on both ends), nor than one microbatch's chain of
+  passes (few microbatches on many stages); no transfers, no other bubbles (tested
+  against the simulation);
+- memory is only asked of what is visited, and first of the memory model's floor
+  (:func:`~torchtitan_seq.simulate.memory.memory_floor`: each rank's states, workspace,
+  buffers and one microbatch in flight on its stages of a chain, from the schedule's
+  placement; then, with the lists, what the rank holds where it holds the most units):
+  most candidates exceed it by far and are dropped without an estimate;
 - a configuration is slower than the same one with less TP, less CP or less
-  recomputation (its bound is lower, so it comes later): once one fits, the
-  heavier ones of its schedule choice and p are skipped, and when the
-  heaviest-saving one of a CP degree (most TP, full AC) does not fit, none of that
-  CP degree is tried. CP (:mod:`torchtitan_seq.context_parallel`) splits each unit's
+  recomputation (its bound is lower, so it mostly comes later): once one fits, the
+  heavier ones of its schedule choice and p are skipped (or dropped, where a near tie of
+  bounds met one first), and when the heaviest-saving one of a CP degree (most TP, full
+  AC) does not fit, none of that CP degree is kept (it is estimated once a candidate of
+  it fits). CP (:mod:`torchtitan_seq.context_parallel`) splits each unit's
   compute over c GPUs of the same replica and adds K/V collectives, while data
   parallelism over them would run other sequences: a CP plan only enters the table
   where its twin without CP does not fit (long sequences, tight memory);

@@ -107,7 +107,10 @@ The peak of a schedule whose backwards interleave its forwards is reached within
 (BSIPipe's basic unit is 2p) and cached per shape; where a rank runs all its forwards
 before any backward (GPipe, TeraPipe) the peak grows with N and is scaled by N / N'.
 Calls after the first for a shape take milliseconds; building BSIPipe's lists at
-p = 16 takes seconds once.
+p = 16 takes seconds once. :func:`memory_floor` bounds the total from below without the
+lists (each rank's states, workspace and buffers, and one microbatch in flight on its
+stages of one chain) or with them but without arenas or a walk (what each rank holds where
+it holds the most units): a search asks it first.
 """
 
 from __future__ import annotations
