@@ -325,10 +325,14 @@ def _unit_flops(cost: UnitCost, lengths: list[int], recompute: float) -> list[tu
     ]
 
 
-def _step_flops(cost: UnitCost, n_layers: int, lengths: list[int], pp: int, recompute: float = 0.0) -> float:
-    """Cost-model FLOPs of one microbatch's forward, backward and ``recompute`` forwards
-    again on 1/pp of the layers."""
-    return n_layers / pp * sum(f + b for f, b in _unit_flops(cost, lengths, recompute))
+def _step_flops(units: list[tuple[float, float]], n_layers: int, pp: int) -> float:
+    """Cost-model FLOPs of one microbatch's passes (``units``: :func:`_unit_flops`) on 1/pp of the layers."""
+    return n_layers / pp * sum(f + b for f, b in units)
+
+
+def _stage_layers(choice: ScheduleChoice, n_layers: int, pp: int) -> float:
+    """Layers of one of ``choice``'s stages on pp ranks: a chain holds the model over p v / copies stages."""
+    return n_layers * choice.parameter_copies / (pp * choice.stages_per_rank)
 
 
 def _fill_flops(choice: ScheduleChoice, units: list[tuple[float, float]], n_layers: int, pp: int) -> float:
@@ -338,9 +342,8 @@ def _fill_flops(choice: ScheduleChoice, units: list[tuple[float, float]], n_laye
     One chain: rank p-1, p-1 stages. Two chains start on both ends: a rank at position q holds
     positions q and p-1-q of the chains (in a V also 2p-1-q and p+q), so the middle ranks wait
     (p-1) // 2 stages."""
-    per_stage = n_layers * choice.parameter_copies / (pp * choice.stages_per_rank)
     hops = (pp - 1) // choice.parameter_copies
-    return hops * per_stage * (min(f for f, _ in units) + min(b for _, b in units))
+    return hops * _stage_layers(choice, n_layers, pp) * (min(f for f, _ in units) + min(b for _, b in units))
 
 
 def _path_flops(choice: ScheduleChoice, units: list[tuple[float, float]], n_layers: int, pp: int) -> float:
@@ -349,9 +352,10 @@ def _path_flops(choice: ScheduleChoice, units: list[tuple[float, float]], n_laye
     of the one before), unit k-1's backward back through every stage, and units k-2..0's backwards on
     the first (each takes its dK/dV from the ones after). What bounds a step with few microbatches
     on many stages."""
-    per_stage = n_layers * choice.parameter_copies / (pp * choice.stages_per_rank)
     (f0, _), (_, b_last) = units[0], units[-1]
-    return n_layers * (f0 + b_last) + per_stage * (sum(f for f, _ in units[1:]) + sum(b for _, b in units[:-1]))
+    return n_layers * (f0 + b_last) + _stage_layers(choice, n_layers, pp) * (
+        sum(f for f, _ in units[1:]) + sum(b for _, b in units[:-1])
+    )
 
 
 @dataclass(frozen=True)
@@ -395,7 +399,9 @@ class _Costs:
         for _, pp, data in loaded:
             lengths = list(data["lengths"])
             measured = sum(data["F"]) + sum(data["B"]) - len(lengths) * fixed_per_layer * args.n_layers / pp
-            rates.append(_step_flops(UnitCost.from_model_args(args), args.n_layers, lengths, pp) / measured)
+            rates.append(
+                _step_flops(_unit_flops(UnitCost.from_model_args(args), lengths, 0.0), args.n_layers, pp) / measured
+            )
         return cls(tuple(files.items()), math.exp(sum(map(math.log, rates)) / len(rates)), fixed_per_layer)
 
     def cost_for(self, choice: ScheduleChoice, pp: int, lengths: list[int]) -> str:
@@ -596,14 +602,10 @@ def _candidates(
     cuts = {key: lengths for key in degrees if (lengths := _lengths(job, choice, *key)) is not None}
     # Per layer, CP's K/V collectives of a step's units: an all-gather in each forward, a
     # reduce-scatter in each backward.
-    kv_per_layer = {
-        (tp, cp): 2
-        * n
-        * sum(
-            _network(cluster, costs, tp, cp, degrees[tp, cp]).kv_collective_seconds(args, length) for length in lengths
-        )
-        for (tp, cp), lengths in cuts.items()
-    }
+    kv_per_layer = {}
+    for (tp, cp), lengths in cuts.items():
+        network = _network(cluster, costs, tp, cp, degrees[tp, cp])
+        kv_per_layer[tp, cp] = 2 * n * sum(network.kv_collective_seconds(args, length) for length in lengths)
     units = {(key, ac): _unit_flops(cost, lengths, _RECOMPUTE[ac]) for key, lengths in cuts.items() for ac in AC_MODES}
     for pp, splits in by_pp.items():
         for ac in AC_MODES:
@@ -615,7 +617,7 @@ def _candidates(
                 # Every rank runs N k units on its n_layers / pp layers, each at the fixed cost (a CP
                 # rank too: it runs every unit, on 1/c of its tokens) and CP's collectives; the step
                 # is no shorter than one microbatch's chain of passes either.
-                work = n * args.n_layers / pp * sum(f + b for f, b in u) + _fill_flops(choice, u, args.n_layers, pp)
+                work = n * _step_flops(u, args.n_layers, pp) + _fill_flops(choice, u, args.n_layers, pp)
                 fixed = n * len(lengths) * args.n_layers / pp * costs.unit_overhead_s
                 busy = work / rate + fixed + kv_per_layer[tp, cp] * args.n_layers / pp
                 step = max(busy, _path_flops(choice, u, args.n_layers, pp) / rate)

@@ -409,14 +409,20 @@ def _chunk_layout(schedule: str, pp: int, stages_per_rank: int | None, n_layers:
     copies = getattr(SEQUENCE_SCHEDULES.get(schedule), "parameter_copies", 1)
     by_rank = stages_by_rank(schedule, pp, stages_per_rank)
     chain_length = pp * len(by_rank[0]) // copies
-    of_stage = _chunk_split(n_layers, chain_length)
-    chunks = sorted(set(of_stage))
-    count, per_chain = np.zeros((pp, len(chunks))), np.zeros((pp, copies, len(chunks)))
+    chunks, kind = _chunk_kinds(n_layers, chain_length)
+    per_chain = np.zeros((pp, copies, len(chunks)))
     for r, stages in enumerate(by_rank):
         for s in stages:
-            per_chain[r, s // chain_length, chunks.index(of_stage[s % chain_length])] += 1
-    count = per_chain.sum(axis=1)
-    return _ChunkLayout(chunks, count, per_chain[:, 0], per_chain, copies)
+            per_chain[r, s // chain_length, kind[s % chain_length]] += 1
+    return _ChunkLayout(chunks, per_chain.sum(axis=1), per_chain[:, 0], per_chain, copies)
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_kinds(n_layers: int, chain_length: int) -> tuple[list[tuple[float, bool, bool]], list[int]]:
+    """The kinds of chunk of a chain (a chunk's layers and ends, sorted) and, per chain position, its kind."""
+    of_position = _chunk_split(n_layers, chain_length)
+    chunks = sorted(set(of_position))
+    return chunks, [chunks.index(chunk) for chunk in of_position]
 
 
 # --------------------------------------------------------------------------
@@ -484,12 +490,11 @@ class _Plan:
 
     def fullest(self, k: int, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
         """Where each rank holds the most units (its saved activations' events counted, bytes aside),
-        per kind of chunk (a chunk's layers and ends, in :func:`_chunk_layout`'s order): per rank, kind
+        per kind of chunk (a chunk's layers and ends, in :func:`_chunk_kinds`'s order): per rank, kind
         and unit j the units held, and per rank and kind the stages holding any; found once per k."""
         if (k, n_layers) not in self.live:
-            of_stage = _chunk_split(n_layers, self.chain_length)
-            chunks = sorted(set(of_stage))
-            kinds = [chunks.index(of_stage[s % self.chain_length]) for s in range(len(self.stages))]
+            chunks, kind = _chunk_kinds(n_layers, self.chain_length)
+            kinds = [kind[s % self.chain_length] for s in range(len(self.stages))]
             units, holding = np.zeros((len(self.order), len(chunks), k)), np.zeros((len(self.order), len(chunks)))
             for r in sorted(self.order):
                 e = self.events_of(r, k)
