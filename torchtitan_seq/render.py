@@ -24,6 +24,8 @@ from torch.distributed.pipelining.schedules import FULL_BACKWARD as B
 from torch.distributed.pipelining.schedules import F, I, W, _Action
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from matplotlib.figure import Figure
 
 __all__ = [
@@ -195,39 +197,52 @@ def render_svg(result: Timeline, width: int = 1100) -> str:
                     f'<text x="{(x0 + x1) / 2:.2f}" y="{mid}" font-size="10" text-anchor="middle" '
                     f'fill="{ink}" pointer-events="none">{label}</text>'
                 )
-    # About ten ticks, 1, 2 or 5 times a power of ten apart.
+    out += _svg_time_axis(span, x, left + plot_w, rows_bottom, gap, f"time ({escape(result.time_unit)})")
+    out += _svg_legend(result.microbatches, k, left, legend_y)
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _svg_time_axis(
+    span: float, x: Callable[[float], float], right: float, bottom: float, gap: float, label: str
+) -> list[str]:
+    """The time axis under the rows (which end at y ``bottom``) of a plot of ``span`` time (``x``: a
+    time's x coordinate): about ten ticks, 1, 2 or 5 times a power of ten apart, and ``label`` at
+    ``right``."""
     raw = span / 10
     scale = 10 ** math.floor(math.log10(raw))
     step = next(f * scale for f in (1, 2, 5, 10) if f * scale >= raw)
+    out = []
     for t in (i * step for i in range(int(span / step + 1e-9) + 1)):
         out += [
-            f'<line x1="{x(t):.2f}" y1="{rows_bottom - gap}" x2="{x(t):.2f}" y2="{rows_bottom}" stroke="#444"/>',
-            f'<text x="{x(t):.2f}" y="{rows_bottom + 12}" font-size="10" text-anchor="middle">{t:.4g}</text>',
+            f'<line x1="{x(t):.2f}" y1="{bottom - gap}" x2="{x(t):.2f}" y2="{bottom}" stroke="#444"/>',
+            f'<text x="{x(t):.2f}" y="{bottom + 12}" font-size="10" text-anchor="middle">{t:.4g}</text>',
         ]
-    out.append(
-        f'<text x="{left + plot_w}" y="{rows_bottom + 26}" font-size="10" text-anchor="end">'
-        f"time ({escape(result.time_unit)})</text>"
-    )
-    # Legend: passes, then microbatch colours with their subsequence shades.
-    lx = left
+    out.append(f'<text x="{right}" y="{bottom + 26}" font-size="10" text-anchor="end">{label}</text>')
+    return out
+
+
+def _svg_legend(microbatches: int, k: int, left: float, y: float) -> list[str]:
+    """The legend from (``left``, ``y``): the passes, then each microbatch's colour with its
+    subsequences' shades, ten to a line."""
+    out, lx = [], left
     for kind, name in _PASS_NAMES.items():
-        box = f'x="{lx}" y="{legend_y - 10}" width="22" height="12"'
+        box = f'x="{lx}" y="{y - 10}" width="22" height="12"'
         out.append(f'<rect {box} fill="#9e9e9e"/>')
         if kind in _HATCH:
             out.append(f'<rect {box} fill="url(#hatch-{kind.value})"/>')
-        out.append(f'<text x="{lx + 26}" y="{legend_y}" font-size="11">{name}</text>')
+        out.append(f'<text x="{lx + 26}" y="{y}" font-size="11">{name}</text>')
         lx += 34 + 7 * len(name)
     labels = "label m.j: microbatch m, subsequence j" if k > 1 else "label: microbatch"
-    out.append(f'<text x="{lx + 10}" y="{legend_y}" font-size="11">{labels} (hover: stage, times)</text>')
-    for m in range(result.microbatches):
-        mx, my = left + (m % 10) * 100, legend_y + 14 + 18 * (m // 10)
+    out.append(f'<text x="{lx + 10}" y="{y}" font-size="11">{labels} (hover: stage, times)</text>')
+    for m in range(microbatches):
+        mx, my = left + (m % 10) * 100, y + 14 + 18 * (m // 10)
         out += [
             f'<rect x="{mx + j * 40 / k:.2f}" y="{my}" width="{40 / k:.2f}" height="12" fill="{_colour(m, j, k)[0]}"/>'
             for j in range(k)
         ]
         out.append(f'<text x="{mx + 44}" y="{my + 10}" font-size="11">mb {m}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    return out
 
 
 def timeline_figure(result: Timeline) -> Figure:

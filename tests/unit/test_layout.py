@@ -1,5 +1,5 @@
 """The package's structure: no import circles, a runtime free of tooling, imports without side
-effects, a plain-torch core that runs without torchtitan."""
+effects, a plain-torch core that runs without torchtitan, short functions."""
 
 from __future__ import annotations
 
@@ -195,3 +195,15 @@ def test_public_functions_carry_type_hints():
     for path in sorted(PACKAGE.rglob("*.py")):
         visit(ast.parse(path.read_text()), path)
     assert not unhinted, "\n".join(unhinted)
+
+
+def test_no_function_runs_over_80_lines():
+    """No function or method of the package runs over 80 lines, decorators aside and its docstring
+    included (#28: one concern per function, as torchtitan's are)."""
+    long = [
+        f"{path.relative_to(PACKAGE)}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80
+    ]
+    assert not long, "\n".join(long)

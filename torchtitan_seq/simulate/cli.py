@@ -90,6 +90,17 @@ def _parser() -> argparse.ArgumentParser:
         choices=PLACEMENTS,
         help="BSIPipe and Chimera: mirrored pairs on neighbouring ranks, or position q on rank q",
     )
+    _add_network_arguments(ap)
+    ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    ap.add_argument("--csv", type=Path, help="write the compute-only action table (torch's CSV format)")
+    ap.add_argument("--svg", type=Path, help="write the timeline as SVG")
+    ap.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace")
+    ap.add_argument("--regenerate", type=Path, metavar="DIR", help="write the standard set into DIR and exit")
+    return ap
+
+
+def _add_network_arguments(ap: argparse.ArgumentParser) -> None:
+    """The links and the :class:`~torchtitan_seq.simulate.network.Network` fields, as options."""
     links = ap.add_argument_group("network (free links unless given; see torchtitan_seq.simulate.network)")
     for where in ("intra", "inter"):
         links.add_argument(
@@ -116,12 +127,6 @@ def _parser() -> argparse.ArgumentParser:
             default=getattr(default, name),
             help=f"{text} (default {getattr(default, name)})",
         )
-    ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    ap.add_argument("--csv", type=Path, help="write the compute-only action table (torch's CSV format)")
-    ap.add_argument("--svg", type=Path, help="write the timeline as SVG")
-    ap.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace")
-    ap.add_argument("--regenerate", type=Path, metavar="DIR", help="write the standard set into DIR and exit")
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
