@@ -41,7 +41,10 @@ simulate every combination at full size:
   microbatch adds the same time (within 1%, tested), on the compute-only lists (``torch_lowering=False``:
   the same timeline, without torch's lowering passes); lists, their
   preparation for timing and the memory model's walks are built once per
-  shape and reused across TP, AC and cost choices.
+  shape and reused across TP, AC and cost choices;
+- with more than one CPU, the search runs in up to 4 processes (``--processes``): forked helpers
+  visit the candidates of their share of schedule shapes ahead of the search, which takes their
+  answers (:mod:`torchtitan_seq.lookahead`): the same plans, in less time.
 
 Unit times are the transformer cost model (:class:`~torchtitan_seq.partition.UnitCost`)
 at ``--tflops`` achieved per GPU, plus a fixed cost per unit and layer
@@ -64,7 +67,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -79,6 +82,7 @@ if __name__ == "__main__":
     gc.disable()
 
 from .flavors import flavor_shape, flavor_shapes
+from .lookahead import SKIP, Lookahead, available_processes
 from .partition import Partition, UnitCost
 from .render import busy_and_end
 from .schedules import SEQUENCE_SCHEDULES, ScheduleShape
@@ -641,18 +645,23 @@ def _without_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
-def plan(job: Job, cluster: Cluster, top: int = 10) -> list[Plan]:
+def plan(job: Job, cluster: Cluster, top: int = 10, processes: int | None = None) -> list[Plan]:
     """The ``top`` fastest configurations that fit, best first, followed by the three
     configurations closest to fitting when fewer fit.
+
+    ``processes``: how many the search runs in at most (:mod:`~torchtitan_seq.lookahead`; the same
+    plans in any number), and no more than one per CPU; default 4.
 
     Raises ValueError, naming the setting, for an unknown flavor, GPU counts no
     degrees divide, or a memory budget nothing fits.
     """
+    if processes is not None and processes < 1:
+        raise ValueError(f"--processes {processes}: at least 1")
     with _without_cycle_collection():
-        return _search(job, cluster, top)
+        return _search(job, cluster, top, min(processes or 4, available_processes()))
 
 
-def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
+def _search(job: Job, cluster: Cluster, top: int, processes: int) -> list[Plan]:
     """:func:`plan`'s search (see the module docstring)."""
     if (args := flavor_shape(job.flavor)) is None:
         raise ValueError(f"--flavor {job.flavor!r} does not exist: use one of {sorted(flavor_shapes)}")
@@ -675,18 +684,28 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
     fitting: list[tuple[Plan, tuple[ScheduleChoice, int], tuple[int, int, int]]] = []
     kept: dict[tuple[ScheduleChoice, int], list[tuple[int, int, int]]] = {}
     check = _MemoryCheck(job, cluster, by_pp)
-    for c in candidates:
-        if len(fitting) >= top and c.bound < fitting[top - 1][0].tokens_per_s:
-            break
-        key, degrees = (c.choice, c.pp), (c.tp, c.cp, AC_MODES.index(c.ac))
-        if any(all(map(int.__le__, lighter, degrees)) for lighter in kept.get(key, [])):
-            continue
+
+    def visit(i: int) -> Plan | None:
+        """Candidate i measured where it runs and fits, else None."""
+        c = candidates[i]
         if not _runs(c.choice, c.pp, job.local_batch_size, args.n_layers) or (need := check.need(c)) is None:
-            continue
-        kept.setdefault(key, []).append(degrees)
-        fitting = [f for f in fitting if f[1] != key or not all(map(int.__le__, degrees, f[2]))]  # no heavier
-        fitting.append((_measure(c, job, cluster, costs, args, need, True), key, degrees))
-        fitting.sort(key=lambda f: -f[0].tokens_per_s)
+            return None
+        return _measure(c, job, cluster, costs, args, need, True)
+
+    with Lookahead.start(_shares(candidates, processes), _ahead(candidates, visit), processes) as ahead:
+        for i, c in enumerate(candidates):
+            if len(fitting) >= top and c.bound < fitting[top - 1][0].tokens_per_s:
+                break
+            key, degrees = _twins(c)
+            if _heavier_than_kept(kept, key, degrees) or (measured := ahead.answer(i, visit)) is None:
+                continue
+            kept.setdefault(key, []).append(degrees)
+            fitting = [f for f in fitting if f[1] != key or not all(map(int.__le__, degrees, f[2]))]  # no heavier
+            fitting.append((measured, key, degrees))
+            fitting.sort(key=lambda f: -f[0].tokens_per_s)
+    if ahead.forked and len(fitting) < top:
+        # The rows that do not fit come from the misses met in the order of one process.
+        return _search(job, cluster, top, processes=1)
     closest = check.closest() if len(fitting) < top else []
     if not fitting:
         need, c = closest[0]
@@ -698,6 +717,41 @@ def _search(job: Job, cluster: Cluster, top: int) -> list[Plan]:
         )
     over = [_plan_of(c, job, math.nan, need, math.nan, False) for need, c in closest]
     return [plan for plan, _, _ in fitting[:top]] + over
+
+
+def _twins(c: _Candidate) -> tuple[tuple[ScheduleChoice, int], tuple[int, int, int]]:
+    """``c``'s schedule choice and p, and its degrees (TP, CP, AC): twins share the first."""
+    return (c.choice, c.pp), (c.tp, c.cp, AC_MODES.index(c.ac))
+
+
+def _heavier_than_kept(kept: dict, key: tuple[ScheduleChoice, int], degrees: tuple[int, int, int]) -> bool:
+    """Whether a lighter twin (no more TP, CP or recomputation) of the candidate was kept."""
+    return any(all(map(int.__le__, lighter, degrees)) for lighter in kept.get(key, []))
+
+
+def _shares(candidates: list[_Candidate], processes: int) -> list[int]:
+    """Per candidate, the process that visits it: schedule shapes (schedule, k, v, p) dealt round
+    the processes in the order the search first meets them, so that a shape's lists, their
+    preparation for timing and the memory model's walks are built in one process only."""
+    order: dict[tuple, int] = {}
+    shape = [(c.choice.schedule, c.choice.num_subsequences, c.choice.stages_per_rank, c.pp) for c in candidates]
+    return [order.setdefault(s, len(order)) % processes for s in shape]
+
+
+def _ahead(candidates: list[_Candidate], visit: Callable[[int], Plan | None]) -> Callable[[int], object]:
+    """A helper's work: visit the candidates of its share, skipping as the search skips the heavier
+    twins of those that fit (it goes on past where the search stops, until stopped)."""
+    kept: dict[tuple[ScheduleChoice, int], list[tuple[int, int, int]]] = {}
+
+    def work(i: int) -> object:
+        key, degrees = _twins(candidates[i])
+        if _heavier_than_kept(kept, key, degrees):
+            return SKIP
+        if (measured := visit(i)) is not None:
+            kept.setdefault(key, []).append(degrees)
+        return measured
+
+    return work
 
 
 _Group = tuple[ScheduleChoice, int, int]
@@ -848,6 +902,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a calibration file (benchmarks/bench.py --calibrate), repeatable, or a folder of them",
     )
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default %(default)s)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=4,
+        help="search in up to this many processes, one per CPU at most; the same plans (default %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object: plans and overrides")
     a = parser.parse_args(argv)
     costs = tuple(f for path in a.cost for f in (sorted(path.glob("cost_*.json")) if path.is_dir() else [path]))
@@ -856,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
         a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12, unit_overhead_s=a.unit_overhead_ms / 1e3
     )
     try:
-        plans = plan(job, cluster, a.top)
+        plans = plan(job, cluster, a.top, a.processes)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan_seq import lookahead
 from torchtitan_seq import plan as planner
 from torchtitan_seq import simulate as sim
 from torchtitan_seq.render import busy_and_end
@@ -330,3 +331,34 @@ def test_the_rows_that_do_not_fit_are_the_estimates_of_those_met_closest(capsys)
         )
         assert p["peak_memory_gib"] == needs[-1] > 0.07, p
     assert needs == sorted(needs)
+
+
+@pytest.mark.skipif(lookahead.available_processes() < 2, reason="needs fork and two CPUs")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*SMALL, "--gpu-memory-gib", "4"],
+        [*SMALL, "--unit-overhead-ms", "0", "--tp", "1", "--gpu-memory-gib", "64", "--top", "200"],
+        [*SMALL, "--unit-overhead-ms", "0", "--tp", "1", "--gpu-memory-gib", "0.07"],  # fewer fit than asked
+        ["--flavor", "8B", "--seq-len", "32768", "--gpus", "64", "--gpu-memory-gib", "80", "--local-batch-size", "16"],
+        ["--flavor", "8B", "--seq-len", "32768", "--gpus", "4", "--gpu-memory-gib", "1", "--local-batch-size", "4"],
+    ],
+)
+def test_the_search_answers_alike_in_one_process_or_more(argv, capsys, monkeypatch):
+    """Helpers forked ahead of the search (torchtitan_seq.lookahead) answer part of it, and the
+    planner's output (plans, the rows that do not fit, a refusal) is the same as in one process."""
+    answered = []
+    take = lookahead._Helper.take
+
+    def counted(helper, i):
+        answer = take(helper, i)
+        answered.append(answer is not lookahead._MISSING)
+        return answer
+
+    monkeypatch.setattr(lookahead._Helper, "take", counted)
+    runs = []
+    for processes in (1, 2, 3):
+        code = planner.main([*argv, "--json", "--processes", str(processes)])
+        runs.append((code, *capsys.readouterr()))
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+    assert any(answered), "no helper answered: the test compared one process with itself"
