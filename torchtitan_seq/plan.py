@@ -1,7 +1,7 @@
 """Choosing a configuration: the best schedule and settings for a model, a cluster and a memory budget.
 
     python -m torchtitan_seq.plan --flavor 8B --seq-len 32768 --gpus 64 --gpu-memory-gib 80 \\
-        --local-batch-size 16 [--tp 8] [--gpus-per-node 8] [--cost FILE] [--json]
+        --local-batch-size 16 [--tp 8] [--gpus-per-node 8] [--cost FILE] [--processes 4] [--json]
 
 The search covers the pipeline, tensor-, context- and data-parallel (FSDP) degrees, the
 schedule (torch's and the sequence schedules), k, the partition and the
