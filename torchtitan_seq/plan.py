@@ -682,7 +682,7 @@ def _search(job: Job, cluster: Cluster, top: int, processes: int) -> list[Plan]:
     # visited one first. Memory is only asked of what is visited.
     candidates.sort(key=lambda c: -c.bound)
     fitting: list[tuple[Plan, tuple[ScheduleChoice, int], tuple[int, int, int]]] = []
-    kept: dict[tuple[ScheduleChoice, int], list[tuple[int, int, int]]] = {}
+    kept = _Kept()
     check = _MemoryCheck(job, cluster, by_pp)
 
     def visit(i: int) -> Plan | None:
@@ -696,11 +696,10 @@ def _search(job: Job, cluster: Cluster, top: int, processes: int) -> list[Plan]:
         for i, c in enumerate(candidates):
             if len(fitting) >= top and c.bound < fitting[top - 1][0].tokens_per_s:
                 break
-            key, degrees = _twins(c)
-            if _heavier_than_kept(kept, key, degrees) or (measured := ahead.answer(i, visit)) is None:
+            if kept.skips(c) or (measured := ahead.answer(i, visit)) is None:
                 continue
-            kept.setdefault(key, []).append(degrees)
-            fitting = [f for f in fitting if f[1] != key or not all(map(int.__le__, degrees, f[2]))]  # no heavier
+            key, degrees = kept.keep(c)
+            fitting = [f for f in fitting if f[1] != key or not _no_heavier(degrees, f[2])]  # no heavier twin
             fitting.append((measured, key, degrees))
             fitting.sort(key=lambda f: -f[0].tokens_per_s)
     if ahead.forked and len(fitting) < top:
@@ -719,14 +718,31 @@ def _search(job: Job, cluster: Cluster, top: int, processes: int) -> list[Plan]:
     return [plan for plan, _, _ in fitting[:top]] + over
 
 
-def _twins(c: _Candidate) -> tuple[tuple[ScheduleChoice, int], tuple[int, int, int]]:
-    """``c``'s schedule choice and p, and its degrees (TP, CP, AC): twins share the first."""
-    return (c.choice, c.pp), (c.tp, c.cp, AC_MODES.index(c.ac))
+def _no_heavier(lighter: tuple[int, int, int], degrees: tuple[int, int, int]) -> bool:
+    """Whether degrees (TP, CP, AC mode) ``lighter`` are nowhere more than ``degrees``."""
+    return all(map(int.__le__, lighter, degrees))
 
 
-def _heavier_than_kept(kept: dict, key: tuple[ScheduleChoice, int], degrees: tuple[int, int, int]) -> bool:
-    """Whether a lighter twin (no more TP, CP or recomputation) of the candidate was kept."""
-    return any(all(map(int.__le__, lighter, degrees)) for lighter in kept.get(key, []))
+class _Kept:
+    """The degrees (TP, CP, AC mode) of the candidates kept, per schedule choice and p: a candidate
+    with a kept twin no heavier than it is skipped."""
+
+    def __init__(self) -> None:
+        self.degrees: dict[tuple[ScheduleChoice, int], list[tuple[int, int, int]]] = {}
+
+    @staticmethod
+    def _twins(c: _Candidate) -> tuple[tuple[ScheduleChoice, int], tuple[int, int, int]]:
+        return (c.choice, c.pp), (c.tp, c.cp, AC_MODES.index(c.ac))
+
+    def skips(self, c: _Candidate) -> bool:
+        key, degrees = self._twins(c)
+        return any(_no_heavier(lighter, degrees) for lighter in self.degrees.get(key, []))
+
+    def keep(self, c: _Candidate) -> tuple[tuple[ScheduleChoice, int], tuple[int, int, int]]:
+        """Keep ``c``; returns its schedule choice and p, and its degrees."""
+        key, degrees = self._twins(c)
+        self.degrees.setdefault(key, []).append(degrees)
+        return key, degrees
 
 
 def _shares(candidates: list[_Candidate], processes: int) -> list[int]:
@@ -741,14 +757,13 @@ def _shares(candidates: list[_Candidate], processes: int) -> list[int]:
 def _ahead(candidates: list[_Candidate], visit: Callable[[int], Plan | None]) -> Callable[[int], object]:
     """A helper's work: visit the candidates of its share, skipping as the search skips the heavier
     twins of those that fit (it goes on past where the search stops, until stopped)."""
-    kept: dict[tuple[ScheduleChoice, int], list[tuple[int, int, int]]] = {}
+    kept = _Kept()
 
     def work(i: int) -> object:
-        key, degrees = _twins(candidates[i])
-        if _heavier_than_kept(kept, key, degrees):
+        if kept.skips(candidates[i]):
             return SKIP
         if (measured := visit(i)) is not None:
-            kept.setdefault(key, []).append(degrees)
+            kept.keep(candidates[i])
         return measured
 
     return work
