@@ -31,6 +31,7 @@ SKIP = object()
 """What a helper's ``work`` returns for a question the search will skip (nothing is sent)."""
 
 _MISSING = object()
+"""No answer from a helper (skipped, failed or stopped): the search works it out itself."""
 
 
 def available_processes() -> int:
@@ -122,5 +123,5 @@ class Lookahead:
 
     @property
     def forked(self) -> bool:
-        """Whether helpers answered part of the search."""
+        """Whether helpers were forked (some of the answers may be theirs)."""
         return bool(self.helpers)
