@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from .torch_internals import DEVICE_TYPE_DETECTION
+
 __all__ = ["apply", "fsdp_for_gloo"]
 
 
@@ -70,7 +72,7 @@ def apply() -> None:
     torchtitan import, because torchtitan reads the device type at import time."""
     if torch.cuda.is_available():
         return
-    _patch(torch._utils, "_get_available_device_type", lambda detect: lambda: detect() or "cpu")
+    _patch(*DEVICE_TYPE_DETECTION, lambda detect: lambda: detect() or "cpu")
     _patch(dist, "barrier", _barrier_without_cpu_ids)
     _patch(torch.profiler.profile, "__init__", _profile_without_missing_device)
     for name, fn in {

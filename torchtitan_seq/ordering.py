@@ -15,9 +15,10 @@ torch's own ``_validate_schedule`` checks neither.
 from __future__ import annotations
 
 from torch.distributed.pipelining.schedules import FULL_BACKWARD as B
-from torch.distributed.pipelining.schedules import F, I, W, _Action, _ComputationType
+from torch.distributed.pipelining.schedules import F, I, W
 
 from .kv_placement import Pass
+from .torch_internals import Action, ComputationType
 
 __all__ = [
     "B",
@@ -38,18 +39,18 @@ class ScheduleOrderError(ValueError):
     """A schedule breaks one of the ordering rules of this module."""
 
 
-def compute_leaves(action: _Action) -> tuple[_Action, ...]:
+def compute_leaves(action: Action) -> tuple[Action, ...]:
     """The compute actions ``action`` runs: a compound action's parts (torch's OVERLAP_F_B), else itself."""
     return action.sub_actions or (action,)
 
 
-def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences: int) -> None:
+def validate_unit_order(order: dict[int, list[Action | None]], num_subsequences: int) -> None:
     """Check rules 1 and 2 on per-rank compute-only action lists; raise :class:`ScheduleOrderError`
     naming the rule, the rank, the step and the unit."""
     k = num_subsequences
     for rank, actions in order.items():
         # (stage, unit) pairs run, per kind: plain int tuples hash in C, an enum member in Python.
-        done: dict[_ComputationType, set[tuple[int, int]]] = {kind: set() for kind in (F, B, I, W)}
+        done: dict[ComputationType, set[tuple[int, int]]] = {kind: set() for kind in (F, B, I, W)}
         forwards = done[F]
         for t, action in enumerate(actions):
             if action is None:
@@ -79,7 +80,7 @@ def validate_unit_order(order: dict[int, list[_Action | None]], num_subsequences
                 raise ScheduleOrderError(broken.format(where))
 
 
-def stage_passes(actions: list[_Action | None] | tuple, stage: int, k: int) -> tuple[list[int], list[Pass]]:
+def stage_passes(actions: list[Action | None] | tuple, stage: int, k: int) -> tuple[list[int], list[Pass]]:
     """The passes of ``stage`` among a rank's compute ``actions`` in order, as the KV context places
     slabs by them (:data:`~torchtitan_seq.kv_placement.Pass`): each unit's forward, and the pass its
     backward ends with, B or W (the first stage's W runs the whole backward where torch defers it).
@@ -106,14 +107,14 @@ def chain_neighbour(stage: int, step: int, chain_length: int) -> int | None:
     return n if n >= 0 and n // chain_length == stage // chain_length else None
 
 
-def feeds(action: _Action, chain_length: int) -> int | None:
+def feeds(action: Action, chain_length: int) -> int | None:
     """The stage that receives what compute ``action`` makes (activations of F, input
     gradients of B and I); None for W and at a chain's end."""
     step = _DOWNSTREAM.get(action.computation_type)
     return None if step is None else chain_neighbour(action.stage_index, step, chain_length)
 
 
-def fed_by(action: _Action, chain_length: int) -> int | None:
+def fed_by(action: Action, chain_length: int) -> int | None:
     """The stage whose output compute ``action`` consumes; None for W and at a chain's start."""
     step = _DOWNSTREAM.get(action.computation_type)
     return None if step is None else chain_neighbour(action.stage_index, -step, chain_length)

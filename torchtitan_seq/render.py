@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape
 
 from torch.distributed.pipelining.schedules import FULL_BACKWARD as B
-from torch.distributed.pipelining.schedules import F, I, W, _Action
+from torch.distributed.pipelining.schedules import F, I, W
+
+from .torch_internals import Action
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -39,7 +41,7 @@ __all__ = [
     "timeline_figure",
 ]
 
-Interval = tuple[float, float, _Action]
+Interval = tuple[float, float, Action]
 """(start, end, compute action)."""
 
 
@@ -67,7 +69,7 @@ class Timeline:
     split_backward: bool = False
     timeline: dict[int, list[Interval]]
     """Per rank, (start, end, action) of every compute action, in run order."""
-    compute_order: dict[int, list[_Action | None]] = field(repr=False)
+    compute_order: dict[int, list[Action | None]] = field(repr=False)
     """Per rank, the compute actions in the order they were issued (None: an idle slot)."""
     time_unit: str = "ms"
     """What one unit of time is (the axis label)."""

@@ -6,14 +6,10 @@ buffers of its own length, and timed for :data:`torchtitan_seq.timeline.RECORDER
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.stage import _RecvInfo
-from torch.utils._pytree import tree_map_only
 
 from .attention import bind_kv_context
 from .context_parallel import ContextShard
@@ -21,11 +17,12 @@ from .kernels import AttentionKernel, select_kernel
 from .kv_context import KVContext, Unit
 from .ordering import B, F, I, W, stage_passes
 from .timeline import RECORDER
+from .torch_internals import UnitStageBase, detach_tensors
 
 __all__ = ["SequencePipelineStage"]
 
 
-class SequencePipelineStage(PipelineStage):
+class SequencePipelineStage(UnitStageBase):
     """A pipeline stage whose microbatches are cut into subsequences (sequence dimension 1).
 
     ``submodule`` is the model chunk, with :class:`~torchtitan_seq.attention.SequenceAttention`
@@ -56,6 +53,10 @@ class SequencePipelineStage(PipelineStage):
             raise ValueError(f"subsequence lengths must be positive, got {lengths}")
         self.lengths = list(lengths)
         self.kv_context = KVContext(self.lengths, context_shard)
+        self.keep_outputs = False
+        """Whether a last stage keeps each unit's output for the step's return value (the schedule sets it)."""
+        self.unit_outputs: dict[int, Any] = {}
+        """unit id -> its output, detached, while :attr:`keep_outputs`."""
         bind_kv_context(submodule, self.kv_context, kernel or select_kernel(torch.device(device)))
 
     @property
@@ -81,23 +82,12 @@ class SequencePipelineStage(PipelineStage):
         if not self.is_last:
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
-    # torch 2.11 checks each forward's inputs (on a first stage) and outputs against those of unit 0, shapes
-    # and strides; units differ in length, and a first stage's are views of the batch. torch 2.13 checks none.
-    def _validate_fwd_input(self, args: tuple, kwargs: dict) -> None:
-        pass
-
-    def _validate_fwd_outputs(self, outputs: tuple) -> None:
-        pass
-
-    # torch 2.11 warms up the links to both neighbouring stages, also where a neighbour is on this rank
-    # (p = 1, a V's turn: the runtime hands tensors over locally), a send to itself that gloo refuses.
-    # torch 2.13 asks no stage for these.
-    def _get_init_p2p_neighbors_ops(self) -> list:
-        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
-
     def expect(self, actions: list) -> None:
         """Tell the KV context the order of this stage's passes among its rank's compute ``actions``."""
         self.kv_context.expect(stage_passes(actions, self.stage_index, len(self.lengths))[1])
+
+    def unit_length(self, unit_id: int) -> int:
+        return self.lengths[unit_id % len(self.lengths)]
 
     def unit(self, unit_id: int) -> Unit:
         """The (microbatch, subsequence) unit behind torch's microbatch index."""
@@ -115,11 +105,11 @@ class SequencePipelineStage(PipelineStage):
     ) -> Any:
         with RECORDER.action(self.stage_index, F, fwd_chunk_id), self.kv_context.running(self.unit(fwd_chunk_id)):
             output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        if self.is_last and save_forward_output:
-            # The outputs kept for the step's return value must not pin the unit's graph. torch detaches
-            # them in backward, but not views (the local logits under TP are), and a split backward's
-            # input pass retains the graph: what the weight pass does not free would outlive the step.
-            self.output_chunks[-1] = tree_map_only(torch.Tensor, torch.Tensor.detach, self.output_chunks[-1])
+        if self.is_last and self.keep_outputs:
+            # Kept detached: an output kept for the step's return value must not pin the unit's graph (a
+            # split backward's input pass retains it, and what the weight pass does not free would
+            # outlive the step).
+            self.unit_outputs[fwd_chunk_id] = detach_tensors(output)
         return output
 
     def backward_one_chunk(
@@ -139,45 +129,6 @@ class SequencePipelineStage(PipelineStage):
 
     def clear_runtime_states(self) -> None:
         super().clear_runtime_states()
+        self.unit_outputs.clear()
         self.kv_context.clear()
         RECORDER.start_step()  # torch's schedules clear the stages as a step begins
-
-    def _size_recv_buffers(self, infos_by_unit: dict) -> None:
-        """Resize torch's receive buffers (and torch 2.13's metadata beside them), made for unit 0, to
-        each unit's length; shapes scale, so a tensor whose sequence is sharded (TP's sequence parallel)
-        keeps its fraction. torch 2.11 has no metadata and describes model inputs by placeholders."""
-        for unit_id, infos in infos_by_unit.items():
-            length = self.lengths[unit_id % len(self.lengths)]
-
-            def scaled(shape: torch.Size, length: int = length) -> torch.Size:
-                return torch.Size([shape[0], shape[1] * length // self.lengths[0], *shape[2:]])
-
-            for info in infos:
-                if not isinstance(info, _RecvInfo) or getattr(info, "is_root_arg", False):
-                    continue  # a model input: nothing is received
-                if hasattr(info, "tensor_meta"):  # torch 2.13
-                    if info.tensor_meta is None:
-                        continue
-                    changes = {}
-                    for prefix in ("", "global_"):
-                        if shape := getattr(info.tensor_meta, f"{prefix}shape", None):
-                            changes[f"{prefix}shape"] = shape = scaled(shape)
-                            changes[f"{prefix}stride"] = torch.empty(shape, device="meta").stride()
-                    info.tensor_meta = meta = dataclasses.replace(info.tensor_meta, **changes)
-                    shape, dtype = meta.shape, meta.dtype
-                else:
-                    shape, dtype = scaled(info.buffer.shape), info.buffer.dtype
-                grad = info.buffer.requires_grad
-                info.buffer = torch.empty(shape, dtype=dtype, device=self.device, requires_grad=grad)
-
-    def _prepare_forward_infra(self, num_microbatches, *args, **kwargs):
-        # Metadata inference runs the chunk on unit 0 outside any unit: plain causal attention, nothing
-        # cached. (torch 2.13 also passes has_backward; torch 2.11 does not.)
-        out = super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
-        self._size_recv_buffers(self.args_recv_info)
-        return out
-
-    def _prepare_backward_infra(self, num_microbatches, *args, **kwargs):
-        out = super()._prepare_backward_infra(num_microbatches, *args, **kwargs)
-        self._size_recv_buffers(self.grad_recv_info)
-        return out

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from .ordering import I, W
 from .render import Interval, Timeline, chrome_trace, timeline_figure
+from .torch_internals import Action, ComputationType
 
 if TYPE_CHECKING:
     from torchtitan.config import Profiling
@@ -54,7 +54,7 @@ class StepTimeline:
         self._cuda = False
         self._origin: float | torch.cuda.Event | None = None  # the step start; None before the first
         # (start mark, end mark, action); marks are clock readings or CUDA events
-        self._marks: list[tuple[object, object, _Action]] = []
+        self._marks: list[tuple[object, object, Action]] = []
 
     def enable(self, device: torch.device) -> None:
         """Record from the next step on, timing work on ``device``."""
@@ -79,13 +79,13 @@ class StepTimeline:
         self._origin = self._mark() if self.enabled else None
 
     @contextlib.contextmanager
-    def action(self, stage_index: int, kind: _ComputationType, chunk_id: int) -> Iterator[None]:
+    def action(self, stage_index: int, kind: ComputationType, chunk_id: int) -> Iterator[None]:
         """Time one compute action (``kind``: F, B, I or W) of ``stage_index`` on unit
         (or microbatch) ``chunk_id``."""
         start = self._mark() if self.enabled else None
         yield
         if start is not None:
-            self._marks.append((start, self._mark(), _Action(stage_index, kind, chunk_id)))
+            self._marks.append((start, self._mark(), Action(stage_index, kind, chunk_id)))
 
     def intervals(self) -> list[Interval]:
         """(start ms, end ms, action) of the latest step, in run order; none where no timed step

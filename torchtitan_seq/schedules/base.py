@@ -13,15 +13,15 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
-from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 
 from ..documents import Documents
 from ..ordering import validate_unit_order
 from ..stage import SequencePipelineStage
+from ..torch_internals import Action, UnitScheduleRuntime, allow_recompiles
 
 __all__ = ["ActionLists", "ScheduleShape", "SequenceSchedule", "StagePlacement"]
 
-ActionLists = dict[int, list[_Action | None]]
+ActionLists = dict[int, list[Action | None]]
 """What a schedule's ``actions_fn`` returns: per rank, its compute-only actions in order."""
 
 StagePlacement = list[list[tuple[int, int]]]
@@ -43,7 +43,7 @@ class ScheduleShape:
     stages_per_rank: int | None = None
 
 
-class SequenceSchedule(_PipelineScheduleRuntime):
+class SequenceSchedule(UnitScheduleRuntime):
     """Base of the sequence schedules: runs N microbatches as N k units.
 
     Args:
@@ -81,17 +81,16 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         if any(s.lengths != lengths for s in stages):
             raise ValueError("all stages of a sequence schedule must cut sequences alike")
         # torch.compile: at most a graph per distinct unit length (and the shape inference's)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(set(lengths)) + 1)
+        allow_recompiles(len(set(lengths)) + 1)
         self.num_subsequences = k = len(lengths)
         self.num_microbatches = n_microbatches
         super().__init__(stages, n_microbatches * k, loss_fn=loss_fn, scale_grads=scale_grads)
-        self._unit_losses: dict[int, torch.Tensor] = {}
         order = self.compute_order(ScheduleShape(self.pp_group_size, n_microbatches, k, split_backward, len(stages)))
         validate_unit_order(order, k)
         self.pipeline_order = order
         for stage in stages:
             stage.expect(order[self.rank])
-        self._prepare_schedule_with_comms(order)
+        self.lower(order)
 
     @classmethod
     def compute_order(cls, shape: ScheduleShape) -> ActionLists:
@@ -128,28 +127,6 @@ class SequenceSchedule(_PipelineScheduleRuntime):
     def after_optimizer_step(self) -> None:
         """Work after each optimizer step (the trainer calls it from an optimizer hook)."""
 
-    # torch files each loss under the position at which it was computed (a
-    # list); here it is filed under its unit id, for last stages that run
-    # units in any order, or only some of them.
-    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
-        if stage.is_last and self._loss_fn is not None:
-            # The loss function itself, not torch's _compute_loss, whose loss_kwargs torch 2.11 lacks.
-            self._unit_losses[mb_index] = self._loss_fn(output, target_mbs[mb_index], **(loss_kwargs or {}))
-
-    def _maybe_get_loss(self, stage, mb_index):
-        if stage.is_last and self._loss_fn is not None:
-            loss = self._unit_losses[mb_index]
-            self._unit_losses[mb_index] = loss.detach()  # kept attached, it would pin the unit's graph
-            return loss
-        return None
-
-    def _update_losses(self, stages, losses):
-        """Per-unit losses of this rank's last stages, in unit-id order; 0 for units they do not run."""
-        if losses is not None and any(s.is_last for s in self._stages):
-            zero = next(iter(self._unit_losses.values())).new_zeros(())
-            losses[:] = [self._unit_losses.get(u, zero) for u in range(self._n_microbatches)]
-        self._unit_losses.clear()
-
     def _split_units(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
         """(batch, seq, ...) -> N k tensors (batch / N, L_j, ...), unit-id order; under context
         parallelism this rank's share of each unit, (batch / N, L_j / c, ...)."""
@@ -162,8 +139,18 @@ class SequenceSchedule(_PipelineScheduleRuntime):
                 f"{name} has sequence length {t.shape[1]}, but the schedule cuts "
                 f"{sum(self.lengths)} tokens into subsequences {self.lengths}"
             )
-        shard = self._stages[0].kv_context.shard  # a CP rank's share of each unit
+        shard = self.stages[0].kv_context.shard  # a CP rank's share of each unit
         return [shard.shard(unit) for mb in t.tensor_split(self.num_microbatches) for unit in mb.split(self.lengths, 1)]
+
+    def _whole(self, mbs: list | None, name: str) -> Any:
+        """Pre-split microbatches (one entry per microbatch) -> the whole batch they split."""
+        if mbs is None:
+            return None
+        if not isinstance(mbs, list) or len(mbs) != self.num_microbatches:
+            raise ValueError(f"{name} needs a list of one entry per microbatch ({self.num_microbatches})")
+        if isinstance(mbs[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*mbs))
+        return torch.cat(mbs)
 
     def step(
         self,
@@ -171,44 +158,64 @@ class SequenceSchedule(_PipelineScheduleRuntime):
         target: torch.Tensor | None = None,
         losses: list | None = None,
         return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
         attention_masks: torch.Tensor | None = None,
+        arg_mbs: list[tuple] | None = None,
+        kwarg_mbs: list[dict] | None = None,
+        target_mbs: list | None = None,
+        finalize_gradients: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor | None:
-        """Run one step on a whole batch; see the package docstring.
+        """Run one step on a whole batch, or on its microbatches split as torch 2.14's ``step`` takes
+        them; see the package docstring.
 
         args: the first stage's inputs, each (batch, seq_len, ...); empty on other ranks. target:
         (batch, seq_len) on the rank of the last stage. attention_masks: packed documents, (batch,
         seq_len) document ids (:func:`~torchtitan_seq.documents.document_ids`), on every rank, as
-        torchtitan passes its block-causal flavors' masks; None: causal. Under context parallelism
-        every CP rank gets the whole batch and takes its share of each unit itself. Returns the last
-        stage's output, (batch, seq_len, ...) (under CP this rank's shares, (batch, seq_len / c, ...)),
-        if asked for.
+        torchtitan passes its block-causal flavors' masks; None: causal. Or, instead of those, one entry
+        per microbatch: ``arg_mbs`` (tuples of (batch / N, seq_len, ...)), ``kwarg_mbs`` (dicts, with
+        at most ``attention_masks``) and ``target_mbs``. Under context parallelism every CP rank gets
+        the whole batch and takes its share of each unit itself. ``loss_kwargs`` go to the loss
+        function; ``finalize_gradients=False`` (torch 2.15) leaves FSDP's gradients unreduced for a
+        later step. Returns the last stage's output, (batch, seq_len, ...) (under CP this rank's
+        shares, (batch, seq_len / c, ...)), if asked for.
         """
         if kwargs:
             raise TypeError(f"sequence schedules take the model inputs positionally, got {sorted(kwargs)}")
-        if self._has_backward and not torch.is_grad_enabled():
+        if self.runs_backward and not torch.is_grad_enabled():
             raise RuntimeError("step() needs gradients enabled; use eval() for inference")
-        n, k, mbs = self._n_microbatches, self.num_subsequences, self.num_microbatches
+        if arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None:
+            if args or target is not None or attention_masks is not None:
+                raise ValueError("pass either the whole batch or its microbatches (arg_mbs, ...), not both")
+            masks = [mb.get("attention_masks") for mb in kwarg_mbs or [{}] * self.num_microbatches]
+            if extra := {key for mb in kwarg_mbs or [] for key in mb} - {"attention_masks"}:
+                raise TypeError(f"sequence schedules take the model inputs positionally, got {sorted(extra)}")
+            args = self._whole(arg_mbs, "arg_mbs") or ()
+            target = self._whole(target_mbs, "target_mbs")
+            attention_masks = None if masks[0] is None else self._whole(masks, "kwarg_mbs' attention_masks")
+        n, k, mbs = self.num_units, self.num_subsequences, self.num_microbatches
         per_arg = [self._split_units(a, f"input {i}") for i, a in enumerate(args)]
         arg_units = [tuple(units[u] for units in per_arg) for u in range(n)]
         target_units = self._split_units(target, "target") if target is not None else None
         documents = None
         if attention_masks is not None:
             self._split_units(attention_masks, "attention_masks")  # checks its shape
-            documents = [Documents.from_ids(ids) for ids in attention_masks.tensor_split(mbs)]
-        for stage in self._stages:
-            stage.has_backward = self._has_backward
+            documents = Documents.from_ids(attention_masks).split(mbs)  # one host read per step
+        for stage in self.stages:
+            stage.has_backward = self.runs_backward
             stage.clear_runtime_states()
             stage.kv_context.documents = documents
+            stage.keep_outputs = return_outputs
         unit_losses = [] if losses is not None else None
         try:
-            self._step_microbatches(arg_units, [{}] * n, target_units, unit_losses, return_outputs)
+            self.run_units(arg_units, [{}] * n, target_units, unit_losses, loss_kwargs, finalize_gradients)
         finally:
-            for stage in self._stages:
+            for stage in self.stages:
                 stage.kv_context.clear()
         if unit_losses:
             losses[:] = [sum(unit_losses[m * k : (m + 1) * k]) for m in range(mbs)]
-        outs = next((stage.output_chunks for stage in self._stages if stage.is_last), None)
-        if return_outputs and outs is not None:
-            return torch.cat([torch.cat(outs[m * k : (m + 1) * k], dim=1) for m in range(mbs)])
+        outs = next((stage.unit_outputs for stage in self.stages if stage.is_last), None)
+        if return_outputs and outs:
+            ran = sorted({u // k for u in outs})
+            return torch.cat([torch.cat([outs[m * k + j] for j in range(k)], dim=1) for m in ran])
         return None

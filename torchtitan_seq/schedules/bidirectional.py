@@ -27,20 +27,12 @@ from typing import Any, Literal, get_args
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining.schedules import (
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    _Action,
-    _add_reduce_grad,
-    _add_unshard_reshard,
-)
+from torch.distributed.pipelining.schedules import RECV_B, RECV_F, SEND_B, SEND_F
 from torch.distributed.tensor import DTensor
 
 from ..ordering import B, F, I, fed_by, feeds
 from ..stage import SequencePipelineStage
+from ..torch_internals import Action, add_reduce_grad, add_send_waits, add_unshard_reshard
 from .base import ScheduleShape, SequenceSchedule, StagePlacement
 
 __all__ = ["Placement", "PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies", "BidirectionalSchedule"]
@@ -121,30 +113,30 @@ class BidirectionalLayout:
 
 
 def lower_chains(
-    order: dict[int, list[_Action | None]], stage_to_rank: dict[int, int], chain_length: int, units_per_stage: int
-) -> dict[int, list[_Action]]:
+    order: dict[int, list[Action | None]], stage_to_rank: dict[int, int], chain_length: int, units_per_stage: int
+) -> dict[int, list[Action]]:
     """Compute-only lists -> the lists the runtime runs, for stages in chains of ``chain_length``.
 
     torch's ``_add_unshard_reshard`` and ``_add_reduce_grad`` per rank, then sends and receives
     placed as torch's ``_add_send_recv`` places them (ranks advance in lock step, an action waits
     for its input, a receive is posted when its send is issued), except that no transfer crosses a
-    chain's end.
+    chain's end; then torch's waits for the sends (2.15).
     """
     pending = {
-        r: [a for a in _add_reduce_grad(_add_unshard_reshard(acts), units_per_stage) if a is not None]
+        r: [a for a in add_reduce_grad(add_unshard_reshard(acts), units_per_stage) if a is not None]
         for r, acts in order.items()
     }
-    lowered: dict[int, list[_Action]] = {r: [] for r in order}
-    seen: dict[int, set[_Action]] = {r: set() for r in order}
+    lowered: dict[int, list[Action]] = {r: [] for r in order}
+    seen: dict[int, set[Action]] = {r: set() for r in order}
 
-    def post(r: int, a: _Action) -> None:
+    def post(r: int, a: Action) -> None:
         lowered[r].append(a)
         seen[r].add(a)
 
-    def ready(a: _Action, r: int) -> bool:
+    def ready(a: Action, r: int) -> bool:
         s, u, n = a.stage_index, a.microbatch_index, fed_by(a, chain_length)
         sources = ((s, RECV_F), (n, F)) if a.computation_type == F else ((s, RECV_B), (n, B), (n, I))
-        return n is None or any(_Action(stage, kind, u) in seen[r] for stage, kind in sources)
+        return n is None or any(Action(stage, kind, u) in seen[r] for stage, kind in sources)
 
     while any(pending.values()):
         progress = False
@@ -155,13 +147,13 @@ def lower_chains(
             s, u, n = a.stage_index, a.microbatch_index, feeds(a, chain_length)
             if n is not None and stage_to_rank[n] != stage_to_rank[s]:
                 send, recv = (SEND_F, RECV_F) if a.computation_type == F else (SEND_B, RECV_B)
-                post(r, _Action(s, send, u))
-                post(stage_to_rank[n], _Action(n, recv, u))
+                post(r, Action(s, send, u))
+                post(stage_to_rank[n], Action(n, recv, u))
             progress = True
         if not progress:
             stuck = {r: str(acts[0]) for r, acts in pending.items() if acts}
             raise ValueError(f"no order of sends and receives runs these lists: ranks stuck at {stuck}")
-    return lowered
+    return add_send_waits(lowered)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -199,9 +191,9 @@ class MirroredCopies:
 
     def _pair_sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` summed over the pair, as one flat all-reduce."""
-        flat = _flatten_dense_tensors(tensors)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.all_reduce(flat, group=self._group)
-        return _unflatten_dense_tensors(flat, tensors)
+        return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
     @torch.no_grad()
     def combine_gradients(self) -> None:
@@ -264,21 +256,20 @@ class BidirectionalSchedule(SequenceSchedule):
                 f"{placement!r} layout puts {expected} there"
             )
         super().__init__(stages, n_microbatches, loss_fn, split_backward=split_backward, scale_grads=scale_grads)
-        self.copies = MirroredCopies({s.stage_index: s.submod for s in self._stages}, self.layout, stages[0].group)
+        self.copies = MirroredCopies({s.stage_index: s.submod for s in self.stages}, self.layout, stages[0].group)
         self._copies_synced = False
 
     @classmethod
     def _name(cls) -> str:
         return cls.__name__.removeprefix("Schedule")
 
-    def _prepare_schedule_with_comms(self, actions, format="compute_only"):
-        self.pipeline_order = {self.layout.rank_of_position(q): acts for q, acts in actions.items()}
-        self.stage_index_to_group_rank = self.layout.stage_to_rank()
-        for stage in self._stages:
-            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-        self.pipeline_order_with_comms = lower_chains(
-            self.pipeline_order, self.stage_index_to_group_rank, self.layout.chain_length, self._n_microbatches // 2
-        )
+    def lower(self, order: dict[int, list[Action | None]]) -> None:
+        """The lists by position -> by rank, lowered by :func:`lower_chains` (torch's passes cannot
+        place sends between two chains)."""
+        self.pipeline_order = {self.layout.rank_of_position(q): acts for q, acts in order.items()}
+        stage_to_rank = self.layout.stage_to_rank()
+        chain = self.layout.chain_length
+        self.use_lowered(stage_to_rank, lower_chains(self.pipeline_order, stage_to_rank, chain, self.num_units // 2))
 
     @classmethod
     def check_torch(cls) -> None:
@@ -341,5 +332,5 @@ class BidirectionalSchedule(SequenceSchedule):
         if not self._copies_synced:  # the first step: chain B's copies start as chain A's
             self.after_optimizer_step()
         super().step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        if self._has_backward:
+        if self.runs_backward:
             self.copies.combine_gradients()

@@ -10,9 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from torch.distributed.pipelining.schedules import _Action
-
 from ..ordering import B, F, fed_by, feeds
+from ..torch_internals import Action
 from .base import ActionLists, ScheduleShape
 from .bidirectional import BidirectionalLayout, BidirectionalSchedule
 from .seq1f1b import unit_orders
@@ -116,8 +115,8 @@ class _ListScheduler:
         stages = range(2 * self.chain)
         # The units still to run, next one last.
         self.queue = [[units[::-1] for units in orders[s // self.chain]] for s in stages]
-        self.upstream = [[fed_by(_Action(s, kind, 0), self.chain) for kind in _KINDS] for s in stages]
-        self.downstream = [[feeds(_Action(s, kind, 0), self.chain) for kind in _KINDS] for s in stages]
+        self.upstream = [[fed_by(Action(s, kind, 0), self.chain) for kind in _KINDS] for s in stages]
+        self.downstream = [[feeds(Action(s, kind, 0), self.chain) for kind in _KINDS] for s in stages]
         # A pass changes what its own position can start and, through the input it makes, what the
         # position of the stage downstream can (see _run): no other position's soonest start moves.
         self.touches = [
@@ -206,7 +205,7 @@ class _ListScheduler:
                 soonest = [self.soonest(q) for q in actions]
             q = soonest.index(start)
             stage, kind = self.choose(q, start)
-            actions[q].append(_Action(stage, _KINDS[kind], self._run(q, stage, kind)))
+            actions[q].append(Action(stage, _KINDS[kind], self._run(q, stage, kind)))
             for r in self.touches[stage][kind]:
                 soonest[r] = self.soonest(r)
         return ListSchedule(actions, max(pos.free for pos in self.positions), [pos.most for pos in self.positions])

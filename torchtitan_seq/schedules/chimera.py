@@ -5,9 +5,8 @@ Layout, lowering and mirrored copies: :mod:`~torchtitan_seq.schedules.bidirectio
 
 from __future__ import annotations
 
-from torch.distributed.pipelining.schedules import _Action
-
 from ..ordering import B, F
+from ..torch_internals import Action
 from .base import ActionLists, ScheduleShape
 from .bidirectional import BidirectionalSchedule
 from .seq1f1b import unit_orders
@@ -30,16 +29,16 @@ def chimera_actions(shape: ScheduleShape) -> ActionLists:
     """
     ScheduleChimera.check_shape(shape)
     p, k = shape.num_ranks, shape.num_subsequences
-    slotted: dict[int, list[tuple[int, int, _Action]]] = {q: [] for q in range(p)}
+    slotted: dict[int, list[tuple[int, int, Action]]] = {q: [] for q in range(p)}
     for chain in (0, 1):
         fwd, bwd = unit_orders(range(chain, shape.num_microbatches, 2), k)
         for i in range(p):  # depth in the chain
             stage, q = chain * p + i, (i if chain == 0 else p - 1 - i)
             warmup = k + p - 1 - i
             slotted[q] += [
-                (i + n if n < warmup else i + 1 - k + 2 * n, -i, _Action(stage, F, u)) for n, u in enumerate(fwd)
+                (i + n if n < warmup else i + 1 - k + 2 * n, -i, Action(stage, F, u)) for n, u in enumerate(fwd)
             ]
-            slotted[q] += [(2 * p - 2 + k - i + 2 * n, -i, _Action(stage, B, u)) for n, u in enumerate(bwd)]
+            slotted[q] += [(2 * p - 2 + k - i + 2 * n, -i, Action(stage, B, u)) for n, u in enumerate(bwd)]
     return {q: [a for *_, a in sorted(passes, key=lambda x: x[:2])] for q, passes in slotted.items()}
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch.distributed.pipelining.schedules import _Action
-
 from ..ordering import B, F, I, W
+from ..torch_internals import Action
 from .base import ActionLists, ScheduleShape, SequenceSchedule
 
 __all__ = ["unit_orders", "one_f_one_b", "seq1f1b_actions", "terapipe_actions", "ScheduleSeq1F1B", "ScheduleTeraPipe"]
@@ -22,7 +21,7 @@ def unit_orders(microbatches: range, k: int) -> tuple[list[int], list[int]]:
 
 def one_f_one_b(
     warmup: int, fwd: list[tuple[int, int]], bwd: list[tuple[int, int]], split_backward: bool
-) -> list[_Action | None]:
+) -> list[Action | None]:
     """One rank's list: ``warmup`` forwards, then alternate backward/forward, then the remaining backwards;
     ``fwd``, ``bwd``: the rank's (stage index, unit id) slots in forward and backward order.
 
@@ -32,10 +31,10 @@ def one_f_one_b(
     the end (the zero-bubble idea), without holding more activations than 1F1B.
     """
     backward = [I, W] if split_backward else [B]
-    actions: list[_Action | None] = [_Action(s, F, u) for s, u in fwd[:warmup]]
+    actions: list[Action | None] = [Action(s, F, u) for s, u in fwd[:warmup]]
     for (s_f, u_f), (s_b, u_b) in zip(fwd[warmup:], bwd):
-        actions += [_Action(s_b, kind, u_b) for kind in backward] + [_Action(s_f, F, u_f)]
-    return actions + [_Action(s, kind, u) for kind in backward for s, u in bwd[len(fwd) - warmup :]]
+        actions += [Action(s_b, kind, u_b) for kind in backward] + [Action(s_f, F, u_f)]
+    return actions + [Action(s, kind, u) for kind in backward for s, u in bwd[len(fwd) - warmup :]]
 
 
 def _one_stage_per_rank(shape: ScheduleShape, warmup: Callable[[int], int]) -> ActionLists:

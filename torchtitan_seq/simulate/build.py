@@ -7,11 +7,11 @@ checked with :func:`~torchtitan_seq.ordering.validate_unit_order`; for one of
 torch's (:data:`TORCH_SCHEDULES`) by instantiating torch's class on mock
 stages and reading its ``pipeline_order`` (1F1B and GPipe run their own loop:
 their IR is renumbered the way that loop counts microbatches, see
-``_executed_order``). The lists are then lowered exactly as
-``_PipelineScheduleRuntime._prepare_schedule_with_comms`` does (torch's
-``_validate_schedule`` infers the stage -> rank placement, then
-``_add_unshard_reshard``, ``_add_reduce_grad``, ``_add_send_recv``), and the
-lowered lists are what :mod:`.engine` runs. Units are numbered ``m * k + j``
+``_executed_order``). The lists are then lowered by torch's own
+``_PipelineScheduleRuntime._prepare_schedule_with_comms`` on stand-in stages
+(:func:`~torchtitan_seq.torch_internals.torch_lowering`: whatever passes the
+installed torch runs, 2.15's send waits included), and the lowered lists are
+what :mod:`.engine` runs. Units are numbered ``m * k + j``
 (microbatch m, subsequence j); torch's schedules have k = 1.
 """
 
@@ -20,19 +20,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-from torch.distributed.pipelining.schedules import (
-    SEND_B,
-    SEND_F,
-    PipelineScheduleSingle,
-    _Action,
-    _add_reduce_grad,
-    _add_send_recv,
-    _add_unshard_reshard,
-    _validate_schedule,
-    get_schedule_class,
-)
-from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.pipelining.schedules import SEND_B, SEND_F, PipelineScheduleSingle, get_schedule_class
 
 from ..ordering import B, F, compute_leaves, feeds, validate_unit_order
 from ..partition import Partition
@@ -46,11 +34,12 @@ from ..schedules import (
     lower_chains,
 )
 from ..shape import LENGTH_MULTIPLE
+from ..torch_internals import Action, MockStage, stage_to_rank_mapping, torch_lowering
 from .network import Network
 
-__all__ = ["SimConfig", "MockStage", "Built", "build", "stages_by_rank", "lower", "send_after_compute"]
+__all__ = ["SimConfig", "Built", "build", "stages_by_rank", "lower", "send_after_compute"]
 
-# The V-shaped ones place two stages per rank as torchtitan does (generate_stage_to_rank_mapping style "v").
+# The V-shaped ones place two stages per rank as torchtitan does (stage_to_rank_mapping style "v").
 _TORCH_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
@@ -106,28 +95,6 @@ class SimConfig:
     pass, whose cost grows with the square of a list's length (the planner's setting)."""
 
 
-class MockStage(_PipelineStageBase):
-    """A stage without module or process group, enough for torch's schedule
-    constructors (the trick of torch's test_schedule.py MockPipelineStage)."""
-
-    def __init__(self, stage_index: int, num_stages: int, group_size: int) -> None:
-        self.submod = None
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self.group_size = group_size
-        self.group_rank = 0
-        self.group = None
-
-    def _create_grad_recv_info(self, *args, **kwargs):
-        return None
-
-    def _prepare_forward_infra(self, *args, **kwargs):
-        pass
-
-    def _prepare_backward_infra(self, *args, **kwargs):
-        pass
-
-
 @dataclass(frozen=True)
 class Built:
     """A schedule's compute-only lists and how it places and copies its stages."""
@@ -158,7 +125,7 @@ def build(config: SimConfig) -> Built:
             )
         cls, v, placement = _torch_layout(config.schedule, config.stages_per_rank)
         single = v == 1
-        mapping = generate_stage_to_rank_mapping(p, p * v, style=placement)
+        mapping = stage_to_rank_mapping(p, p * v, style=placement)
         stages = [MockStage(s, p * v, p) for s, r in mapping.items() if r == 0]
         sched = cls(stages[0] if single else stages, n)
         order = _executed_order(sched.pipeline_order) if single else sched.pipeline_order
@@ -196,7 +163,7 @@ def stages_by_rank(
             f"unknown schedule {schedule!r}: use one of {sorted(SEQUENCE_SCHEDULES) + list(TORCH_SCHEDULES)}"
         )
     _, v, placement = _torch_layout(schedule, stages_per_rank)
-    mapping = generate_stage_to_rank_mapping(pp, pp * v, style=placement)
+    mapping = stage_to_rank_mapping(pp, pp * v, style=placement)
     return tuple(tuple(sorted(s for s, r in mapping.items() if r == rank)) for rank in range(pp))
 
 
@@ -227,7 +194,7 @@ def _executed_order(ir: ActionLists) -> ActionLists:
             if a is not None and not a.is_compute_op:
                 continue
             if a is not None:
-                a = _Action(a.stage_index, a.computation_type, count[a.computation_type])
+                a = Action(a.stage_index, a.computation_type, count[a.computation_type])
                 count[a.computation_type] += 1
             order[rank].append(a)
     return order
@@ -235,9 +202,9 @@ def _executed_order(ir: ActionLists) -> ActionLists:
 
 def lower(
     order: ActionLists, num_stages: int, num_units: int, chain_length: int
-) -> tuple[dict[int, list[_Action]] | None, dict[int, int]]:
-    """torch's lowering, as ``_prepare_schedule_with_comms`` runs it; for
-    stages in several chains (BSIPipe), the schedule's own
+) -> tuple[dict[int, list[Action]] | None, dict[int, int]]:
+    """torch's own lowering (``_prepare_schedule_with_comms`` of the installed torch); for
+    stages in several chains (BSIPipe, Chimera), the schedule's own, as the runtime runs it
     (:func:`~torchtitan_seq.schedules.lower_chains`).
 
     Returns (lowered lists, stage -> rank); the lists are None when no order
@@ -250,27 +217,20 @@ def lower(
             return lower_chains(order, stage_to_rank, chain_length, units_per_stage), stage_to_rank
         except ValueError:
             return None, stage_to_rank
-    stage_to_rank = _validate_schedule(order, len(order), num_stages, num_units)
-    with_fsdp = {r: _add_reduce_grad(_add_unshard_reshard(acts), num_units) for r, acts in order.items()}
-    try:
-        return _add_send_recv(with_fsdp, stage_to_rank.__getitem__, num_stages), stage_to_rank
-    except AssertionError as e:
-        if "can't schedule sends/recvs" not in str(e):
-            raise
-        return None, stage_to_rank
+    return torch_lowering(order, num_stages, num_units)
 
 
 def send_after_compute(
     order: ActionLists, stage_to_rank: dict[int, int], chain_length: int
-) -> dict[int, list[tuple[int, _Action]]]:
+) -> dict[int, list[tuple[int, Action]]]:
     """Compute-only lists with a SEND after each compute that feeds another rank;
     each entry keeps its compute's index so a deadlock points into ``order``.
 
     The stand-in for a lowering that torch's ``_add_send_recv`` rejects, to
     say where the lists deadlock."""
-    out: dict[int, list[tuple[int, _Action]]] = {}
+    out: dict[int, list[tuple[int, Action]]] = {}
     for rank, actions in order.items():
-        steps: list[tuple[int, _Action]] = []
+        steps: list[tuple[int, Action]] = []
         for i, a in enumerate(actions):
             if a is None:
                 continue
@@ -279,6 +239,6 @@ def send_after_compute(
                 target = feeds(leaf, chain_length)
                 if target is not None and stage_to_rank[target] != rank:
                     send = SEND_F if leaf.computation_type == F else SEND_B
-                    steps.append((i, _Action(leaf.stage_index, send, leaf.microbatch_index)))
+                    steps.append((i, Action(leaf.stage_index, send, leaf.microbatch_index)))
         out[rank] = steps
     return out

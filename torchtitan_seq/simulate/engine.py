@@ -41,12 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-from torch.distributed.pipelining.schedules import SEND_B, SEND_F, _Action
+from torch.distributed.pipelining.schedules import SEND_B, SEND_F
 
 from ..ordering import B, F, I, W, compute_leaves, fed_by
 from ..render import Interval, Timeline
 from ..schedules import PLACEMENTS, ActionLists, BidirectionalLayout
+from ..torch_internals import Action, stage_to_rank_mapping
 from .build import SimConfig, build, lower, send_after_compute
 from .costs import ChunkTimes, UnitTimes, model_args, seconds_per_time_unit, subsequence_lengths, unit_and_chunk_times
 from .network import Transfers
@@ -92,7 +92,7 @@ class SimResult(Timeline):
     lengths: list[int]
     parameter_copies: int
     deadlock: Deadlock | None
-    lowered: dict[int, list[_Action]] = field(repr=False)
+    lowered: dict[int, list[Action]] = field(repr=False)
     time_unit: str = "forwards of one microbatch on 1/p of the layers"
     copies_synced: list[float] = field(default_factory=list)
     """Per rank, when the all-reduces of its parameter copies end (the step's last
@@ -143,17 +143,17 @@ Transfer = Callable[[int, int, int], float]
 """(source rank, destination rank, subsequence j) -> time from a SEND to its data on the destination."""
 
 Key = tuple[int, Any, int]
-"""An action as (stage, computation type, unit): a plain tuple, quicker to make than an ``_Action``
+"""An action as (stage, computation type, unit): a plain tuple, quicker to make than an ``Action``
 (a NamedTuple, whose constructor runs in Python), of which the planner's simulations made a million."""
 
 _COMPUTE = frozenset({F, B, I, W})
-"""The kinds of compute leaves (``_Action.is_compute_op`` less OVERLAP_F_B, which runs as its leaves)."""
+"""The kinds of compute leaves (``Action.is_compute_op`` less OVERLAP_F_B, which runs as its leaves)."""
 
 Need = tuple[tuple[Key, ...], int, int]
 """Any one of these finished actions, plus the transfer from rank to rank (-1, -1: none)."""
 
 
-def _needs(a: _Action, stage_to_rank: dict[int, int], chain_length: int, sends: bool) -> tuple[Need, ...]:
+def _needs(a: Action, stage_to_rank: dict[int, int], chain_length: int, sends: bool) -> tuple[Need, ...]:
     """What ``a`` waits for; with ``sends``, an input from another rank comes with the SEND after the
     compute that made it, else straight from that compute (the same time: a SEND takes none, and
     the rank issues it right after the compute)."""
@@ -178,7 +178,7 @@ def _needs(a: _Action, stage_to_rank: dict[int, int], chain_length: int, sends: 
     return (*own, (made, stage_to_rank[source], stage_to_rank[s]))
 
 
-Compute = tuple[int, _Action, tuple[tuple[tuple[int, ...], int, int], ...]]
+Compute = tuple[int, Action, tuple[tuple[tuple[int, ...], int, int], ...]]
 """A compute step of a shape's program (see :func:`_order`): its rank, its action, and per need the
 program indices of the computes any one of which it waits for (the earliest to end counts; -1: the
 start of the step, time 0) and the ranks a transfer goes from and to (-1, -1: none). A plain tuple,
@@ -190,7 +190,7 @@ class _Prepared:
     """A shape's lists reduced to what its timing takes, whatever the costs: every compute that runs,
     in an order in which what each waits for comes first."""
 
-    lowered: dict[int, list[_Action]] | None
+    lowered: dict[int, list[Action]] | None
     stage_to_rank: dict[int, int]
     program: tuple[Compute, ...]
     kinds: frozenset
@@ -201,13 +201,13 @@ class _Prepared:
     """Where the ranks stop when not every step can run; the program then holds those that can."""
 
 
-Steps = dict[int, list[tuple[int, _Action]]]
+Steps = dict[int, list[tuple[int, Action]]]
 """Per rank, (index in the list a deadlock points into, compute leaf or communication) in run order."""
 
 
 @functools.lru_cache(maxsize=256)
 def _prepare(
-    frozen: tuple[tuple[int, tuple[_Action | None, ...]], ...],
+    frozen: tuple[tuple[int, tuple[Action | None, ...]], ...],
     num_stages: int,
     num_units: int,
     chain_length: int,
@@ -244,7 +244,7 @@ def _prepare(
     return _Prepared(lowered, stage_to_rank, tuple(program), kinds, tuple(steps), deadlock)
 
 
-def _leaves(listed: dict[int, list[tuple[int, _Action]]]) -> Steps:
+def _leaves(listed: dict[int, list[tuple[int, Action]]]) -> Steps:
     """``listed`` ({rank: [(index, action)]}) as :data:`Steps`: an OVERLAP_F_B runs its sub-actions
     in sequence, each waiting for its inputs."""
     return {r: [(i, leaf) for i, a in acts for leaf in compute_leaves(a)] for r, acts in listed.items()}
@@ -293,7 +293,7 @@ def _order(
 
 
 def _run(
-    prepared: _Prepared, duration: Callable[[_Action], float], transfer: Transfer, k: int
+    prepared: _Prepared, duration: Callable[[Action], float], transfer: Transfer, k: int
 ) -> dict[int, list[Interval]]:
     """Time the program (units of k subsequences): each compute starts once its rank is free and
     what it waits for has ended (plus the transfer from another rank)."""
@@ -328,7 +328,7 @@ def _deadlock(
             r,
             acts[pos[r]][0],
             str(acts[pos[r]][1]),
-            " or ".join(f"{_Action(*key)} on rank {stage_to_rank[key[0]]}" for key in waiting[r]),
+            " or ".join(f"{Action(*key)} on rank {stage_to_rank[key[0]]}" for key in waiting[r]),
         )
         for r, acts in steps.items()
         if pos[r] < len(acts)
@@ -412,7 +412,7 @@ def simulate_order(
     share = p / chain_length
     per_stage = _stage_times(prepared.kinds, stage_to_rank, chain_length, share, times, chunk_times, schedule, cost)
 
-    def duration(a: _Action) -> float:
+    def duration(a: Action) -> float:
         return per_stage[a.stage_index][a.computation_type][a.microbatch_index % k]
 
     @functools.cache  # asked for every SEND; a few rank pairs and subsequences
@@ -448,7 +448,7 @@ def _check_placement(stage_to_rank: dict[int, int], placement: str, p: int, v: i
     expected = (
         [BidirectionalLayout(p, name, v).stage_to_rank() for name in PLACEMENTS]
         if placement == "bidirectional"
-        else [generate_stage_to_rank_mapping(p, p * v, style=placement)]
+        else [stage_to_rank_mapping(p, p * v, style=placement)]
     )
     if stage_to_rank not in expected:
         raise ValueError(
