@@ -59,6 +59,7 @@ class Variant:
     documents: bool = False  # packed documents (block-causal attention), laid out by packed_tokens
     optimizer_steps: int = 0  # SGD steps (and BSIPipe/Chimera copy syncs) on both sides before the compared step
     mutation: str | None = None  # a mechanism broken on purpose: a key of mutations.MUTATIONS
+    kernel: str = "top_left"  # unit attention's kernel: torch's CPU kernel, or "bottom_right" (bottom_right.py)
 
     @property
     def world(self) -> int:
@@ -290,12 +291,18 @@ def _stages(v: Variant, args, chunks, dims) -> list:
     lengths = JobShape.of_model(args, v.seq_len, v.k, v.partition, tp=v.tp, cp=v.cp).lengths
     shard = ContextShard.of_group(dims.get_mesh("cp").get_group() if v.cp > 1 else None)
     pp_mesh = dims.get_mesh("pp")
+    kernel = None  # the device's: torch's CPU kernel
+    if v.kernel == "bottom_right":
+        from bottom_right import BottomRightCpuKernel
+
+        kernel = BottomRightCpuKernel()
     return [
         SequencePipelineStage(
             chunk,
             index,
             v.pp * v.stages_per_rank,
             torch.device("cpu"),
+            kernel=kernel,
             lengths=lengths,
             chain_length=chain,
             context_shard=shard,

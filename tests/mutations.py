@@ -8,6 +8,7 @@ A mechanism whose mutation passes is not guarded by the exactness tests.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from unittest import mock
@@ -15,7 +16,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-__all__ = ["MutationContext", "MUTATIONS", "patches"]
+__all__ = ["MutationContext", "MUTATIONS", "PROPERTY_MUTATIONS", "patches"]
 
 
 @dataclass
@@ -241,6 +242,19 @@ def _cp_second_chunk_positions(ctx: MutationContext) -> list:
     return [mock.patch.object(model, "unit_positions", second_off)]
 
 
+def _bottom_right_descending(ctx: MutationContext) -> list:
+    """A kernel that aligns causal masks bottom-right reads slabs laid out last position first: the
+    KV context is not told to keep its slabs ascending, so arenas share them top and bottom."""
+    from torchtitan_seq.kv_context import KVContext
+
+    append = KVContext.append
+
+    def any_order(self, layer_id, k, v, with_own=False, ascending=False):
+        return append(self, layer_id, k, v, with_own, ascending=False)
+
+    return [mock.patch.object(KVContext, "append", any_order)]
+
+
 MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "prefix_dk_dropped": lambda ctx: _prefix_grads(keep_k=False, keep_v=True),
     "prefix_dv_dropped": lambda ctx: _prefix_grads(keep_k=True, keep_v=False),
@@ -258,6 +272,115 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "cp_shard_left_out": _cp_shard_left_out,
     "cp_kv_grads_local": _cp_kv_grads_local,
     "cp_second_chunk_positions": _cp_second_chunk_positions,
+    "bottom_right_descending": _bottom_right_descending,
+}
+
+
+# Mutations of the mechanisms the property tests guard (tests/unit/test_property_mutations.py runs
+# each property under its mutation and asserts that it fails).
+
+
+def _guard_other_end_only() -> list:
+    """The K/V arenas' overwrite guard looks only at the microbatch at the arena's other end, not at one
+    that still holds the same end (a stage running its units out of the announced order)."""
+    from torchtitan_seq.kv_context import KVContext
+
+    def other_end_only(self, unit, slab):
+        capacity, placed = self._placed.get(unit.microbatch, (0, None))
+        if placed is None or placed.arena < 0:
+            return
+        for m, (_, other) in self._placed.items():
+            if m == unit.microbatch or other.arena != placed.arena or other.descending == placed.descending:
+                continue
+            live = self._live.get(m)
+            theirs = min(sum(self.lengths[: max(live) + 1]), slab.k.shape[2]) if live else 0
+            if unit.offset + unit.length + theirs > capacity:
+                raise RuntimeError(f"K/V arena {placed.arena}: would overwrite keys microbatch {m} still reads")
+
+    return [mock.patch.object(KVContext, "_check_room", other_end_only)]
+
+
+def _guard_own_unit_left_out() -> list:
+    """The guard counts the other microbatch's keys up to its last unit in flight, less that unit's own."""
+    import itertools
+
+    from torchtitan_seq.kv_context import KVContext
+
+    check_room = KVContext._check_room
+
+    def short(self, unit, slab):
+        lengths, self.lengths = self.lengths, [0, *itertools.islice(self.lengths, len(self.lengths) - 1)]
+        try:
+            check_room(self, unit, slab)
+        finally:
+            self.lengths = lengths
+
+    return [mock.patch.object(KVContext, "_check_room", short)]
+
+
+def _shape_cp_tp_apart() -> list:
+    """The job shape cuts units on lcm(length_multiple, TP, 2 CP), as if each CP chunk need not be
+    divisible by TP (the same as lcm(.., 2 CP TP) when TP and 2 CP share no factor)."""
+    import math
+
+    from torchtitan_seq.shape import JobShape
+
+    multiple = property(lambda self: math.lcm(self.length_multiple, self.tp, 2 * self.cp if self.cp > 1 else 1))
+    return [mock.patch.object(JobShape, "multiple", multiple)]
+
+
+def _planner_bound_low() -> list:
+    """The planner's bound (its stop rule's test) falls 2% below what a candidate can reach."""
+    from torchtitan_seq.plan import bounds, search
+
+    candidates = bounds._candidates
+
+    def low(*args, **kwargs):
+        return [dataclasses.replace(c, bound=0.98 * c.bound) for c in candidates(*args, **kwargs)]
+
+    return [mock.patch.object(search, "_candidates", low)]
+
+
+def _planner_twins_by_tp_only() -> list:
+    """Twin pruning takes a configuration with no more TP for a lighter twin, whatever its CP and AC."""
+    from torchtitan_seq.plan import search, twins
+
+    def by_tp(lighter, degrees):
+        return lighter[0] <= degrees[0]
+
+    return [mock.patch.object(twins, "_no_heavier", by_tp), mock.patch.object(search, "_no_heavier", by_tp)]
+
+
+def _memory_arenas_unshared() -> list:
+    """The memory model places every slab in an arena of its own, as if no two microbatches shared one."""
+    import functools
+
+    from torchtitan_seq.kv_placement import plan_arenas
+    from torchtitan_seq.simulate.memory import arenas
+
+    return [mock.patch.object(arenas, "plan_arenas", functools.partial(plan_arenas, alternate=False))]
+
+
+def _memory_arenas_without_own() -> list:
+    """Under CP the memory model's slabs leave out the last unit's K/V, which CP ranks read as a prefix."""
+    from torchtitan_seq.simulate.memory import arenas
+
+    arena_events = arenas._arena_events
+
+    def without_own(count, stages, lengths, with_own=False):
+        return arena_events(count, stages, lengths)
+
+    return [mock.patch.object(arenas, "_arena_events", without_own)]
+
+
+PROPERTY_MUTATIONS: dict[str, Callable[[], list]] = {
+    "guard_other_end_only": _guard_other_end_only,
+    "guard_own_unit_left_out": _guard_own_unit_left_out,
+    "shape_cp_tp_apart": _shape_cp_tp_apart,
+    "planner_bound_low": _planner_bound_low,
+    "planner_twins_by_tp_only": _planner_twins_by_tp_only,
+    "memory_arenas_unshared": _memory_arenas_unshared,
+    "memory_arenas_without_own": _memory_arenas_without_own,
 }
 
 

@@ -14,9 +14,12 @@ cpu_compat.apply()
 import torchtitan.components.loss  # noqa: E402,F401  (after cpu_compat.apply, as its rule says)
 import torchtitan.models.llama3.infra.parallelize  # noqa: E402,F401
 
+import bottom_right  # noqa: E402,F401
 import harness  # noqa: E402,F401
 import mutations  # noqa: E402,F401
+import settings_walk  # noqa: E402,F401
 import torchtitan_seq.models.llama3_seq  # noqa: E402,F401
 import torchtitan_seq.pipeline  # noqa: E402,F401
 import torchtitan_seq.schedules  # noqa: E402,F401
 import torchtitan_seq.stage  # noqa: E402,F401
+import torchtitan_seq.trainer  # noqa: E402,F401  (the settings walk's ranks)

@@ -7,6 +7,7 @@ names the setting at fault and the fix. torch's own schedules get the checks tha
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -33,8 +34,10 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
     _check_flavor(job_config, spec)
     _check_compile(job_config)
     _check_instrumentation(job_config)
+    _check_converters(job_config)
     if name in SEQUENCE_SCHEDULES:
         _check_sequence_model(job_config, spec)
+        _check_attention_backend(job_config)
         _check_cuda_precision(job_config, world_size)
         n_microbatches = _check_microbatches(job_config)
         _check_validation(job_config, n_microbatches)
@@ -43,6 +46,7 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
         _check_context_parallel(job_config)
         _check_shape(job_config, spec)
     else:
+        _check_torch_accelerator(job_config)
         _check_torch_context_parallel(job_config, spec)
 
 
@@ -107,6 +111,29 @@ def _check_instrumentation(job_config: JobConfig) -> None:
         )
 
 
+def _check_converters(job_config: JobConfig) -> None:
+    """torchtitan's quantizing converters (float8, MX) import torchao, and float8 runs on SM89 GPUs or,
+    emulated and eager, anywhere; MX on CUDA only."""
+    converters = job_config.model.converters
+    if not converters:
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError(
+            f"model.converters = {converters} need torchao, which is not installed: pip install torchao, or "
+            "clear model.converters"
+        )
+    if torch.cuda.is_available():
+        return
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    for name in converters:
+        emulated = name == "quantize.linear.float8" and job_config.quantize.linear.float8.emulate and not compiled
+        if not emulated:
+            raise ValueError(
+                f"model.converters = {converters}: {name!r} needs a CUDA GPU (SM89 or newer for float8); on a CPU "
+                "only quantize.linear.float8 runs, with quantize.linear.float8.emulate = true and compile off"
+            )
+
+
 def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
     """A sequence schedule needs chunk-aware attention."""
     name = job_config.parallelism.pipeline_parallel_schedule
@@ -114,6 +141,35 @@ def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {name!r} needs a model with chunk-aware attention, "
             f'but model.name = {job_config.model.name!r} has none: set [model] name = "llama3_seq"'
+        )
+
+
+def _check_attention_backend(job_config: JobConfig) -> None:
+    """'flash' is flash-attn 2, a CUDA library and an optional extra (:func:`~torchtitan_seq.kernels.select_kernel`)."""
+    if job_config.sequence_pipeline.attention_backend != "flash":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "sequence_pipeline.attention_backend = 'flash' needs a CUDA device (flash-attn has no CPU kernel): "
+            "use 'auto' or 'sdpa' on the CPU"
+        )
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError(
+            "sequence_pipeline.attention_backend = 'flash' but flash-attn is not installed: pip install "
+            "flash-attn, or use 'auto' or 'sdpa'"
+        )
+
+
+def _check_torch_accelerator(job_config: JobConfig) -> None:
+    """torchtitan registers its expert-parallel overlap callback with torch's DualPipeV, and the callback
+    asks for accelerator streams."""
+    par = job_config.parallelism
+    dual_pipe = par.pipeline_parallel_schedule.lower() == "dualpipev"
+    if dual_pipe and par.pipeline_parallel_expert_parallel_overlap and not torch.cuda.is_available():
+        raise ValueError(
+            "parallelism.pipeline_parallel_schedule = 'DualPipeV' on a CPU needs "
+            "parallelism.pipeline_parallel_expert_parallel_overlap = false: torchtitan's overlap callback runs on "
+            "accelerator streams; set it false, or use another schedule"
         )
 
 

@@ -154,8 +154,8 @@ class KVSlab:
             readable = self.k.shape[2] if self.descending else self.filled
             self.grad_k, self.grad_v = (t.new_zeros(*t.shape[:2], readable, t.shape[3]) for t in (self.k, self.v))
         where = self._span(start, start + grad_k.shape[2])
-        self.grad_k[rows, :, where] += grad_k
-        self.grad_v[rows, :, where] += grad_v
+        self.grad_k[rows, :, where].add_(grad_k)  # into the view: ``+=`` on an index copies the sum back
+        self.grad_v[rows, :, where].add_(grad_v)
 
     def take(self, offset: int, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """What later units sent positions [offset, offset + length), in position order (views of an
@@ -334,17 +334,20 @@ class KVContext:
         return self._plans[alternate]
 
     def _check_room(self, unit: Unit, slab: KVSlab) -> None:
-        """Refuse a write into positions of the arena that the microbatch at its other end still uses
-        (the stage ran its units in an order other than the one it announced)."""
+        """Refuse a write into positions of the arena that another microbatch in it still uses, at its
+        other end or at the same one (the stage ran its units in an order other than the one it announced)."""
         capacity, placed = self._placed.get(unit.microbatch, (0, None))
         if placed is None or placed.arena < 0:
             return
         for m, (_, other) in self._placed.items():
-            if m == unit.microbatch or other.arena != placed.arena or other.descending == placed.descending:
+            if m == unit.microbatch or other.arena != placed.arena:
                 continue
             live = self._live.get(m)
             theirs = min(sum(self.lengths[: max(live) + 1]), slab.k.shape[2]) if live else 0
-            if unit.offset + unit.length + theirs > capacity:
+            # The same end lays positions on the same cells; the other end, position p on the cell of
+            # capacity - 1 - p.
+            same_end = other.descending == placed.descending
+            if unit.offset < theirs if same_end else unit.offset + unit.length + theirs > capacity:
                 raise RuntimeError(
                     f"K/V arena {placed.arena}: subsequence {unit.index} of microbatch {unit.microbatch} would "
                     f"overwrite keys microbatch {m} still reads; the stage ran its units in an order other "

@@ -34,6 +34,9 @@ TWO_RANKS = [
     Variant("copies_not_synced-chimera", schedule="Chimera", k=2, optimizer_steps=3, mutation="copies_not_synced"),
     Variant("across_documents", k=4, documents=True, mutation="across_documents"),
     Variant("slab_offset", k=4, partition="compute", mutation="slab_offset"),
+    Variant(
+        "bottom_right_descending", k=4, partition="compute", kernel="bottom_right", mutation="bottom_right_descending"
+    ),
 ]
 FOUR_RANKS = [
     Variant("tp_wrong_shard", k=4, tp=2, seq_len=64, mutation="tp_wrong_shard"),
@@ -118,6 +121,12 @@ def test_unit_attending_across_a_document_boundary(results):
 def test_unit_writing_its_kv_at_the_wrong_slab_offset(results):
     """Units after the first write their K/V into the slab one position early."""
     _check(results, "slab_offset")
+
+
+def test_bottom_right_kernel_reading_a_descending_slab(results):
+    """A kernel that aligns causal masks bottom-right (flash-attn's one-call path) given slabs that arenas
+    share top and bottom: it reads prefix and own keys last position first."""
+    _check(results, "bottom_right_descending")
 
 
 def test_context_parallel_kv_shard_left_out_of_the_gather(results):

@@ -87,11 +87,14 @@ def test_terapipe_holds_whole_microbatches():
     assert plan.capacity == 24 and plan.peak == 4 * 24
 
 
+@pytest.mark.parametrize("bottom_right", [False, True], ids=["top-left", "bottom-right"])
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "block-causal"])
-def test_context_in_a_shared_arena_is_exact(packed):
+def test_context_in_a_shared_arena_is_exact(packed, bottom_right):
     """One attention layer run as Seq1F1B's rank 0 runs its units (p 2, N 4, k 4, uneven lengths):
-    microbatches share arenas at opposite ends, and each one's output and q, k, v gradients equal
-    whole-sequence attention, causal or over packed documents (block-causal, dense mask)."""
+    microbatches share arenas (at opposite ends with torch's top-left kernel; ascending one after the
+    other with a bottom-right one, flash-attn's one-call path), and each one's output and q, k, v
+    gradients equal whole-sequence attention, causal or over packed documents (block-causal, dense mask)."""
+    from bottom_right import BottomRightCpuKernel
     from harness import EOS, packed_tokens
     from torchtitan_seq.attention import SequenceAttention
     from torchtitan_seq.documents import Documents, document_ids, document_mask
@@ -102,13 +105,13 @@ def test_context_in_a_shared_arena_is_exact(packed):
     passes = stage_passes(SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(2, n, kk))[0], 0, kk)[1]
     context, layer = KVContext(lengths), SequenceAttention(0)
     context.expect(passes)
-    layer.bind(context, select_kernel(torch.device("cpu")))
+    layer.bind(context, BottomRightCpuKernel() if bottom_right else select_kernel(torch.device("cpu")))
     g = torch.Generator().manual_seed(0)
     ids = [document_ids(packed_tokens(2, seq, g), EOS) for _ in range(n)] if packed else None
     context.documents = [Documents.from_ids(i) for i in ids] if packed else None
     qkv = [[torch.randn(2, h, seq, 8, generator=g, requires_grad=True) for h in (4, 2, 2)] for _ in range(n)]
     weights = [torch.randn(2, 4, seq, 8, generator=g) for _ in range(n)]
-    outs, descending = {}, set()
+    outs, descending, arenas = {}, set(), set()
     for forward, m, j in passes:
         u = Unit(m, j, sum(lengths[:j]), lengths[j], kk)
         part = slice(u.offset, u.offset + u.length)
@@ -116,10 +119,12 @@ def test_context_in_a_shared_arena_is_exact(packed):
             with context.running(u):
                 outs[m, j] = layer(*(t[:, :, part] for t in qkv[m]), enable_gqa=True)
             descending.add(context._placed[m][1].descending)
+            arenas.add(context._placed[m][1].arena)
         else:
             with context.backward(u):
                 (outs[m, j] * weights[m][:, :, part]).sum().backward()
-    assert descending == {False, True}
+    assert descending == ({False} if bottom_right else {False, True})
+    assert len(arenas) < n  # arenas shared
     assert len(context) == 0 and context.held_bytes() == 0
     for m in range(n):
         q, k, v = (t.detach().requires_grad_() for t in qkv[m])

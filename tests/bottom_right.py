@@ -1,0 +1,64 @@
+"""A CPU attention kernel that aligns causal masks bottom-right, as flash-attn does on a GPU.
+
+With it the unit attention takes the path flash-attn takes (:mod:`torchtitan_seq.attention`): a unit
+reads its prefix and its own keys in one causal call, its slab written in position order (ascending,
+arenas not shared top and bottom, ``with_own``), on a machine without a GPU. It is the
+:class:`~torchtitan_seq.kernels.AttentionKernel` protocol in plain float32 matrix products, exact
+to round-off; the exactness harness runs it with ``Variant(kernel="bottom_right")``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["BottomRightCpuKernel"]
+
+
+def _expand(t: Tensor, n_rep: int) -> Tensor:
+    """K or V (B, Hkv, L, D) repeated to (B, Hkv * n_rep, L, D): GQA by copies."""
+    return t.repeat_interleave(n_rep, dim=1)
+
+
+def _reduce(t: Tensor, n_rep: int) -> Tensor:
+    """The gradient of :func:`_expand`'s output summed back to (B, Hkv, L, D)."""
+    return t.unflatten(1, (-1, n_rep)).sum(2)
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    """(B, Hq, Lq, Lk) scaled scores; causal: query i sees keys up to i + Lk - Lq (bottom-right)."""
+    scores = q @ k.transpose(-2, -1) * scale
+    if causal:
+        lq, lk = q.shape[2], k.shape[2]
+        rows = torch.arange(lq).unsqueeze(1) + (lk - lq)
+        scores = scores.masked_fill(torch.arange(lk).unsqueeze(0) > rows, float("-inf"))
+    return scores
+
+
+class BottomRightCpuKernel:
+    """Block attention with log-sum-exp: q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D), Hq a multiple of Hkv;
+    a causal call aligns its mask bottom-right (Lq <= Lk)."""
+
+    bottom_right = True
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        """out (B, Hq, Lq, D) and lse (B, Hq, Lq), float32."""
+        n_rep = q.shape[1] // k.shape[1]
+        scores = _scores(q, _expand(k, n_rep), causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.exp(scores - lse.unsqueeze(-1)) @ _expand(v, n_rep)
+        return out, lse.float()
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """dq, dk, dv shaped like q, k, v: softmax's gradient with the forward's lse, as flash kernels take it."""
+        n_rep = q.shape[1] // k.shape[1]
+        ke, ve = _expand(k, n_rep), _expand(v, n_rep)
+        probs = torch.exp(_scores(q, ke, causal, scale) - lse.unsqueeze(-1))
+        dprobs = dout @ ve.transpose(-2, -1)
+        dscores = probs * (dprobs - (dout * out).sum(-1, keepdim=True))
+        dq = dscores @ ke * scale
+        dk = dscores.transpose(-2, -1) @ q * scale
+        dv = probs.transpose(-2, -1) @ dout
+        return dq, _reduce(dk, n_rep), _reduce(dv, n_rep)

@@ -1,0 +1,67 @@
+"""Every property test bites: under each mutation of :data:`mutations.PROPERTY_MUTATIONS` (a subtle bug
+in the mechanism it guards), the property test fails.
+
+A property that passes under its mutation does not guard the mechanism. Each case runs the
+property over the grid the property test states, on the shapes named here, with the mutation's
+patches started, and asserts that it raises AssertionError (the property's own assertion, naming
+the shape it failed on, which the test prints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+
+import pytest
+import test_arena_guard
+import test_memory_arenas
+import test_planner_exhaustive
+import test_shape_grid
+
+from mutations import PROPERTY_MUTATIONS
+from torchtitan_seq import plan as planner
+
+PROPERTIES: dict[str, tuple[Callable[..., None], list[tuple]]] = {
+    # mutation: (property test, the argument sets it runs on, in order until one fails)
+    "guard_other_end_only": (
+        test_arena_guard.test_the_guard_refuses_exactly_the_writes_that_overwrite_keys_in_flight,
+        [(name,) for name in ("Seq1F1B", "InterleavedSeq1F1B", "BSIPipe", "Chimera")],
+    ),
+    "guard_own_unit_left_out": (
+        test_arena_guard.test_the_guard_refuses_exactly_the_writes_that_overwrite_keys_in_flight,
+        [(name,) for name in ("Seq1F1B", "InterleavedSeq1F1B", "BSIPipe", "Chimera")],
+    ),
+    "shape_cp_tp_apart": (
+        test_shape_grid.test_every_tool_cuts_alike_into_chunks_tp_and_cp_can_share,
+        [(n,) for n in test_shape_grid.SEQ_LENS],
+    ),
+    "planner_bound_low": (
+        test_planner_exhaustive.test_top_n_is_the_first_n_rows_of_the_exhaustive_table,
+        [(*job, overhead) for job in test_planner_exhaustive.JOBS for overhead in (0.0, planner.H200_UNIT_OVERHEAD_S)],
+    ),
+    "planner_twins_by_tp_only": (
+        test_planner_exhaustive.test_top_n_is_the_first_n_rows_of_the_exhaustive_table,
+        [(*job, overhead) for job in test_planner_exhaustive.JOBS for overhead in (0.0, planner.H200_UNIT_OVERHEAD_S)],
+    ),
+    "memory_arenas_unshared": (test_memory_arenas.test_the_memory_models_arenas_are_the_runtimes, [("Seq1F1B",)]),
+    "memory_arenas_without_own": (test_memory_arenas.test_the_memory_models_arenas_are_the_runtimes, [("Seq1F1B",)]),
+}
+
+
+def test_every_property_mutation_has_its_property():
+    assert set(PROPERTIES) == set(PROPERTY_MUTATIONS)
+
+
+@pytest.mark.parametrize("mutation", list(PROPERTY_MUTATIONS))
+def test_the_property_fails_under_its_mutation(mutation):
+    prop, argument_sets = PROPERTIES[mutation]
+    with ExitStack() as stack:
+        for patch in PROPERTY_MUTATIONS[mutation]():
+            stack.enter_context(patch)
+        for args in argument_sets:
+            try:
+                prop(*args)
+            except AssertionError as e:
+                print(f"{mutation}: {prop.__name__}{args} fails: {str(e)[:300]}")
+                return
+    pytest.fail(f"{mutation}: {prop.__name__} passes under the mutation on {argument_sets}")
