@@ -93,7 +93,7 @@ def test_kv_arenas_within_one_percent(monkeypatch):
     assert worst() < 0.01
     plan_arenas = mm.plan_arenas
     with monkeypatch.context() as patch:
-        patch.setattr(mm, "plan_arenas", lambda passes, lengths, size: plan_arenas(passes, lengths, size, False))
+        patch.setattr(mm.arenas, "plan_arenas", lambda passes, lengths, size: plan_arenas(passes, lengths, size, False))
         mm._plan.cache_clear()
         assert worst() > 0.04
     mm._plan.cache_clear()
@@ -134,7 +134,7 @@ def test_wrong_models_miss(monkeypatch):
         return layer(args, c, a, mode, unit) - (2 * a * mm.ffn_hidden_dim(args) / c.tp if mode == "none" else 0)
 
     with monkeypatch.context() as patch:
-        patch.setattr(mm, "_layer_bytes", no_swiglu)
+        patch.setattr(mm.activations, "_layer_bytes", no_swiglu)
         assert _worst("none") > TOLERANCE
     saved = mm._saved_per_token
 
@@ -142,14 +142,14 @@ def test_wrong_models_miss(monkeypatch):
         return saved(args, c, a, layers, first, last, unit) - (4 * args.vocab_size if last else 0)
 
     with monkeypatch.context() as patch:
-        patch.setattr(mm, "_saved_per_token", no_log_softmax)
+        patch.setattr(mm.stage_bytes, "_saved_per_token", no_log_softmax)
         assert _worst("none") > TOLERANCE
 
     def one_microbatch(plan, weights, lengths, n, with_own=False):
         return [(max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0) for rank in sorted(plan.order)]
 
     with monkeypatch.context() as patch:
-        patch.setattr(mm, "_walks", one_microbatch)
+        patch.setattr(mm.estimate, "_walks", one_microbatch)
         assert _worst("none") > TOLERANCE
 
 
@@ -239,7 +239,7 @@ def test_kv_context_under_checkpointing(monkeypatch):
 
     assert held_peak() == measured
     with monkeypatch.context() as patch:
-        patch.setattr(mm, "_recomputed_fraction", lambda c: 0.0)
+        patch.setattr(mm.stage_bytes, "_recomputed_fraction", lambda c: 0.0)
         assert abs(held_peak() / measured - 1) > TOLERANCE
     # Without recomputation the context's blocks are the K/V autograd saves: no extra.
     assert mm._recomputed_fraction(dataclasses.replace(config, activation_checkpoint="none")) == 0

@@ -295,7 +295,7 @@ def test_a_fitting_plan_leaves_out_its_heavier_twins(capsys, monkeypatch):
     def cp_first(*args, **kwargs):
         return [replace(c, bound=c.bound * (2 if c.cp > 1 else 1)) for c in candidates(*args, **kwargs)]
 
-    monkeypatch.setattr(planner, "_candidates", cp_first)
+    monkeypatch.setattr(planner.search, "_candidates", cp_first)
     plans = _json(capsys, *SMALL, "--unit-overhead-ms", "0", "--tp", "1", "--gpu-memory-gib", "64", "--top", "200")
     levels = planner.AC_MODES
 

@@ -1,0 +1,111 @@
+"""Choosing a configuration: the best schedule and settings for a model, a cluster and a memory budget.
+
+    python -m torchtitan_seq.plan --flavor 8B --seq-len 32768 --gpus 64 --gpu-memory-gib 80 \\
+        --local-batch-size 16 [--tp 8] [--gpus-per-node 8] [--cost FILE] [--processes 4] [--json]
+
+The planner's command line: the search's (:func:`~torchtitan_seq.plan.search.plan`) plans as a
+markdown table with the best as ``./run_train.sh`` overrides and TOML, or every plan and the
+overrides as one JSON object (``--json``); a setting the search refuses is an error, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from ..shape import LENGTH_MULTIPLE
+from .job import Cluster, Job
+from .record import Plan
+from .search import plan
+
+
+def _table(plans: list[Plan]) -> str:
+    head = "| # | schedule | pp | tp | cp | dp_shard | k | partition | v | AC | tokens/s | peak GiB | bubble | fits |"
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for i, p in enumerate(plans, 1):
+        rows.append(
+            f"| {i} | {p.schedule} | {p.pp} | {p.tp} | {p.cp} | {p.dp_shard} | {p.num_subsequences} | {p.partition} | "
+            f"{p.stages_per_rank} | {p.activation_checkpoint} | {p.tokens_per_s:,.0f} | {p.peak_memory_gib:.1f} | "
+            f"{p.bubble_ratio:.3f} | {'yes' if p.fits else 'no'} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_seq.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flavor", required=True, help="a llama3_seq flavor, e.g. 8B, 70B, debugmodel")
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu-memory-gib", type=float, required=True)
+    parser.add_argument(
+        "--local-batch-size",
+        type=int,
+        required=True,
+        help="sequences per data-parallel rank and step (one per microbatch)",
+    )
+    parser.add_argument("--tp", type=int, help="fix the TP degree (default: search 1, 2, 4, 8)")
+    parser.add_argument("--cp", type=int, help="fix the CP degree of sequence schedules (default: search 1, 2, 4, 8)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument(
+        "--length-multiple",
+        type=int,
+        default=LENGTH_MULTIPLE,
+        help="sequence_pipeline.length_multiple: every subsequence length a multiple of it and of "
+        "the TP degree (default %(default)s)",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=float,
+        default=Cluster.flops_per_gpu / 1e12,
+        help="achieved TFLOP/s per GPU of the cost model (default %(default)g)",
+    )
+    parser.add_argument(
+        "--unit-overhead-ms",
+        type=float,
+        default=Cluster.unit_overhead_s * 1e3,
+        help="fixed ms per unit (forward + backward) and layer on top of the cost model "
+        "(default %(default)g: measured on an H200)",
+    )
+    parser.add_argument(
+        "--cost",
+        type=Path,
+        action="append",
+        default=[],
+        help="a calibration file (benchmarks/bench.py --calibrate), repeatable, or a folder of them",
+    )
+    parser.add_argument("--top", type=int, default=10, help="rows of the table (default %(default)s)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=4,
+        help="search in up to this many processes, one per CPU at most; the same plans (default %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object: plans and overrides")
+    a = parser.parse_args(argv)
+    costs = tuple(f for path in a.cost for f in (sorted(path.glob("cost_*.json")) if path.is_dir() else [path]))
+    job = Job(a.flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple, a.cp)
+    cluster = Cluster(
+        a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12, unit_overhead_s=a.unit_overhead_ms / 1e3
+    )
+    try:
+        plans = plan(job, cluster, a.top, a.processes)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    best = plans[0]
+    overrides = best.overrides(job.flavor, job.seq_len, job.local_batch_size)
+    if a.json:
+        print(json.dumps({"plans": [asdict(p) for p in plans], "overrides": overrides}, indent=1))
+        return 0
+    print(
+        f"{job.flavor}, seq {job.seq_len}, {cluster.gpus} GPUs of {cluster.gpu_memory_gib:g} GiB, "
+        f"local batch {job.local_batch_size}; "
+        + ("measured costs\n" if costs else f"transformer-model costs, {a.unit_overhead_ms:g} ms per unit and layer\n")
+    )
+    print(_table(plans))
+    print(f"\nBest, as ./run_train.sh overrides:\n  ./run_train.sh {overrides}\n")
+    print("As TOML:\n\n" + best.toml(job.flavor, job.seq_len, job.local_batch_size))
+    return 0

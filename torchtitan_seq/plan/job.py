@@ -1,0 +1,81 @@
+"""What a plan is made for: the job (a flavor, its sequence length and batch, fixed degrees,
+calibration files) and the cluster (GPUs, their memory, FLOP/s and links, and the fixed cost of a
+unit measured on an H200)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..flavors import flavor_shape
+from ..schedules import SEQUENCE_SCHEDULES
+from ..shape import LENGTH_MULTIPLE, JobShape
+from ..simulate.memory import Device
+from ..simulate.network import Link
+from .choices import ScheduleChoice
+
+H200_UNIT_OVERHEAD_S = 2.11e-3
+"""Seconds a unit's forward + backward costs per layer beyond its share of the FLOPs, measured on
+an H200 (``benchmarks/gpu/2026-11-30/cudnn``: torch 2.11, cuDNN 9.19, a 4-layer Llama 3 stack of
+dim 2048, 16 heads, 8 KV heads, bf16, batch 1, units through the KV context). Derivation:
+:func:`~torchtitan_seq.simulate.costs.fit_cost_files` over its cost files at 16K, 32K and 64K
+tokens (the whole sequence and every cut, k = 1, 2, 4, 8: 48 units) fits fixed = 8.45 ms per
+unit, per-token 2.0 us and per-pair 0.24 ns, for the 4 layers: 2.11 ms per layer. The 8K files
+are left out: there the fit's per-token cost turns negative (units of 1-2K tokens are not
+linear in their tokens on this GPU). Fitted at one length each: 9.3 ms (16K), 6.3 ms (32K), 9.1 ms
+(64K); at 32K the fixed cost is 19.5% of the F + B of a cut into 8 units (measured overhead
+against the whole sequence: +29%) and 10.8% at k = 4. Taken as the GPU's and the code's, whatever
+the model's width: kernel launches, host work and the per-call merges of unit attention do not
+shrink with a unit, and are not divided by TP."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a job may use."""
+
+    gpus: int
+    gpu_memory_gib: float
+    gpus_per_node: int = 8
+    flops_per_gpu: float = 400e12
+    """Achieved FLOP/s per GPU (about 40% of an H100's dense bf16 peak)."""
+    intra_node: Link = Link(200e9, 5e-6)
+    """NVLink-class, per GPU and direction."""
+    inter_node: Link = Link(25e9, 1e-5)
+    """One 200 Gb/s NIC per GPU."""
+    device: Device = "cuda"
+    """What the memory model sizes (RMSNorm saves more on the CPU)."""
+    unit_overhead_s: float = H200_UNIT_OVERHEAD_S
+    """Fixed seconds per unit (forward + backward) and layer on top of the cost model's FLOPs."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained: a flavor at a sequence length, ``local_batch_size`` sequences per
+    data-parallel rank and step, one sequence per microbatch."""
+
+    flavor: str
+    seq_len: int
+    local_batch_size: int
+    tp: int | None = None
+    """A fixed TP degree; None searches 1, 2, 4, 8 within a node."""
+    costs: tuple[Path, ...] = ()
+    """Calibration files (``bench.py --calibrate``) of this flavor and sequence length."""
+    length_multiple: int = LENGTH_MULTIPLE
+    """``sequence_pipeline.length_multiple``: every subsequence length a multiple of it and of tp."""
+    cp: int | None = None
+    """A fixed CP degree (sequence schedules); None searches 1, 2, 4, 8."""
+
+    def shape(self, choice: ScheduleChoice, tp: int, cp: int = 1) -> JobShape:
+        """The cut and microbatches of ``choice`` at TP ``tp`` and CP ``cp``, as the runtime derives them."""
+        return JobShape.of_model(
+            flavor_shape(self.flavor),
+            self.seq_len,
+            choice.num_subsequences,
+            choice.partition,
+            length_multiple=self.length_multiple,
+            tp=tp,
+            microbatches=self.local_batch_size,
+            stages_per_rank=choice.stages_per_rank,
+            whole=choice.schedule not in SEQUENCE_SCHEDULES,
+            cp=cp,
+        )

@@ -1,0 +1,141 @@
+"""A configuration measured: its step simulated at a few microbatches and extended to the job's,
+TP's collectives added, and the plan it makes; :func:`evaluate` for one configuration."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import cache
+
+from ..flavors import flavor_shape
+from ..render import busy_and_end
+from ..schedules import SEQUENCE_SCHEDULES, ScheduleShape
+from ..simulate.build import SimConfig, build
+from ..simulate.costs import seconds_per_time_unit, subsequence_lengths
+from ..simulate.engine import simulate
+from ..simulate.memory import ACMode, gib
+from .bounds import _Candidate
+from .choices import _RECOMPUTE, ScheduleChoice
+from .costs import _Costs, _network, _tp_seconds
+from .job import Cluster, Job
+from .memory_check import memory
+from .record import Plan
+
+
+@dataclass(frozen=True)
+class _Step:
+    seconds: float
+    bubble_ratio: float
+
+
+@cache
+def _simulated_step(
+    choice: ScheduleChoice,
+    pp: int,
+    tp: int,
+    dp: int,
+    ac: ACMode,
+    microbatches: int,
+    job: Job,
+    cluster: Cluster,
+    costs: _Costs,
+    cp: int = 1,
+) -> _Step:
+    """A step's time, simulated at N' = min(N, 2p) and 2N' microbatches and extended to N
+    (each microbatch past the warm-up adds the same time); at N alone where N <= 4p."""
+    network = _network(cluster, costs, tp, cp, dp)
+    config = SimConfig(
+        choice.schedule,
+        pp,
+        microbatches,
+        choice.num_subsequences,
+        stages_per_rank=choice.stages_per_rank,
+        flavor=job.flavor,
+        seq_len=job.seq_len,
+        partition=choice.partition,
+        network=network,
+        recompute=_RECOMPUTE[ac],
+        torch_lowering=False,
+        unit_overhead=costs.unit_overhead_s,
+        length_multiple=job.length_multiple,
+    )
+    config = replace(config, cost=costs.cost_for(choice, pp, subsequence_lengths(config)))
+    unit = seconds_per_time_unit(config)
+
+    def run(n: int) -> tuple[float, float]:
+        result = simulate(replace(config, microbatches=n))
+        if result.deadlock:
+            raise ValueError(result.deadlock.describe())
+        busy = max(busy_and_end(ivs)[0] for ivs in result.timeline.values())
+        return result.makespan * unit, busy * unit
+
+    small = min(microbatches, 2 * pp)
+    if small == microbatches:
+        makespan, busy = run(small)
+    else:
+        twice = min(microbatches, 2 * small)
+        longer, busy_longer = run(twice)
+        # Where 2N' is N the line ends where it starts, whatever its slope: N' is not simulated.
+        slope = 0.0 if twice == microbatches else (longer - run(small)[0]) / (twice - small)
+        makespan, busy = longer + slope * (microbatches - twice), busy_longer * microbatches / twice
+    return _Step(makespan, 1 - busy / makespan)
+
+
+@cache
+def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> bool:
+    """Whether the schedule can run this choice (the errors a job check would give)."""
+    if pp * choice.stages_per_rank // choice.parameter_copies > n_layers:
+        return False  # a chunk without a layer
+    try:
+        if choice.parameter_copies > 1:  # the two-chain schedules check a shape without building its lists
+            SEQUENCE_SCHEDULES[choice.schedule].check_shape(ScheduleShape(pp, microbatches, choice.num_subsequences))
+        else:  # the lists, built once: the simulation and the memory model take them again at N <= 2p
+            build(
+                SimConfig(
+                    choice.schedule, pp, microbatches, choice.num_subsequences, stages_per_rank=choice.stages_per_rank
+                )
+            )
+    except ValueError:
+        return False
+    return True
+
+
+def evaluate(
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int = 1, ac: ACMode = "none", cp: int = 1
+) -> Plan:
+    """One configuration's predicted throughput, bubble and peak memory (what the search ranks)."""
+    args = flavor_shape(job.flavor)
+    costs = _Costs.load(job, cluster, args)
+    dp = cluster.gpus // (pp * tp * cp)
+    peak = gib(memory(job, cluster, choice, pp, tp, ac, cp).total)
+    c = _Candidate(choice, pp, tp, dp, ac, math.inf, cp)
+    return _measure(c, job, cluster, costs, args, peak, peak <= cluster.gpu_memory_gib)
+
+
+def _measure(c: _Candidate, job: Job, cluster: Cluster, costs: _Costs, args, peak_gib: float, fits: bool) -> Plan:
+    n = job.local_batch_size
+    step = _simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs, c.cp)
+    seconds = step.seconds + n * _tp_seconds(args, job.seq_len / c.cp, c.pp, c.tp, _RECOMPUTE[c.ac], cluster)
+    return _plan_of(c, job, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits)
+
+
+def _plan_of(c: _Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubble_ratio: float, fits: bool) -> Plan:
+    """The plan of candidate ``c`` with what the models predict for it."""
+    choice = c.choice
+    return Plan(
+        choice.schedule,
+        c.pp,
+        c.tp,
+        c.dp,
+        choice.num_subsequences,
+        choice.partition,
+        choice.stages_per_rank,
+        c.ac,
+        tokens_per_s,
+        peak_gib,
+        bubble_ratio,
+        fits,
+        tuple(job.shape(choice, c.tp, c.cp).lengths),
+        job.length_multiple,
+        c.cp,
+    )

@@ -1,0 +1,71 @@
+"""A plan: one configuration with what the models predict for it, and the settings that run it in
+torchtitan (``./run_train.sh`` overrides, a TOML snippet)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..partition import Partition
+from ..schedules import SEQUENCE_SCHEDULES
+from ..shape import LENGTH_MULTIPLE
+from ..simulate.memory import ACMode
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One configuration and what the models predict for it."""
+
+    schedule: str
+    pp: int
+    tp: int
+    dp_shard: int
+    num_subsequences: int
+    partition: Partition
+    stages_per_rank: int
+    activation_checkpoint: ACMode
+    tokens_per_s: float
+    """Whole job (every data-parallel replica)."""
+    peak_memory_gib: float
+    """The largest over pipeline ranks."""
+    bubble_ratio: float
+    """Idle share of the busiest rank's step."""
+    fits: bool
+    lengths: tuple[int, ...] = ()
+    """The subsequence lengths evaluated, which the runtime cuts with :meth:`overrides`."""
+    length_multiple: int = LENGTH_MULTIPLE
+    """``sequence_pipeline.length_multiple`` of the job (the lengths are multiples of it and of tp)."""
+    cp: int = 1
+    """``context_parallel_degree`` (sequence schedules only)."""
+
+    def overrides(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
+        """The configuration as ``./run_train.sh`` arguments."""
+        args = {
+            "model.flavor": flavor,
+            "training.seq_len": seq_len,
+            "training.local_batch_size": local_batch_size,
+            "parallelism.pipeline_parallel_degree": self.pp,
+            "parallelism.tensor_parallel_degree": self.tp,
+            "parallelism.data_parallel_shard_degree": self.dp_shard,
+            **({"parallelism.context_parallel_degree": self.cp} if self.cp > 1 else {}),
+            "parallelism.pipeline_parallel_microbatch_size": 1,
+            "parallelism.pipeline_parallel_schedule": self.schedule,
+            "activation_checkpoint.mode": self.activation_checkpoint,
+        }
+        if self.schedule in SEQUENCE_SCHEDULES:
+            args["sequence_pipeline.num_subsequences"] = self.num_subsequences
+            args["sequence_pipeline.partition"] = self.partition
+            args["sequence_pipeline.length_multiple"] = self.length_multiple
+        return " ".join(f"--{k} {v}" for k, v in args.items())
+
+    def toml(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
+        """The configuration as a torchtitan TOML snippet."""
+        sections: dict[str, dict[str, object]] = {}
+        for arg in self.overrides(flavor, seq_len, local_batch_size).split(" --"):
+            key, value = arg.removeprefix("--").split(" ")
+            section, name = key.split(".")
+            sections.setdefault(section, {})[name] = value if not value.isdigit() else int(value)
+        return "\n\n".join(
+            f"[{section}]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in fields.items())
+            for section, fields in sections.items()
+        )

@@ -1,0 +1,58 @@
+"""Memory model in bytes: what one pipeline rank holds at its peak, by arithmetic.
+
+:func:`predict_memory` takes a :class:`MemoryConfig` (a torchtitan Llama 3 flavor or
+``TransformerModelArgs``, the job's :class:`~torchtitan_seq.shape.JobShape`, schedule, parallel
+degrees, activation checkpointing, dtypes) and returns a :class:`MemoryEstimate`: per rank and for the
+fullest rank, parameters, gradients, optimizer states, activations, the KV context's
+extra, a transient workspace and the pipeline's receive buffers, in bytes. No model is
+built and nothing runs on a device: per-token byte counts times token counts, walked
+along each rank's action list from the simulator's :func:`~torchtitan_seq.simulate.build.build` (the very
+lists the runtime executes; memory on a rank depends only on the order of its own
+actions, not on their timing).
+
+Notation: D = ``dim``, H and Hkv query and K/V heads, hd = D / H, F = the MLP width
+(:func:`~torchtitan_seq.partition.ffn_hidden_dim`), V = vocabulary, t = TP degree, a =
+bytes of the compute dtype, b = microbatch size, L_j = tokens of unit j (the whole
+sequence for torch's schedules).
+
+The model, one concept a module: :mod:`.config` (the job and its dtypes), :mod:`.chunks` (what each
+chunk holds, where stages run), :mod:`.activations` (bytes a token saves, per checkpointing mode),
+:mod:`.stage_bytes` (a stage's units, the KV context's slab, context parallelism), :mod:`.arenas` (the
+KV context's arenas), :mod:`.actions` (each rank's actions, built once per shape), :mod:`.walk` (the
+activation peaks along them), :mod:`.states` (parameters, gradients, optimizer), :mod:`.workspace`,
+:mod:`.buffers` (receive buffers), :mod:`.estimate` (:func:`predict_memory`) and :mod:`.floor`
+(:func:`memory_floor`: a lower bound without the lists, or without arenas or a walk, which a search
+asks first).
+"""
+
+from __future__ import annotations
+
+# Beside __all__, every name the module had before the split into this package (the tests reach its
+# helpers as torchtitan_seq.simulate.memory.<name>).
+from ...kv_placement import plan_arenas  # noqa: F401
+from ...partition import ffn_hidden_dim  # noqa: F401
+from .actions import _all_forwards_first, _Events, _events, _Plan, _plan  # noqa: F401
+from .activations import _kv_width, _layer_bytes, _norm_bytes, _recomputed_fraction, _saved_per_token  # noqa: F401
+from .arenas import _arena_events  # noqa: F401
+from .buffers import _buffer_bytes_per_token, _buffers  # noqa: F401
+from .chunks import _chunk_kinds, _chunk_layout, _chunk_split, _ChunkLayout  # noqa: F401
+from .config import DTYPE_BYTES, ACMode, Device, DType, MemoryConfig, _bytes  # noqa: F401
+from .estimate import MemoryEstimate, RankMemory, gib, predict_memory  # noqa: F401
+from .floor import memory_floor  # noqa: F401
+from .stage_bytes import _stage_bytes, _StageBytes  # noqa: F401
+from .states import _state_bytes, _state_rates, _StateRates  # noqa: F401
+from .walk import _walks  # noqa: F401
+from .workspace import _workspace, _workspace_per_token  # noqa: F401
+
+__all__ = [
+    "MemoryConfig",
+    "RankMemory",
+    "MemoryEstimate",
+    "predict_memory",
+    "memory_floor",
+    "gib",
+    "DType",
+    "DTYPE_BYTES",
+    "ACMode",
+    "Device",
+]

@@ -1,0 +1,27 @@
+"""The KV context's arenas along a rank's actions: where each is allocated and let go, as the context
+plans them (:mod:`.stage_bytes` says what they hold).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...kv_placement import Pass, plan_arenas
+
+
+def _arena_events(
+    count: int, stages: list[tuple[list[int], tuple[Pass, ...]]], lengths: tuple[int, ...], with_own: bool = False
+) -> np.ndarray:
+    """Per action of a rank (``count`` of them), the K/V arenas that the KV context allocates (+) or
+    lets go (-) there, in slabs (a slab: the keys later units read; ``with_own``, under CP, the last
+    unit's too): each stage's arenas as it plans them (:func:`~torchtitan_seq.kv_placement.plan_arenas`)
+    from its passes (``stages``: where the rank runs each, and the passes), from a write into an empty
+    one to the end of the last backward of a slab in it."""
+    size = sum(lengths[: None if with_own else -1])
+    deltas = np.zeros(count)
+    for where, passes in stages if size else ():
+        arenas = plan_arenas(passes, lengths, size)
+        for start, end in arenas.busy:
+            deltas[where[start]] += arenas.capacity / size
+            deltas[where[end]] -= arenas.capacity / size
+    return deltas

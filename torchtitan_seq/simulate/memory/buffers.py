@@ -1,0 +1,38 @@
+"""The receive buffers torch's pipeline stages allocate.
+
+**Buffers**: torch's pipeline stage allocates a receive buffer for every microbatch
+(unit) of the step when it sets up: activations into every stage but a chain's first,
+gradients into every stage but its last, b L_j aD/t each, held for the whole step. They
+scale with N, whatever the schedule.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .actions import _Plan
+from .config import MemoryConfig
+
+if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
+    from torchtitan.models.llama3 import TransformerModelArgs
+
+
+def _buffers(
+    args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int, lengths: list[int]
+) -> float:
+    scale = c.shape.microbatches / plan.built_microbatches
+    forwards = plan.forwards_of(rank, len(lengths))
+    total = 0.0
+    for s in plan.stages_of(rank):
+        tokens = float(sum(count * length for count, length in zip(forwards[s], lengths)))
+        total += tokens * scale * _buffer_bytes_per_token(args, c, a, chunks[s % plan.chain_length])
+    return total
+
+
+def _buffer_bytes_per_token(
+    args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tuple[float, bool, bool]
+) -> float:
+    """Receive buffers of a stage running ``chunk``, per token of the units it runs: activations in
+    but into a chain's first stage, gradients in but into its last."""
+    _, first, last = chunk
+    return ((not first) + (not last)) * c.microbatch_size * a * args.dim / (c.tp * c.cp)

@@ -1,0 +1,87 @@
+"""The estimate: what each rank holds at its peak, by kind, and the fullest rank (:func:`predict_memory`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ...schedules import SEQUENCE_SCHEDULES
+from .actions import _plan
+from .buffers import _buffers
+from .chunks import _chunk_split
+from .config import MemoryConfig, _bytes
+from .stage_bytes import _stage_bytes
+from .states import _state_bytes
+from .walk import _walks
+from .workspace import _workspace
+
+
+def gib(nbytes: float) -> float:
+    """Bytes in GiB (2^30)."""
+    return nbytes / 2**30
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds at its peak, by kind (the package's docstring names the module of each)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    kv_context: int
+    workspace: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.kv_context
+            + self.workspace
+            + self.buffers
+        )
+
+    def gib(self) -> dict[str, float]:
+        """Every field and the total, in GiB."""
+        return {f.name: gib(getattr(self, f.name)) for f in dataclasses.fields(RankMemory)} | {"total": gib(self.total)}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate(RankMemory):
+    """The fullest rank's :class:`RankMemory` (its index ``rank``), and every rank's."""
+
+    rank: int = 0
+    ranks: tuple[RankMemory, ...] = field(default=(), repr=False)
+
+
+def predict_memory(config: MemoryConfig) -> MemoryEstimate:
+    """Peak bytes per rank of ``config``'s job; the fullest rank's fields at the top level."""
+    args, c = config.model_args, config
+    a = _bytes(c.activation_dtype, "compute_dtype")
+    lengths = c.shape.lengths
+    n, k = c.shape.microbatches, c.shape.num_subsequences
+    plan = _plan(c.schedule, c.pp, n, k, c.shape.stages_per_rank, c.split_backward)
+    chunks = _chunk_split(args.n_layers, plan.chain_length)
+    tokens = [length * c.microbatch_size for length in lengths]
+    is_sequence = c.schedule in SEQUENCE_SCHEDULES
+
+    # Stages running alike chunks weigh alike: each chunk's bytes once (a chunk's layers and ends).
+    per_chunk = {chunk: _stage_bytes(args, c, a, chunk, tokens, is_sequence) for chunk in set(chunks)}
+    weights = {s: per_chunk[chunks[s % plan.chain_length]] for s in plan.stages}
+    ranks = []
+    for r, (act, combined) in enumerate(_walks(plan, weights, tuple(lengths), n, c.cp > 1)):
+        ranks.append(
+            RankMemory(
+                **_state_bytes(args, c, plan, chunks, r),
+                activations=round(act),
+                kv_context=round(combined - act),
+                workspace=round(_workspace(args, c, a, plan, chunks, r, max(tokens) / c.cp, is_sequence)),
+                buffers=round(_buffers(args, c, a, plan, chunks, r, lengths)),
+            )
+        )
+    worst = max(range(c.pp), key=lambda r: ranks[r].total)
+    return MemoryEstimate(**dataclasses.asdict(ranks[worst]), rank=worst, ranks=tuple(ranks))

@@ -1,0 +1,71 @@
+"""The floor: a lower bound of the estimate without the schedule's lists, or with them but without arenas or
+a walk (:func:`memory_floor`), which a search asks first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...schedules import SEQUENCE_SCHEDULES
+from ..network import chunk_parameters
+from .actions import _plan
+from .buffers import _buffer_bytes_per_token
+from .chunks import _chunk_layout
+from .config import MemoryConfig, _bytes
+from .stage_bytes import _stage_bytes
+from .states import _state_rates
+from .workspace import _workspace_per_token
+
+
+def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
+    """A lower bound of ``predict_memory(config).total`` without the schedule's lists (tens of
+    microseconds, where the first estimate of a shape builds its lists and plans its arenas, and
+    every estimate walks them): a search asks it first and drops what cannot fit.
+
+    Each rank holds its stages' parameters, gradients and optimizer states, its workspace and its
+    receive buffers (a chain's stage receives every unit of the chain's microbatches: N, or N / 2
+    in each of two chains), as the estimate counts them; the stages come from the schedule's
+    placement (:func:`~torchtitan_seq.simulate.build.stages_by_rank`). Of activations it holds, whatever the schedule,
+    every unit of some microbatch on each of its stages of one chain at once, with the microbatch's
+    slab and each stage's RoPE table: once the microbatch's last unit has run forward on the rank's
+    deepest stage of the chain, its units have all run forward on the shallower ones (a forward
+    reads the previous stage's output and, for unit j, the stage's K/V of units 0..j-1), and none
+    has run backward on any (a backward needs the next stage's input gradient and, on a stage, the
+    dK/dV of the units after it, so the last unit's backward on the deepest stage comes first).
+    Other microbatches in flight and the arenas' sharing are left out.
+
+    ``walked``: the rank's activations are also at least what its units weigh where it holds the
+    most of them (found once per schedule shape, :meth:`_Plan.fullest`); this takes the schedule's
+    lists, built once per shape as :func:`predict_memory` builds them, but no arenas and no walk."""
+    args, c = config.model_args, config
+    a = _bytes(c.activation_dtype, "compute_dtype")
+    layout = _chunk_layout(c.schedule, c.pp, c.shape.stages_per_rank, args.n_layers)
+    tokens = [length * c.microbatch_size for length in c.shape.lengths]
+    is_sequence = c.schedule in SEQUENCE_SCHEDULES
+    rates = _state_rates(c)
+    received = c.shape.microbatches / layout.copies * sum(c.shape.lengths)  # tokens a chain's stage receives
+    weights = [_stage_bytes(args, c, a, chunk, tokens, is_sequence) for chunk in layout.chunks]
+    params = np.array([chunk_parameters(args, *chunk, c.tp) for chunk in layout.chunks])
+    workspace = np.array([_workspace_per_token(args, c, a, chunk, is_sequence) for chunk in layout.chunks])
+    buffers = np.array([_buffer_bytes_per_token(args, c, a, chunk) for chunk in layout.chunks]) * received
+    microbatch = np.array([sum(w.saved) + w.held + w.slab + w.constant for w in weights])
+
+    base = (
+        layout.count @ params * (rates.parameters + rates.gradients)
+        + layout.primary @ params * rates.optimizer
+        + np.max(np.where(layout.count > 0, workspace, 0.0), axis=1) * max(tokens) / c.cp
+        + layout.count @ buffers
+    )
+    floor = base + (layout.per_chain @ microbatch).max(axis=1)  # (ranks,)
+    if walked:
+        shape = c.shape
+        plan = _plan(
+            c.schedule, c.pp, shape.microbatches, shape.num_subsequences, shape.stages_per_rank, c.split_backward
+        )
+        live, holding = plan.fullest(shape.num_subsequences, args.n_layers)  # (ranks, kinds, k), (ranks, kinds)
+        saved, constant = np.array([w.saved for w in weights]), np.array([w.constant for w in weights])
+        units = np.einsum("rtj,tj->r", live, saved) + holding @ constant
+        scale = np.where(plan.forwards_first, shape.microbatches / plan.built_microbatches, 1.0)
+        floor = np.maximum(floor, base + units * scale)
+    # The estimate rounds five sums of the fullest rank to bytes: 3 bytes below, the floor is below it.
+    return float(floor.max()) - 3

@@ -1,0 +1,36 @@
+"""The activation peaks: each rank's actions walked in order, the bytes of what each saves and frees
+summed (memory on a rank depends only on the order of its own actions, not on their timing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .actions import _Plan
+from .stage_bytes import _StageBytes
+
+
+def _walks(
+    plan: _Plan, weights: dict[int, _StageBytes], lengths: tuple[int, ...], n: int, with_own: bool = False
+) -> list[tuple[float, float]]:
+    """Per rank, (peak of saved activations, peak of activations + KV context) over its actions
+    (bookkeeping in :func:`_events` and :func:`_arena_events`, built once per plan and lengths; all
+    ranks in one pass); ``with_own``: slabs hold the last unit's K/V too (CP)."""
+    k = len(lengths)
+    e, starts = plan.merged_events(k)
+    arenas = plan.merged_arenas(lengths, with_own)
+    stages = np.array(list(weights))
+    saved = np.zeros((stages.max() + 1, k))
+    slab, held, grad, constant = (np.zeros(stages.max() + 1) for _ in range(4))
+    saved[stages] = [w.saved for w in weights.values()]
+    for table, name in ((slab, "slab"), (held, "held"), (grad, "grad"), (constant, "constant")):
+        table[stages] = [getattr(w, name) for w in weights.values()]
+    act = e.saved * saved[e.stage, e.unit] + arenas * slab[e.stage] + e.constant * constant[e.stage]
+    kv = arenas * held[e.stage] + e.grad * grad[e.stage]
+    peaks = []
+    for deltas in (act, act + kv):
+        running = np.cumsum(deltas)
+        before = np.concatenate(([0.0], running))[starts]  # the running sum as each rank begins
+        peaks.append(np.maximum(np.maximum.reduceat(running, starts) - before, 0.0))
+    scale = np.where(plan.forwards_first, n / plan.built_microbatches, 1.0)
+    return [(float(a), float(b)) for a, b in zip(peaks[0] * scale, peaks[1] * scale)]
