@@ -99,6 +99,7 @@ __all__ = [
     "Variant",
     "parse_variants",
     "Record",
+    "refusals",
     "measure",
     "calibrate",
     "merge",
@@ -262,19 +263,46 @@ def _check_run(run: Run, steps: int, what: str) -> None:
         print(f"warning: {what} exited with {run.returncode} after its last step", file=sys.stderr)
 
 
-def measure(variants: list[Variant], args: argparse.Namespace) -> list[Record]:
-    """Run every variant ``args.rounds`` times at each length, alternating; one record each.
+def refusals(variants: list[Variant], args: argparse.Namespace) -> dict[tuple[Variant, int], str]:
+    """Per (variant, length) that the job check refuses on ``args.pp`` processes, its one-line message,
+    checked in this process before any run: those are left out, the others measured (a schedule that
+    cannot run here, e.g. DualPipeV on a CPU, does not stop the benchmark)."""
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_seq.job_check import check_job
+    from torchtitan_seq.registration import register
+    from torchtitan_seq.train import resolve_args
+
+    register()
+    out = {}
+    for seq_len in args.seq_lens:
+        for v in variants:
+            argv = ["--job.config_file", str(Path(args.config).resolve()), *_job_overrides(v, seq_len, args)]
+            try:
+                check_job(ConfigManager().parse_args(resolve_args(argv)), args.pp)
+            except (ValueError, FileNotFoundError) as e:
+                out[v, seq_len] = str(e)
+    return out
+
+
+def measure(
+    variants: list[Variant], args: argparse.Namespace, refused: dict[tuple[Variant, int], str] | None = None
+) -> list[Record]:
+    """Run every variant ``args.rounds`` times at each length, alternating; one record each, none for
+    the (variant, length) pairs in ``refused`` (:func:`refusals`).
     With ``--calibrate``, each round also calibrates every run's units (:func:`calibrate_run`)
     right after the first run that needs them, and the records get the simulator's predictions."""
     env = {"NGPU": str(args.pp), "CONFIG_FILE": str(Path(args.config).resolve())}
-    total = len(args.seq_lens) * args.rounds * len(variants)
+    refused = refused or {}
+    total = (len(args.seq_lens) * len(variants) - len(refused)) * args.rounds
     records = []
     count = 0
     for seq_len in args.seq_lens:
-        runs: dict[Variant, list[Run]] = {v: [] for v in variants}
+        runnable = [v for v in variants if (v, seq_len) not in refused]
+        runs: dict[Variant, list[Run]] = {v: [] for v in runnable}
         calibrations: dict[tuple, list[dict]] = {}
         for r in range(args.rounds):
-            for v in variants:
+            for v in runnable:
                 count += 1
                 what = f"[{count}/{total}] seq {seq_len} round {r + 1}/{args.rounds} {v.label}"
                 began = time.monotonic()
@@ -293,7 +321,7 @@ def measure(variants: list[Variant], args: argparse.Namespace) -> list[Record]:
                 )
                 if args.calibrate:
                     calibrate_run(v, seq_len, run.lengths or [seq_len], args, calibrations, r)
-        mine = [_record(v, seq_len, runs[v], args) for v in variants]
+        mine = [_record(v, seq_len, runs[v], args) for v in runnable]
         if args.calibrate:
             add_predictions(mine, calibrations, args)
         records += mine
@@ -570,8 +598,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     began, load = datetime.now(), os.getloadavg()[0]
+    refused = refusals(variants, args)
+    for (v, seq_len), message in refused.items():
+        print(f"skipped: {v.label} at seq {seq_len}, refused by the job check: {message}", file=sys.stderr)
     try:
-        records = measure(variants, args)
+        records = measure(variants, args, refused)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
