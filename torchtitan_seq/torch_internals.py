@@ -46,46 +46,55 @@ __all__ = [
     "SdpaOps",
 ]
 
+_SCHEDULES = "torch.distributed.pipelining.schedules."
+_ATEN = "torch.ops.aten."
 PRIVATE_NAMES: dict[str, str] = {
-    "_Action": "the pipelining IR's action (stage, kind, microbatch): torch's CSV schedules and lowering speak it, "
-    "and it has no public name",
-    "_ComputationType": "the IR's action kinds (F, I, W, B, SEND_F, ...); same reason",
-    "_PipelineScheduleRuntime": "the only torch runtime that executes per-rank action lists with FSDP actions; "
-    "PipelineScheduleMulti's own loop never reduces FSDP gradients",
-    "_PipelineStageBase": "the stage without a module, for the simulator's stand-in stages (torch's own tests do this)",
-    "_RecvInfo": "a receive buffer's description: units differ in length, and torch sizes every buffer like unit 0",
-    "_prepare_schedule_with_comms": "torch's lowering (FSDP, gradient reduction, send/recv, 2.15's send waits) "
-    "of compute-only lists; public only through _load_csv, a file",
-    "_add_unshard_reshard": "lowering pass for two-chain schedules, whose send/recv torch's pass cannot place",
-    "_add_reduce_grad": "lowering pass for two-chain schedules (same reason)",
-    "_add_wait_send": "lowering pass (torch 2.15) for two-chain schedules (same reason); absent before 2.15",
-    "_validate_send_waits": "torch 2.15's check of the send waits, run after a lowering of the package's own",
-    "_step_microbatches": "runs pre-split microbatches before torch 2.14 (2.14 publishes step(arg_mbs=...))",
-    "_maybe_compute_loss": "the runtime files each loss by position; units of a last stage run in any order",
-    "_maybe_get_loss": "same hook: the loss kept for the step must be detached or it pins the unit's graph",
-    "_update_losses": "same hook: losses are returned per unit id",
-    "_loss_fn": "the schedule's loss function, read by the loss hooks above",
+    _SCHEDULES + "_Action": "the pipelining IR's action (stage, kind, microbatch): torch's CSV schedules and "
+    "lowering speak it, and it has no public name",
+    _SCHEDULES + "_ComputationType": "the IR's action kinds (F, I, W, B, SEND_F, ...); same reason",
+    _SCHEDULES + "_PipelineScheduleRuntime": "the only torch runtime that executes per-rank action lists with "
+    "FSDP actions; PipelineScheduleMulti's own loop never reduces FSDP gradients",
+    _SCHEDULES + "_add_unshard_reshard": "lowering pass, for two-chain schedules, whose sends and receives torch's "
+    "_add_send_recv cannot place (it sends across a chain's end)",
+    _SCHEDULES + "_add_reduce_grad": "lowering pass for two-chain schedules (same reason)",
+    _SCHEDULES + "_add_wait_send": "lowering pass (torch 2.15) for two-chain schedules (same reason)",
+    _SCHEDULES + "_validate_send_waits": "torch 2.15's check of the send waits, after a lowering of the package's own",
+    "torch.distributed.pipelining.stage._PipelineStageBase": "the stage without a module, for the simulator's "
+    "stand-in stages (as torch's own tests build them)",
+    "torch.distributed.pipelining.stage._RecvInfo": "a receive's description: units differ in length, and torch "
+    "sizes every receive like unit 0's",
+    "torch.distributed.pipelining._utils": "generate_stage_to_rank_mapping, torch's stage -> rank placements (loop, "
+    "v), as torchtitan places stages",
+    "torch.utils._pytree": "tree_map_only, to detach a stage's outputs, a tensor or a nest of them (torch has no "
+    "public pytree)",
+    "torch._dynamo": "config.recompile_limit: a compiled block meets one shape per unit length, and the default "
+    "limit is below the lengths a schedule may cut",
+    "torch._utils": "_get_available_device_type, through which torchtitan 0.2.2 detects the device, falling back "
+    "to 'cuda'; the CPU compatibility makes it fall back to 'cpu'",
+    _ATEN + "_scaled_dot_product_flash_attention_for_cpu": "SDPA's CPU flash kernel, returning the log-sum-exp "
+    "that the public SDPA hides and unit attention merges blocks by",
+    _ATEN + "_scaled_dot_product_flash_attention_for_cpu_backward": "its backward, which takes the merged output "
+    "and log-sum-exp",
+    _ATEN + "_scaled_dot_product_flash_attention": "SDPA's CUDA flash kernel, with the log-sum-exp (same reason)",
+    _ATEN + "_scaled_dot_product_flash_attention_backward": "its backward (same reason)",
+    _ATEN + "_scaled_dot_product_cudnn_attention": "SDPA's cuDNN kernel, with the log-sum-exp (same reason)",
+    _ATEN + "_scaled_dot_product_cudnn_attention_backward": "its backward (same reason)",
+    "_prepare_schedule_with_comms": "torch's lowering of compute-only lists (FSDP, gradient reduction, send/recv, "
+    "2.15's send waits), public only through _load_csv, from a file",
+    "_step_microbatches": "runs pre-split microbatches before torch 2.14, which publishes step(arg_mbs=...)",
+    "_maybe_compute_loss": "the runtime files each loss by position; a last stage runs units in any order",
+    "_maybe_get_loss": "the same hook: the loss kept for the step is detached, or it pins the unit's graph",
+    "_update_losses": "the same hook: losses are returned per unit id",
+    "_loss_fn": "the schedule's loss function, which the loss hooks call",
     "_n_microbatches": "torch's microbatch count, which is the unit count here (N k)",
     "_stages": "the rank's stages, as the runtime holds them",
-    "_has_backward": "whether the step runs backward; torch keeps it private",
-    "_prepare_forward_infra": "the stage hook after which receive buffers exist, to resize them per unit",
-    "_prepare_backward_infra": "the same hook for gradient receives",
-    "_create_grad_recv_info": "a stand-in stage's no-op (simulator)",
+    "_has_backward": "whether a step runs backward (False in eval); torch keeps it private",
+    "_prepare_forward_infra": "the stage hook after which receives are described, to resize them per unit",
+    "_prepare_backward_infra": "the same hook for the gradients' receives",
+    "_create_grad_recv_info": "a no-op on the simulator's stand-in stages, which receive nothing",
     "_validate_fwd_input": "torch 2.11 checks every unit's inputs against unit 0's shape; units differ",
     "_validate_fwd_outputs": "torch 2.11 checks every unit's outputs against unit 0's shape; units differ",
     "_get_init_p2p_neighbors_ops": "torch 2.11 warms up a link to a stage on the same rank, which gloo refuses",
-    "generate_stage_to_rank_mapping": "torch's stage -> rank placements (loop, v), as torchtitan places stages",
-    "tree_map_only": "detaching a stage's outputs, a tensor or a nest of them (torch has no public pytree)",
-    "recompile_limit": "torch._dynamo.config: a compiled block meets one shape per unit length",
-    "_get_available_device_type": "torch._utils: torchtitan 0.2.2 detects the device through it, falling back to "
-    "'cuda'; the CPU compatibility makes it fall back to 'cpu'",
-    "_scaled_dot_product_flash_attention_for_cpu": "SDPA's CPU flash kernel returning the log-sum-exp, which the "
-    "public SDPA hides and unit attention merges by",
-    "_scaled_dot_product_flash_attention_for_cpu_backward": "its backward, called with the merged output and LSE",
-    "_scaled_dot_product_flash_attention": "SDPA's CUDA flash kernel, with the log-sum-exp (same reason)",
-    "_scaled_dot_product_flash_attention_backward": "its backward (same reason)",
-    "_scaled_dot_product_cudnn_attention": "SDPA's cuDNN kernel, with the log-sum-exp (same reason)",
-    "_scaled_dot_product_cudnn_attention_backward": "its backward (same reason)",
 }
 """Every private torch name the package uses, and why the public API does not serve."""
 
@@ -104,7 +113,7 @@ FINALIZE_GRADIENTS: bool = "finalize_gradients" in inspect.signature(PipelineSch
 add_unshard_reshard = _schedules._add_unshard_reshard
 add_reduce_grad = _schedules._add_reduce_grad
 stage_to_rank_mapping = generate_stage_to_rank_mapping
-DEVICE_TYPE_DETECTION = (torch._utils, "_get_available_device_type")
+DEVICE_TYPE_DETECTION = (torch._utils, torch._utils._get_available_device_type.__name__)
 """(owner, name) of the function torchtitan's device detection calls."""
 
 
@@ -129,14 +138,32 @@ def allow_recompiles(graphs: int) -> None:
 
 
 class SdpaOps:
-    """The aten kernels behind SDPA that return the log-sum-exp, and their backwards."""
+    """The aten kernels behind SDPA that return the log-sum-exp, and their backwards, looked up at each
+    call (so that a test can stand a fake in for a CUDA-only op)."""
 
-    cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    flash = torch.ops.aten._scaled_dot_product_flash_attention
-    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
-    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
-    cudnn_backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+    @staticmethod
+    def cpu_flash(*args: Any, **kwargs: Any) -> Any:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
+
+    @staticmethod
+    def cpu_flash_backward(*args: Any, **kwargs: Any) -> Any:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
+
+    @staticmethod
+    def flash(*args: Any, **kwargs: Any) -> Any:
+        return torch.ops.aten._scaled_dot_product_flash_attention(*args, **kwargs)
+
+    @staticmethod
+    def flash_backward(*args: Any, **kwargs: Any) -> Any:
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(*args, **kwargs)
+
+    @staticmethod
+    def cudnn(*args: Any, **kwargs: Any) -> Any:
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(*args, **kwargs)
+
+    @staticmethod
+    def cudnn_backward(*args: Any, **kwargs: Any) -> Any:
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(*args, **kwargs)
 
 
 class UnitScheduleRuntime(_schedules._PipelineScheduleRuntime):
