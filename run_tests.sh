@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up .venv like run_train.sh, checks the style (ruff, configured in pyproject.toml), then runs the
-# test suite: ./run_tests.sh [pytest args]
+# Sets up the virtual environment like run_train.sh (tools/setup_env.sh: TORCH_VERSION picks the torch
+# release, default 2.13.0), checks the style (ruff, configured in pyproject.toml), then runs the test
+# suite: [TORCH_VERSION=2.15.0] ./run_tests.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")"
 source tools/setup_env.sh

@@ -26,7 +26,8 @@ Usage::
 
 from ..render import chrome_trace, compute_csv, render_svg
 from ..schedules import TORCH_SCHEDULES
-from .build import MockStage, SimConfig
+from ..torch_internals import MockStage
+from .build import SimConfig
 from .cli import main
 from .costs import UnitTimes, transformer_times, unit_times
 from .engine import Deadlock, SimResult, StuckRank, simulate, simulate_order
