@@ -30,13 +30,17 @@ attends over whole packed sequences with the same calls at offset 0
 A bound layer's attention is the custom op ``torchtitan_seq::unit_attention`` with a
 backward op of its own: torch.compile keeps it out of the compiled graph, so the KV
 context (Python state) is read and changed when the op runs, never traced. A layer
-names its context by a small CPU tensor of ids, a graph input, so one compiled graph
-serves every layer of a model.
+names its context by a small host tensor, a graph input, so one compiled graph serves every
+layer of a model; the op finds the binding by the tensor's address, never reading the tensor.
+
+Nothing on a unit's path reads a tensor on the host (``item``, ``tolist``, a tensor-valued ``if``):
+handles, offsets and document starts are Python values, the starts computed once per step
+(:meth:`~torchtitan_seq.documents.Documents.of_batch`), so on a GPU the host never waits for the
+device between units. Every add is in place and every merge writes into the kernel's own output.
 """
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -51,36 +55,46 @@ from .kv_context import KVContext, KVSlab, Phase
 __all__ = ["SequenceAttention", "bind_kv_context"]
 
 
-def _merge(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> tuple[Tensor, Tensor]:
-    """Combine two softmax-normalised partial attentions by their log-sum-exp."""
-    new_lse = torch.logaddexp(lse, lse_i)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + out_i * torch.exp(lse_i - new_lse).unsqueeze(-1)
-    return out, new_lse
+def _merge_into(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> None:
+    """Combine two softmax-normalised partial attentions by their log-sum-exp, into ``out``
+    (B, H, L, D) and ``lse`` (B, H, L) float32, in place: out_i's weight is
+    exp(lse_i - logaddexp(lse, lse_i)) = sigmoid(lse_i - lse), so the merge is four kernels (no
+    exp of each side, no product per side and sum); low-precision outputs are merged in float32
+    and rounded once, as the kernels round their own."""
+    weight = (lse_i - lse).sigmoid_().unsqueeze(-1)
+    torch.logaddexp(lse, lse_i, out=lse)
+    if out.dtype == torch.float32:
+        out.lerp_(out_i, weight)
+    else:
+        out.copy_(out.float().lerp_(out_i.float(), weight))
 
 
 @dataclass(eq=False)
 class _Binding:
-    """What a bound attention layer's custom op reads at run time: the stage's context and kernel."""
+    """What a bound attention layer's custom op reads at run time: the stage's context and kernel,
+    and the layer's id in the context."""
 
     context: KVContext
     kernel: AttentionKernel
+    layer_id: int
 
 
-# Custom ops take no Python objects: a bound layer passes a handle to its binding.
+# Custom ops take no Python objects: a bound layer passes a small host tensor of its own, ``ids``,
+# and its binding is found by that tensor's address, a Python int read without reading the tensor
+# (its values are never read on the unit path: a read of a tensor is a device sync where it lies on
+# one). The graphs that saved ``ids`` keep it alive, so its address names no other binding meanwhile.
 _BINDINGS: weakref.WeakValueDictionary[int, _Binding] = weakref.WeakValueDictionary()
-_HANDLES = itertools.count()
 
 
-def _bound(ids: Tensor) -> tuple[KVContext, AttentionKernel, int]:
-    """The context, kernel and layer id behind a layer's ``ids``."""
-    handle, layer_id = ids.tolist()
-    binding = _BINDINGS.get(handle)
+def _bound(ids: Tensor) -> _Binding:
+    """The binding behind a layer's ``ids``."""
+    binding = _BINDINGS.get(ids.data_ptr())
     if binding is None:
         raise RuntimeError(
-            f"unit attention of layer {layer_id}: its SequenceAttention module is gone or rebound; "
+            "unit attention: its SequenceAttention module is gone or rebound; "
             "keep the model alive (and bound) until its graphs have run backward"
         )
-    return binding.context, binding.kernel, layer_id
+    return binding
 
 
 _EVERY = slice(None)
@@ -165,16 +179,11 @@ def _attention_forward(
     if len(causal) == 1 and causal[0].index == whole:
         out, lse = kernel.forward(q, *keys(causal[0]), True, scale)
     else:
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        out, lse = torch.empty_like(q), _new_lse(q)
         for c in causal:
             out[c.index], lse[c.index] = kernel.forward(q[c.index], *keys(c), True, scale)
-    for c in prefix:
-        out_i, lse_i = kernel.forward(q[c.index], *keys(c), False, scale)
-        merged, lse_m = _merge(out[c.index].float(), lse[c.index], out_i.float(), lse_i)
-        if c.index == whole:
-            out, lse = merged.to(q.dtype), lse_m
-        else:
-            out[c.index], lse[c.index] = merged.to(q.dtype), lse_m
+    for c in prefix:  # merged into the views of out and lse the call's queries lie in
+        _merge_into(out[c.index], lse[c.index], *kernel.forward(q[c.index], *keys(c), False, scale))
     return out, lse
 
 
@@ -199,6 +208,7 @@ def _attention_backward(
         # zeros: a CP rank's calls leave other ranks' keys unread, and bottom-right calls of its two
         # chunks read some keys twice
         dk, dv = (torch.zeros_like(t) for t in keys.own)
+    # Every add below is in place into a view (``x[i] += y`` would copy the sum back onto itself).
     for c in causal:
         dq_i, dk_i, dv_i = kernel.backward(dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], True, scale)
         cut = max(offset - c.keys.start, 0)  # keys before the unit: a bottom-right call's prefix
@@ -208,34 +218,51 @@ def _attention_backward(
         if whole:
             dq, dk, dv = dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:]
         else:
-            dq[c.index] = dq_i
-            dk[c.rows, :, own] += dk_i[:, :, cut:]
-            dv[c.rows, :, own] += dv_i[:, :, cut:]
+            dq[c.index].copy_(dq_i)
+            dk[c.rows, :, own].add_(dk_i[:, :, cut:])
+            dv[c.rows, :, own].add_(dv_i[:, :, cut:])
     for c in prefix:
         dq_i, dk_i, dv_i = kernel.backward(
             dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], False, scale
         )
-        dq[c.index] += dq_i
+        dq[c.index].add_(dq_i)
         if c.keys.start >= offset:  # keys within the unit, read from its own (a CP rank's later chunk)
             own = slice(c.keys.start - offset, c.keys.stop - offset)
-            dk[c.rows, :, own] += dk_i
-            dv[c.rows, :, own] += dv_i
+            dk[c.rows, :, own].add_(dk_i)
+            dv[c.rows, :, own].add_(dv_i)
         else:  # read from the slab, laid out as it lays positions out
             slab.accumulate(dk_i, dv_i, c.rows, c.keys.start)
     later_k, later_v = slab.take(offset, length) if slab is not None else (None, None)
-    if later_k is not None:
+    if later_k is not None:  # dk, dv are the kernels' own (or the zeros above): added to in place
         n = later_k.shape[2]
-        dk, dv = dk.contiguous(), dv.contiguous()
-        dk[:, :, :n] += later_k
-        dv[:, :, :n] += later_v
+        dk[:, :, :n].add_(later_k)
+        dv[:, :, :n].add_(later_v)
     return dq, dk, dv
 
 
-def _heads_inner(out: Tensor) -> Tensor:
-    """(B, H, L, D) laid out as (B, L, H, D) in memory: what torch's attention kernels
-    mostly return, and what torchtitan's ``out.transpose(1, 2).contiguous()`` then takes
-    without a copy, so the output projection saves the same storage as this op does."""
-    return out.transpose(1, 2).contiguous().transpose(1, 2)
+def _heads_inner(t: Tensor) -> Tensor:
+    """(B, H, L, D) laid out as (B, L, H, D) in memory (a copy only if it is not): what torch's
+    attention kernels return, out and gradients alike. torchtitan's ``out.transpose(1, 2).contiguous()``
+    then takes the output without a copy (so the output projection saves the same storage as this op
+    does), and the gradients of q, k, v reach the projections' (B, L, H, D) views without one."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _new_lse(q: Tensor) -> Tensor:
+    """An empty log-sum-exp (B, H, L) float32 for queries q (B, H, L, D), laid out as the kernels of
+    q's device lay theirs out: torch's CPU flash kernel (B, L, H) in memory, every CUDA kernel
+    (B, H, L); so the op returns the kernel's own without a copy."""
+    b, h, n, _ = q.shape
+    if q.device.type == "cpu":
+        return q.new_empty(b, n, h, dtype=torch.float32).transpose(1, 2)
+    return q.new_empty(b, h, n, dtype=torch.float32)
+
+
+def _lse_layout(lse: Tensor) -> Tensor:
+    """``lse`` (B, H, L) laid out as :func:`_new_lse` lays it out (a copy only if it is not)."""
+    if lse.device.type == "cpu":
+        return lse.transpose(1, 2).contiguous().transpose(1, 2)
+    return lse.contiguous()
 
 
 def _whole_sequence_forward(
@@ -293,7 +320,8 @@ def _unit_attention(
     parallelism q, k and v are the CP rank's share of the unit (L / c tokens), and the unit's K/V
     are gathered over the CP group. ``compiled``: called from a compiled graph (see
     :func:`_save_unit`). Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
-    context, kernel, layer_id = _bound(ids)
+    binding = _bound(ids)
+    context, kernel, layer_id = binding.context, binding.kernel, binding.layer_id
     phase = context.phase(forward=True)
     if phase is None:
         out, lse = _whole_sequence_forward(kernel, q, k, v, None, scale)
@@ -302,7 +330,7 @@ def _unit_attention(
         own, slab = _own_keys(context, kernel, layer_id, phase, k, v)
         causal, prefix = _calls(context.documents_of(unit), unit.segments, kernel.bottom_right)
         out, lse = _attention_forward(kernel, q, _Keys(own, unit.offset, slab), causal, prefix, scale)
-    return _heads_inner(out), lse.contiguous()
+    return _heads_inner(out), _lse_layout(lse)
 
 
 @torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())
@@ -315,9 +343,9 @@ def _unit_attention_backward(
     the later units (run backward first) sent the unit's own keys; outside a unit, the gradients
     of causal attention over the whole sequence. Under context parallelism k and v are the whole
     unit's, as saved, and so are dk and dv: this rank's part of them (:func:`_unit_backward`
-    reduce-scatters them)."""
-    context, kernel, layer_id = _bound(ids)
-    dout = dout.contiguous()
+    reduce-scatters them). The gradients are laid out as :func:`_heads_inner` lays them out."""
+    binding = _bound(ids)
+    context, kernel, layer_id = binding.context, binding.kernel, binding.layer_id
     if kv_flipped:  # a copy of the unit's own K/V for its causal calls, not of the prefix
         k, v = k.flip(2), v.flip(2)
     if context.phase(forward=False) is None:
@@ -328,36 +356,38 @@ def _unit_attention_backward(
         causal, prefix = _calls(context.documents_of(unit), unit.segments, kernel.bottom_right)
         dq, dk, dv = _attention_backward(kernel, dout, q, keys, out, lse, causal, prefix, scale)
     # A custom op's outputs must have the strides of its fake implementation.
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return _heads_inner(dq), _heads_inner(dk), _heads_inner(dv)
 
 
 @torch.library.custom_op("torchtitan_seq::document_attention", mutates_args=())
 def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Block-causal attention of whole packed sequences, no unit: q (B, Hq, L, D), k, v
     (B, Hkv, L, D), ``documents`` (B, L) their ids. Returns out (B, Hq, L, D) and lse (B, Hq, L)."""
-    out, lse = _whole_sequence_forward(select_kernel(q.device), q, k, v, Documents.from_ids(documents), scale)
-    return _heads_inner(out), lse.contiguous()
+    out, lse = _whole_sequence_forward(select_kernel(q.device), q, k, v, Documents.of_batch(documents), scale)
+    return _heads_inner(out), _lse_layout(lse)
 
 
 @torch.library.custom_op("torchtitan_seq::document_attention_backward", mutates_args=())
 def _document_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, documents: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv (shaped like q, k, v) of :func:`_document_attention`, given dout, its out and lse."""
-    kernel, packed = select_kernel(q.device), Documents.from_ids(documents)
-    dq, dk, dv = _whole_sequence_backward(kernel, dout.contiguous(), q, k, v, out, lse, packed, scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    """dq, dk, dv (shaped like q, k, v, laid out as :func:`_heads_inner` lays them out) of
+    :func:`_document_attention`, given dout, its out and lse."""
+    kernel, packed = select_kernel(q.device), Documents.of_batch(documents)
+    dq, dk, dv = _whole_sequence_backward(kernel, dout, q, k, v, out, lse, packed, scale)
+    return _heads_inner(dq), _heads_inner(dk), _heads_inner(dv)
 
 
 def _fake_attention(q: Tensor, *_) -> tuple[Tensor, Tensor]:
-    """out (B, Hq, L, D) laid out as :func:`_heads_inner` lays it out, and lse (B, Hq, L) float32."""
+    """out (B, Hq, L, D) laid out as :func:`_heads_inner` lays it out, and lse (B, Hq, L) float32 as
+    :func:`_new_lse` lays it out."""
     b, h, n, d = q.shape
-    return q.new_empty(b, n, h, d).transpose(1, 2), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return q.new_empty(b, n, h, d).transpose(1, 2), _new_lse(q)
 
 
 def _fake_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *_) -> tuple[Tensor, ...]:
-    """dq, dk, dv: contiguous, shaped like q, k, v."""
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    """dq, dk, dv shaped like q, k, v, laid out as :func:`_heads_inner` lays them out."""
+    return tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).transpose(1, 2) for t in (q, k, v))
 
 
 def _save_unit(ctx, inputs, output) -> None:
@@ -368,10 +398,12 @@ def _save_unit(ctx, inputs, output) -> None:
     q, k, v, ids, ctx.scale, compiled = inputs
     ctx.kv_flipped, ctx.shard = False, None
     if not compiled:
-        context, _, layer_id = _bound(ids)
-        k, v, ctx.kv_flipped = context.own(layer_id) or (k, v, False)
+        binding = _bound(ids)
+        context = binding.context
+        k, v, ctx.kv_flipped = context.own(binding.layer_id) or (k, v, False)
         ctx.shard = context.shard if context.unit is not None and context.shard.size > 1 else None
     ctx.save_for_backward(q, k, v, *output, ids)
+    ctx.set_materialize_grads(False)  # no zeros for the log-sum-exp's gradient, which backward ignores
 
 
 def _unit_backward(ctx, dout: Tensor, _dlse: Tensor | None):
@@ -387,6 +419,7 @@ def _save_documents(ctx, inputs, output) -> None:
     """Saves q, k, v, the output and log-sum-exp, and the document ids."""
     q, k, v, documents, ctx.scale = inputs
     ctx.save_for_backward(q, k, v, *output, documents)
+    ctx.set_materialize_grads(False)
 
 
 def _documents_backward(ctx, dout: Tensor, _dlse: Tensor | None):
@@ -427,13 +460,12 @@ class SequenceAttention(nn.Module):
     def __init__(self, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.ids: Tensor | None = None  # (handle, layer id) on the CPU: see the module docstring
+        self.ids: Tensor | None = None  # names the binding, on the host: see the module docstring
         self._binding: _Binding | None = None
 
     def bind(self, context: KVContext, kernel: AttentionKernel) -> None:
-        handle = next(_HANDLES)
-        _BINDINGS[handle] = self._binding = _Binding(context, kernel)
-        self.ids = torch.tensor([handle, self.layer_id])
+        self.ids = torch.tensor([self.layer_id], device="cpu")  # a storage of its own, whose address is the handle
+        _BINDINGS[self.ids.data_ptr()] = self._binding = _Binding(context, kernel, self.layer_id)
 
     def forward(
         self,

@@ -18,6 +18,8 @@ from typing import Literal, Protocol, get_args
 import torch
 from torch import Tensor
 
+from .torch_internals import SdpaOps
+
 __all__ = [
     "AttentionBackend",
     "AttentionKernel",
@@ -57,85 +59,75 @@ class CpuSdpaKernel:
     bottom_right = False
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = SdpaOps.cpu_flash(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
+        return SdpaOps.cpu_flash_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _expand(t: Tensor, n_rep: int) -> Tensor:
-    """Grouped K or V heads (B, Hkv, L, D) repeated to (B, Hkv * n_rep, L, D), for kernels without GQA."""
-    return t if n_rep == 1 else t.repeat_interleave(n_rep, dim=1)
-
-
-def _reduce(t: Tensor, n_rep: int) -> Tensor:
-    """The gradient of :func:`_expand`'s output (B, Hkv * n_rep, L, D) summed back to (B, Hkv, L, D)."""
-    return t if n_rep == 1 else t.unflatten(1, (-1, n_rep)).sum(2)
+# Grouped K/V heads: torch's CUDA flash and cuDNN ops take them as they are (Hq a multiple of Hkv,
+# the gradients of K/V summed over each group inside the kernel): their SDPA dispatch has admitted
+# grouped heads for flash since torch 2.5 and for cuDNN since 2.8 (``check_batch_size_and_num_heads_dense``
+# with GQA on, aten/src/ATen/native/transformers/cuda/sdp_utils.cpp), and the ops' meta kernels shape
+# dK/dV like K/V. So no adapter repeats heads or sums their gradients back.
 
 
 class CudaSdpaKernel:
-    """torch's own CUDA flash-attention kernel (fp16/bf16), used without flash-attn. It
-    has no GQA support: grouped K/V heads are expanded per call, their gradients summed back.
-    Causal masks align top-left."""
+    """torch's own CUDA flash-attention kernel (fp16/bf16), used without flash-attn; grouped
+    K/V heads native. Causal masks align top-left."""
 
     bottom_right = False
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        n_rep = q.shape[1] // k.shape[1]
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, _expand(k, n_rep), _expand(v, n_rep), 0.0, causal, scale=scale
-        )
+        out, lse, *_ = SdpaOps.flash(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        n_rep = q.shape[1] // k.shape[1]
         # None, as the forward returns them: defined sequence offsets select the varlen
         # kernel, and without dropout the RNG state is never read.
         # Positional as the aten schema lists them, a few to a line (not one argument per line).
         # fmt: off
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, _expand(k, n_rep), _expand(v, n_rep), out, lse,
-            None, None, q.shape[2], k.shape[2], 0.0, causal, None, None, scale=scale,
+        return SdpaOps.flash_backward(
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, None, None, scale=scale,
         )
         # fmt: on
-        return dq, _reduce(dk, n_rep), _reduce(dv, n_rep)
 
 
 class CudnnSdpaKernel:
     """torch's cuDNN attention kernel (fp16/bf16), the one torch's SDPA picks on Hopper:
     1.75x the flash kernel's speed forward + backward on an H200 at 32K tokens
-    (``benchmarks/gpu/2026-11-30``). Grouped K/V heads are expanded as for the flash kernel;
-    the aten op takes no mask alignment (top-left)."""
+    (``benchmarks/gpu/2026-11-30``); grouped K/V heads native. The aten op takes no mask
+    alignment (top-left)."""
 
     bottom_right = False
 
+    def __init__(self) -> None:
+        self._rng: dict[torch.device, Tensor] = {}  # the unread RNG state, one per device, not one per call
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        n_rep = q.shape[1] // k.shape[1]
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, _expand(k, n_rep), _expand(v, n_rep), None, True, 0.0, causal, False, scale=scale
-        )
+        out, lse, *_ = SdpaOps.cudnn(q, k, v, None, True, 0.0, causal, False, scale=scale)
         return out, lse.view(q.shape[:-1]).float()  # cuDNN's lse is (B, H, L, 1)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        n_rep = q.shape[1] // k.shape[1]
         # Without dropout the RNG state is not read; no sequence offsets: not the varlen kernel.
-        rng = torch.zeros((), dtype=torch.int64, device=q.device)
+        rng = self._rng.get(q.device)
+        if rng is None:
+            rng = self._rng[q.device] = torch.zeros((), dtype=torch.int64, device=q.device)
+        # out and dout as they come, both laid out (B, L, H, D) as the forward wrote out: cuDNN wants
+        # their strides alike (torch copies dout to out's layout where they differ); no contiguous copy.
         # fmt: off
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, _expand(k, n_rep), _expand(v, n_rep), out.contiguous(), lse.unsqueeze(-1).contiguous(),
+        return SdpaOps.cudnn_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1).contiguous(),
             rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
         )
         # fmt: on
-        return dq, _reduce(dk, n_rep), _reduce(dv, n_rep)
 
 
 _FLASH_ATTN_PLAIN = dict(dropout_p=0.0, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None)

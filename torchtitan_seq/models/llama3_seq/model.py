@@ -69,6 +69,8 @@ class SeqTransformer(Transformer):
         super().__init__(dataclasses.replace(model_args, attn_type="sdpa", attn_mask_type="causal"))
         self.model_args = model_args
         self.kv_context: KVContext | None = None
+        # RoPE positions of the units run so far, kept: the same few every step, built once
+        self._positions: dict[tuple[tuple[tuple[int, int], ...], torch.device], torch.Tensor] = {}
         sdpa_args = dataclasses.replace(model_args, attn_type="sdpa")
         for layer_id, layer in self.layers.items():
             layer.attention = SeqAttention(sdpa_args, int(layer_id))
@@ -90,7 +92,10 @@ class SeqTransformer(Transformer):
         """tokens: (B, L) ids on the first stage, else (B, L, dim) activations (L / tp with SP)."""
         unit = self.kv_context.unit if self.kv_context is not None else None
         if unit is not None and positions is None:
-            positions = unit_positions(unit, tokens.device)
+            key = (unit.segments, tokens.device)
+            positions = self._positions.get(key)
+            if positions is None:
+                positions = self._positions[key] = unit_positions(unit, tokens.device)
         return super().forward(tokens, attention_masks, positions)
 
 

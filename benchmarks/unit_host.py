@@ -1,0 +1,265 @@
+"""Host cost of the unit path per unit and layer: leaf aten ops and host microseconds, two checkouts alternating.
+
+    python benchmarks/unit_host.py --trees OLD NEW [--rounds 5] [--repeats 25] [--out DIR]
+    python benchmarks/unit_host.py --count          # this checkout's counts only, as JSON
+
+One InterleavedSeq1F1B step on one CPU rank through the public API (p = 1: both stages of a 2-stage
+pipeline on the rank), a tiny Llama 3 (dim 64, 4 layers, 4 heads, 2 KV heads, 128 tokens, 2
+microbatches of one sequence), one thread, where compute is negligible and what is measured is what
+the host does for each (unit, layer). Per unit and layer: the step at k = 8 minus the step at k = 1,
+over the unit-layers added (2 microbatches x 7 units x 4 layers); against a plain layer of
+torchtitan's Llama 3 on the whole batch (4 layers minus 2, halved), forward and backward.
+
+* leaf aten ops: the profiler's aten ops with no aten op beneath them, views left out (about one
+  kernel launch each on a GPU). Counted with the CPU kernel, and with the CUDA adapters' op sequences
+  (torch's cuDNN and flash kernels) against fakes of their aten ops on the CPU (each fake counted as
+  the one op it stands for);
+* host µs: the minimum over ``--repeats`` steps (a GPU's host runs no faster than its best).
+
+With ``--trees`` each checkout runs in a fresh interpreter of its own, in turn, the order reversed
+every round, and the 1-minute load average is read before each; ``--out`` gets ``unit_host.json``
+(every round) and ``unit_host.md`` (the minima over the rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MODEL = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=16, rope_theta=10000, vocab_size=128)
+SEQ_LEN, MICROBATCHES, K = 128, 2, 8
+UNIT_LAYERS = MICROBATCHES * (K - 1) * MODEL["n_layers"]  # unit-layers added from k = 1 to k = K
+# The CUDA-only aten ops the adapters call, each faked on the CPU and counted as one launch.
+_FAKED = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_cudnn_attention_backward",
+)
+
+
+def _is_view(name: str) -> bool:
+    """Whether aten op ``name`` (``aten::x``) runs no kernel: every overload returns a view of an input
+    (``to`` that changes nothing returns its input) or no tensor (``result_type``), or it is
+    ``_unsafe_view``."""
+    if name == "aten::_unsafe_view":  # a view whose schema does not say so
+        return True
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    if packet is None:
+        return False
+    for overload in packet.overloads():
+        returns = getattr(packet, overload)._schema.returns
+        tensors = [r for r in returns if isinstance(r.type, torch.TensorType)]
+        if any(r.alias_info is None or r.alias_info.is_write for r in tensors):
+            return False
+    return True
+
+
+def leaf_ops(fn: Callable[[], object]) -> int:
+    """The aten ops ``fn`` runs with no aten op beneath them, views left out; a fake CUDA op counts once."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    views: dict[str, bool] = {}
+
+    def count(event) -> int:
+        if event.name.startswith("fake::"):
+            return 1
+        below = sum(count(c) for c in event.cpu_children)
+        aten = [c for c in event.cpu_children if c.name.startswith(("aten::", "fake::"))]
+        if below or aten or not event.name.startswith("aten::"):
+            return below
+        if event.name not in views:
+            views[event.name] = _is_view(event.name)
+        return 0 if views[event.name] else 1
+
+    return sum(count(e) for e in prof.events() if e.cpu_parent is None)
+
+
+def _fake_op(name: str) -> Callable:
+    """``torch.ops.aten.<name>`` computed by the CPU kernel (grouped heads native, as in the CUDA ops),
+    in a profiler range ``fake::<name>`` that :func:`leaf_ops` counts as one op. Positional arguments
+    as the aten schemas list them: q, k, v first; dout, q, k, v, out, lse first backward."""
+    from torchtitan_seq.kernels import CpuSdpaKernel
+
+    cpu, cudnn = CpuSdpaKernel(), "cudnn" in name
+    causal_at = {"flash": 4, "cudnn": 6, "flash_backward": 11, "cudnn_backward": 14}
+
+    def fake(*args, **kwargs):
+        kind = name.removeprefix("_scaled_dot_product_").removesuffix("_attention").replace("_attention", "")
+        causal, scale = args[causal_at[kind]], kwargs["scale"]
+        with torch.profiler.record_function(f"fake::{name}"):
+            if not name.endswith("_backward"):
+                out, lse = cpu.forward(*args[:3], causal, scale)
+                return out, lse.unsqueeze(-1) if cudnn else lse
+            dout, q, k, v, out, lse = args[:6]
+            return cpu.backward(dout, q, k, v, out, lse.squeeze(-1) if cudnn else lse, causal, scale)
+
+    return fake
+
+
+@contextlib.contextmanager
+def _fake_cuda_ops() -> Iterator[None]:
+    saved = {name: getattr(torch.ops.aten, name) for name in _FAKED}
+    try:
+        for name in _FAKED:
+            setattr(torch.ops.aten, name, _fake_op(name))
+        yield
+    finally:
+        for name, op in saved.items():
+            setattr(torch.ops.aten, name, op)
+
+
+def _kernel(name: str):
+    from torchtitan_seq import kernels
+
+    return getattr(kernels, name)()
+
+
+def pipeline_step(k: int, kernel: str = "CpuSdpaKernel") -> Callable[[], None]:
+    """One InterleavedSeq1F1B step at ``k`` units per microbatch with ``kernel``, as a closure."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+    from torchtitan.models.llama3 import TransformerModelArgs
+
+    from torchtitan_seq.loss import TokenNormalizedLoss
+    from torchtitan_seq.models.llama3_seq import SeqTransformer
+    from torchtitan_seq.partition import partition_sequence
+    from torchtitan_seq.pipeline import split_model
+    from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+    from torchtitan_seq.stage import SequencePipelineStage
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    model = SeqTransformer(TransformerModelArgs(**MODEL, max_seq_len=SEQ_LEN))
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
+    chunks = split_model(model, mesh, "InterleavedSeq1F1B", cpu, generate_llm_fqn_per_model_part(2, 4, 1, 1))
+    lengths, group = partition_sequence(SEQ_LEN, k, "even"), mesh.get_group()
+    stages = [
+        SequencePipelineStage(c, i, 2, cpu, lengths=lengths, chain_length=n, group=group, kernel=_kernel(kernel))
+        for i, n, c in chunks
+    ]
+    loss_fn = TokenNormalizedLoss(cross_entropy_loss)
+    schedule = SEQUENCE_SCHEDULES["InterleavedSeq1F1B"](stages, MICROBATCHES, loss_fn)
+    tokens, labels = (torch.randint(MODEL["vocab_size"], (MICROBATCHES, SEQ_LEN)) for _ in range(2))
+
+    def step() -> None:
+        with loss_fn.normalized_by(labels.numel()):
+            schedule.step(tokens, target=labels, losses=[])
+
+    return step
+
+
+def plain_step(n_layers: int) -> Callable[[], None]:
+    """Forward and backward of torchtitan's Llama 3 with ``n_layers`` layers on the whole batch."""
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerModelArgs(**{**MODEL, "n_layers": n_layers}, max_seq_len=SEQ_LEN))
+    with torch.no_grad():
+        model.init_weights()
+    tokens, labels = (torch.randint(MODEL["vocab_size"], (MICROBATCHES, SEQ_LEN)) for _ in range(2))
+    return lambda: cross_entropy_loss(model(tokens), labels).backward()
+
+
+def _best_us(step: Callable[[], None], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+def measure(repeats: int) -> dict:
+    """This checkout's figures (see the module docstring): per unit-layer, per plain layer, and their difference."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        steps = {k: pipeline_step(k) for k in (1, K)}
+        plain = {n: plain_step(n) for n in (2, 4)}
+        for fn in (*steps.values(), *plain.values()):
+            fn()  # warm-up: shape inference, first allocations
+        ops = {"plain": (leaf_ops(plain[4]) - leaf_ops(plain[2])) / 2}
+        ops["CpuSdpaKernel"] = (leaf_ops(steps[K]) - leaf_ops(steps[1])) / UNIT_LAYERS
+        with _fake_cuda_ops():
+            for kernel in ("CudnnSdpaKernel", "CudaSdpaKernel"):
+                fake = {k: pipeline_step(k, kernel) for k in (1, K)}
+                for fn in fake.values():
+                    fn()
+                ops[kernel] = (leaf_ops(fake[K]) - leaf_ops(fake[1])) / UNIT_LAYERS
+        us = {"plain": (_best_us(plain[4], repeats) - _best_us(plain[2], repeats)) / 2}
+        us["unit"] = (_best_us(steps[K], repeats) - _best_us(steps[1], repeats)) / UNIT_LAYERS
+    finally:
+        dist.destroy_process_group()
+    return {"ops_per_unit_layer": ops, "us_per_unit_layer": us, "unit_path_us": us["unit"] - us["plain"]}
+
+
+def _run_tree(tree: Path, repeats: int) -> dict:
+    """This script's measurement of the checkout ``tree`` (its ``torchtitan_seq``), in a fresh interpreter."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, str(Path(__file__).resolve()), "--count", "--repeats", str(repeats)]
+    out = subprocess.run(argv, env=env, cwd=tree, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def table(runs: list[dict], trees: list[Path]) -> str:
+    """Per tree: ops per unit-layer (CPU kernel, cuDNN and flash adapters) against a plain layer, and the
+    minimum host µs over the rounds."""
+    lines = [
+        "| tree | leaf ops / unit-layer: CPU, cuDNN, flash (plain layer) | host µs / unit-layer (plain layer) | "
+        "unit path's own µs |",
+        "|---|---|---|---|",
+    ]
+    for tree in trees:
+        mine = [r for r in runs if r["tree"] == str(tree)]
+        ops = mine[0]["ops_per_unit_layer"]
+        unit = min(r["us_per_unit_layer"]["unit"] for r in mine)
+        plain = min(r["us_per_unit_layer"]["plain"] for r in mine)
+        lines.append(
+            f"| {tree} | {ops['CpuSdpaKernel']:.1f}, {ops['CudnnSdpaKernel']:.1f}, {ops['CudaSdpaKernel']:.1f} "
+            f"({ops['plain']:.1f}) | {unit:.0f} ({plain:.0f}) | {unit - plain:.0f} |"
+        )
+    loads = [r["load"] for r in runs]
+    lines.append(f"\nLoad average (1 min) before each run: {min(loads):.2f} to {max(loads):.2f}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", type=Path, nargs=2, help="two checkouts, before and after")
+    ap.add_argument("--count", action="store_true", help="measure this interpreter's torchtitan_seq, print JSON")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if args.count or not args.trees:
+        print(json.dumps(measure(args.repeats)))
+        return
+    runs = []
+    for r in range(args.rounds):
+        for tree in args.trees if r % 2 == 0 else reversed(args.trees):
+            load = os.getloadavg()[0]
+            runs.append({"round": r, "tree": str(tree), "load": load, **_run_tree(tree, args.repeats)})
+            print(json.dumps(runs[-1]), flush=True)
+    report = table(runs, args.trees)
+    print(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "unit_host.json").write_text(json.dumps(runs, indent=1))
+        (args.out / "unit_host.md").write_text(report)
+
+
+if __name__ == "__main__":
+    main()
