@@ -128,6 +128,23 @@ def test_the_walk_covers_every_setting_and_schedule():
     assert {f"schedule={name}" for name in (*SEQUENCE_SCHEDULES, *TORCH_SCHEDULES)} <= set(CASES)
 
 
+CUDA_ONLY = {
+    "attention_backend=flash": "sequence_pipeline.attention_backend = 'flash' needs a CUDA device",
+    "schedule=DualPipeV": "needs parallelism.pipeline_parallel_expert_parallel_overlap = false",
+    # torchao absent: "need torchao"; present: float8 and MX need a GPU on a CPU-only machine
+    "float8": "model.converters = ['quantize.linear.float8']",
+    "mx": "model.converters = ['quantize.linear.mx']",
+}
+
+
+@pytest.mark.parametrize("name", list(CUDA_ONLY))
+def test_cuda_only_values_are_refused_on_a_cpu_by_the_check(name, tmp_path):
+    """Quick: the check alone, in this process (the walk trains the rest)."""
+    results = walk({name: CASES[name]}, tmp_path)
+    assert results[name]["outcome"] == "refused", results
+    assert CUDA_ONLY[name] in results[name]["message"] and "\n" not in results[name]["message"]
+
+
 @pytest.mark.slow
 def test_every_setting_is_refused_in_one_line_or_trains_a_step(tmp_path):
     results = walk(CASES, tmp_path)
