@@ -3,7 +3,9 @@
 torchtitan 0.2.2 assumes an accelerator. Without CUDA this module makes it run on the CPU with
 gloo (with CUDA it does nothing); torch's and torchtitan's files stay unmodified on disk:
 
-* device detection falls back to "cpu" (torchtitan falls back to "cuda");
+* device detection falls back to "cpu" (torchtitan falls back to "cuda"), and so does
+  ``create_block_mask``'s default device (it defaults to the accelerator, which the registry's CUDA
+  builds of torch 2.14 and 2.15 report as ``cuda`` without a GPU);
 * ``torch.cpu`` gains the memory API torchtitan's memory monitor calls, with the process's peak
   resident set size as the peak memory;
 * ``barrier(device_ids=["cpu"])`` drops the device ids gloo rejects;
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.attention import flex_attention
 
 from .torch_internals import DEVICE_TYPE_DETECTION
 
@@ -58,6 +61,13 @@ def _profile_without_missing_device(init):
     return wrapped
 
 
+def _block_mask_on_cpu(create_block_mask):
+    def wrapped(mask_mod, B, H, Q_LEN, KV_LEN, device=None, *args, **kwargs):
+        return create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device or "cpu", *args, **kwargs)
+
+    return wrapped
+
+
 def _patch(owner: object, name: str, wrap) -> None:
     """Replace ``owner.name`` by ``wrap(owner.name)``, once: the mark keeps :func:`apply` idempotent."""
     original = getattr(owner, name)
@@ -73,6 +83,7 @@ def apply() -> None:
     if torch.cuda.is_available():
         return
     _patch(*DEVICE_TYPE_DETECTION, lambda detect: lambda: detect() or "cpu")
+    _patch(flex_attention, "create_block_mask", _block_mask_on_cpu)
     _patch(dist, "barrier", _barrier_without_cpu_ids)
     _patch(torch.profiler.profile, "__init__", _profile_without_missing_device)
     for name, fn in {

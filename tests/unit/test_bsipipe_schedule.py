@@ -3,7 +3,6 @@
 import itertools
 
 import pytest
-from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_send_recv, _add_unshard_reshard
 
 from torchtitan_seq.schedules import (
     SEQUENCE_SCHEDULES,
@@ -13,6 +12,7 @@ from torchtitan_seq.schedules import (
     lower_chains,
     seq1f1b_actions,
 )
+from torchtitan_seq.torch_internals import torch_lowering
 
 
 def test_layout_places_chains_in_mirrored_vs():
@@ -32,12 +32,12 @@ def test_layout_places_chains_in_mirrored_vs():
 
 
 def test_lowering_of_one_chain_is_torchs():
-    """With one chain, lower_chains places every send and receive where torch's _add_send_recv does."""
+    """With one chain, lower_chains lowers as torch's runtime does (its sends and receives where torch's
+    _add_send_recv places them, and torch 2.15's waits after them)."""
     for p, n, k in itertools.product((2, 3, 4), (1, 3), (1, 2, 4)):
         order = seq1f1b_actions(ScheduleShape(p, n, k))
         ours = lower_chains(order, {s: s for s in range(p)}, p, n * k)
-        with_fsdp = {r: _add_reduce_grad(_add_unshard_reshard(a), n * k) for r, a in order.items()}
-        assert ours == _add_send_recv(with_fsdp, lambda s: s, p)
+        assert ours == torch_lowering(order, p, n * k)[0]
 
 
 def test_no_transfer_crosses_a_chain_end():
