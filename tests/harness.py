@@ -60,6 +60,7 @@ class Variant:
     optimizer_steps: int = 0  # SGD steps (and BSIPipe/Chimera copy syncs) on both sides before the compared step
     mutation: str | None = None  # a mechanism broken on purpose: a key of mutations.MUTATIONS
     kernel: str = "top_left"  # unit attention's kernel: torch's CPU kernel, or "bottom_right" (bottom_right.py)
+    pre_split: bool = False  # step() given one entry per microbatch (arg_mbs, ...), as torch 2.14's step takes them
 
     @property
     def world(self) -> int:
@@ -353,6 +354,7 @@ class _PipelineRun:
         torch._dynamo.reset()  # graphs and counters of this variant alone
         counters.clear()
         self.schedule = SEQUENCE_SCHEDULES[v.schedule](stages, v.microbatches, loss_fn, split_backward=v.split_backward)
+        self.pre_split = v.microbatches if v.pre_split else 0
 
     def step(self, b: Batch, repeats: int = 1) -> list | None:
         """``repeats`` schedule steps on ``b``; the last stage's unit losses of the last one."""
@@ -362,13 +364,22 @@ class _PipelineRun:
         for _ in range(repeats):
             self.optimizer.zero_grad(set_to_none=True)
             losses = [] if self.last else None
+            tokens = b.tokens[rows] if self.first else None
+            target = b.labels[rows] if self.last else None
+            masks = b.documents[rows] if b.documents is not None else None
             with self.memory.track():
-                self.schedule.step(
-                    *((b.tokens[rows],) if self.first else ()),
-                    target=b.labels[rows] if self.last else None,
-                    losses=losses,
-                    attention_masks=b.documents[rows] if b.documents is not None else None,
-                )
+                if self.pre_split:
+                    n = self.pre_split
+                    self.schedule.step(
+                        arg_mbs=None if tokens is None else [(t,) for t in tokens.tensor_split(n)],
+                        kwarg_mbs=None if masks is None else [{"attention_masks": m} for m in masks.tensor_split(n)],
+                        target_mbs=None if target is None else list(target.tensor_split(n)),
+                        losses=losses,
+                    )
+                else:
+                    self.schedule.step(
+                        *(() if tokens is None else (tokens,)), target=target, losses=losses, attention_masks=masks
+                    )
             self.activations_left.append(self.memory.current)
             self.peaks.append(self.memory.peak)
             self.graphs.append(counters["stats"]["unique_graphs"])

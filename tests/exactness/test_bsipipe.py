@@ -19,6 +19,7 @@ def _variants(pp: int) -> list[Variant]:
         ],
         _bsi("k2-N4", pp, k=2, microbatches=4),
         _bsi("copies", pp, k=2, optimizer_steps=3),
+        _bsi("k2-pre-split", pp, k=2, pre_split=True),  # step(arg_mbs=..., ...), torch 2.14's form
     ]
 
 

@@ -17,6 +17,8 @@ EXACT = [
     Variant("terapipe-k3-compute", schedule="TeraPipe", k=3, partition="compute"),
     Variant("terapipe-k4-even", schedule="TeraPipe", k=4),
     Variant("terapipe-k4-even-IW", schedule="TeraPipe", k=4, split_backward=True),
+    # the microbatches given pre-split, as torch 2.14's step (and torchtitan 0.3) passes them
+    Variant("k3-compute-pre-split-documents", k=3, partition="compute", documents=True, pre_split=True),
 ]
 
 
