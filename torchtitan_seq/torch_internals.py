@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,33 +138,28 @@ def allow_recompiles(graphs: int) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
 
 
-class SdpaOps:
-    """The aten kernels behind SDPA that return the log-sum-exp, and their backwards, looked up at each
-    call (so that a test can stand a fake in for a CUDA-only op)."""
+class _SdpaOps:
+    """The aten kernels behind SDPA that return the log-sum-exp, and their backwards, as attributes
+    (``SdpaOps.cpu_flash(q, k, v, ...)``), looked up at each use so that a test can stand a fake in for
+    a CUDA-only op."""
 
-    @staticmethod
-    def cpu_flash(*args: Any, **kwargs: Any) -> Any:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
+    _ops: dict[str, Callable[[], Any]] = {
+        "cpu_flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+        "cpu_flash_backward": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        "flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention,
+        "flash_backward": lambda: torch.ops.aten._scaled_dot_product_flash_attention_backward,
+        "cudnn": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention,
+        "cudnn_backward": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention_backward,
+    }
 
-    @staticmethod
-    def cpu_flash_backward(*args: Any, **kwargs: Any) -> Any:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._ops[name]()
+        except KeyError:
+            raise AttributeError(name) from None
 
-    @staticmethod
-    def flash(*args: Any, **kwargs: Any) -> Any:
-        return torch.ops.aten._scaled_dot_product_flash_attention(*args, **kwargs)
 
-    @staticmethod
-    def flash_backward(*args: Any, **kwargs: Any) -> Any:
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(*args, **kwargs)
-
-    @staticmethod
-    def cudnn(*args: Any, **kwargs: Any) -> Any:
-        return torch.ops.aten._scaled_dot_product_cudnn_attention(*args, **kwargs)
-
-    @staticmethod
-    def cudnn_backward(*args: Any, **kwargs: Any) -> Any:
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(*args, **kwargs)
+SdpaOps = _SdpaOps()
 
 
 class UnitScheduleRuntime(_schedules._PipelineScheduleRuntime):
@@ -219,15 +215,8 @@ class UnitScheduleRuntime(_schedules._PipelineScheduleRuntime):
         through ``step`` where torch takes pre-split microbatches (2.14), else its private loop."""
         if PRE_SPLIT_STEP:
             extra = {"finalize_gradients": finalize_gradients} if FINALIZE_GRADIENTS else {}
-            super().step(
-                arg_mbs=arg_units,
-                kwarg_mbs=kwarg_units,
-                target_mbs=target_units,
-                losses=losses,
-                return_outputs=False,
-                loss_kwargs=loss_kwargs,
-                **extra,
-            )
+            units = {"arg_mbs": arg_units, "kwarg_mbs": kwarg_units, "target_mbs": target_units}
+            super().step(**units, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs, **extra)
             return
         if not finalize_gradients:
             raise ValueError(f"step(finalize_gradients=False) needs torch 2.15 or newer, not {torch.__version__}")
