@@ -24,4 +24,24 @@ else
     source tools/setup_env.sh
     PYTHON=python
 fi
-exec "$PYTHON" benchmarks/gpu_check.py "$@"
+# Then the unit path's host cost on the same device (benchmarks/unit_host.py): kernel launches per
+# unit and layer against a plain layer, and host against device time per unit-layer, into the same
+# --out as unit_host_<device>.json. The check's exit status wins; 2 (no CUDA device) skips it.
+out="" device=cuda
+args=("$@")
+for i in "${!args[@]}"; do
+    case "${args[$i]}" in
+        --out) out="${args[$((i + 1))]}" ;;
+        --out=*) out="${args[$i]#--out=}" ;;
+        --device) device="${args[$((i + 1))]}" ;;
+        --device=*) device="${args[$i]#--device=}" ;;
+    esac
+done
+status=0
+"$PYTHON" benchmarks/gpu_check.py "$@" || status=$?
+if [ "$status" -eq 2 ] || [ -z "$out" ]; then
+    exit "$status"
+fi
+"$PYTHON" benchmarks/unit_host.py --count --device "$device" --repeats "${UNIT_HOST_REPEATS:-25}" --out "$out" \
+    || { [ "$status" -ne 0 ] || status=$?; }
+exit "$status"

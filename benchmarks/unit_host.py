@@ -1,7 +1,7 @@
 """Host cost of the unit path per unit and layer: leaf aten ops and host microseconds, two checkouts alternating.
 
     python benchmarks/unit_host.py --trees OLD NEW [--rounds 5] [--repeats 25] [--out DIR]
-    python benchmarks/unit_host.py --count          # this checkout's counts only, as JSON
+    python benchmarks/unit_host.py --count [--device cuda] [--out DIR]   # this checkout's figures, as JSON
 
 One InterleavedSeq1F1B step on one CPU rank through the public API (p = 1: both stages of a 2-stage
 pipeline on the rank), a tiny Llama 3 (dim 64, 4 layers, 4 heads, 2 KV heads, 128 tokens, 2
@@ -15,6 +15,13 @@ torchtitan's Llama 3 on the whole batch (4 layers minus 2, halved), forward and 
   (torch's cuDNN and flash kernels) against fakes of their aten ops on the CPU (each fake counted as
   the one op it stands for);
 * host µs: the minimum over ``--repeats`` steps (a GPU's host runs no faster than its best).
+
+On a CUDA device (``--device cuda``, what ``benchmarks/gpu_check.sh`` runs after the GPU check) the
+model is in bf16 with the device's kernel (:func:`~torchtitan_seq.kernels.select_kernel`: cuDNN on an
+H200), and the figures are the device's: kernel launches per unit-layer (the profiler's CUDA kernel,
+memcpy and memset events), and host µs (the step's issue time, no sync inside it) against device µs
+(CUDA events around the step): a unit path whose host time is under its device time keeps the GPU
+busy; ``--out`` gets ``unit_host_<device>.json``.
 
 With ``--trees`` each checkout runs in a fresh interpreter of its own, in turn, the order reversed
 every round, and the 1-minute load average is read before each; ``--out`` gets ``unit_host.json``
@@ -36,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+CPU = torch.device("cpu")
 MODEL = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=16, rope_theta=10000, vocab_size=128)
 SEQ_LEN, MICROBATCHES, K = 128, 2, 8
 UNIT_LAYERS = MICROBATCHES * (K - 1) * MODEL["n_layers"]  # unit-layers added from k = 1 to k = K
@@ -125,8 +133,19 @@ def _kernel(name: str):
     return getattr(kernels, name)()
 
 
-def pipeline_step(k: int, kernel: str = "CpuSdpaKernel") -> Callable[[], None]:
-    """One InterleavedSeq1F1B step at ``k`` units per microbatch with ``kernel``, as a closure."""
+def _to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model on ``device``, in bf16 on a GPU (whose kernels take no float32); children only, the
+    model's own buffer being the complex RoPE table."""
+    model.to(device)
+    if device.type == "cuda":
+        for child in model.children():
+            child.to(torch.bfloat16)
+    return model
+
+
+def pipeline_step(k: int, kernel: str | None = None, device: torch.device = CPU) -> Callable[[], None]:
+    """One InterleavedSeq1F1B step at ``k`` units per microbatch with ``kernel`` (None: the device's),
+    as a closure."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
@@ -139,19 +158,19 @@ def pipeline_step(k: int, kernel: str = "CpuSdpaKernel") -> Callable[[], None]:
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
     from torchtitan_seq.stage import SequencePipelineStage
 
-    cpu = torch.device("cpu")
     torch.manual_seed(0)
-    model = SeqTransformer(TransformerModelArgs(**MODEL, max_seq_len=SEQ_LEN))
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
-    chunks = split_model(model, mesh, "InterleavedSeq1F1B", cpu, generate_llm_fqn_per_model_part(2, 4, 1, 1))
+    model = _to_device(SeqTransformer(TransformerModelArgs(**MODEL, max_seq_len=SEQ_LEN)), device)
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("pp",))
+    chunks = split_model(model, mesh, "InterleavedSeq1F1B", device, generate_llm_fqn_per_model_part(2, 4, 1, 1))
     lengths, group = partition_sequence(SEQ_LEN, k, "even"), mesh.get_group()
+    chosen = _kernel(kernel) if kernel else None
     stages = [
-        SequencePipelineStage(c, i, 2, cpu, lengths=lengths, chain_length=n, group=group, kernel=_kernel(kernel))
+        SequencePipelineStage(c, i, 2, device, lengths=lengths, chain_length=n, group=group, kernel=chosen)
         for i, n, c in chunks
     ]
     loss_fn = TokenNormalizedLoss(cross_entropy_loss)
     schedule = SEQUENCE_SCHEDULES["InterleavedSeq1F1B"](stages, MICROBATCHES, loss_fn)
-    tokens, labels = (torch.randint(MODEL["vocab_size"], (MICROBATCHES, SEQ_LEN)) for _ in range(2))
+    tokens, labels = (t.to(device) for t in _batch())
 
     def step() -> None:
         with loss_fn.normalized_by(labels.numel()):
@@ -160,7 +179,12 @@ def pipeline_step(k: int, kernel: str = "CpuSdpaKernel") -> Callable[[], None]:
     return step
 
 
-def plain_step(n_layers: int) -> Callable[[], None]:
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randint(MODEL["vocab_size"], (MICROBATCHES, SEQ_LEN), generator=g) for _ in range(2))
+
+
+def plain_step(n_layers: int, device: torch.device = CPU) -> Callable[[], None]:
     """Forward and backward of torchtitan's Llama 3 with ``n_layers`` layers on the whole batch."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
@@ -169,41 +193,77 @@ def plain_step(n_layers: int) -> Callable[[], None]:
     model = Transformer(TransformerModelArgs(**{**MODEL, "n_layers": n_layers}, max_seq_len=SEQ_LEN))
     with torch.no_grad():
         model.init_weights()
-    tokens, labels = (torch.randint(MODEL["vocab_size"], (MICROBATCHES, SEQ_LEN)) for _ in range(2))
+    model = _to_device(model, device)
+    tokens, labels = (t.to(device) for t in _batch())
     return lambda: cross_entropy_loss(model(tokens), labels).backward()
 
 
-def _best_us(step: Callable[[], None], repeats: int) -> float:
-    best = float("inf")
+def launches(fn: Callable[[], object], device: torch.device) -> int:
+    """Kernel launches of ``fn``: on a GPU the profiler's device events (kernels, memcpy, memset), on
+    the CPU its leaf aten ops (:func:`leaf_ops`)."""
+    if device.type != "cuda":
+        return leaf_ops(fn)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+def _best_us(step: Callable[[], None], repeats: int, device: torch.device) -> tuple[float, float]:
+    """The least host µs of ``step`` over ``repeats`` (its issue time: nothing waits for the device
+    inside it), and the least device µs (CUDA events around it; on the CPU the host's)."""
+    host = gpu = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
         step()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
+        host = min(host, time.perf_counter() - began)
+        if device.type == "cuda":
+            end.record()
+            end.synchronize()
+            gpu = min(gpu, start.elapsed_time(end) * 1e-3)
+        else:
+            gpu = host
+    return host * 1e6, gpu * 1e6
 
 
-def measure(repeats: int) -> dict:
-    """This checkout's figures (see the module docstring): per unit-layer, per plain layer, and their difference."""
+def _per_unit_layer(figures: dict[str, float]) -> dict[str, float]:
+    """Figures of the steps at k = 1 and K and of the plain models of 2 and 4 layers -> per unit-layer (k = K
+    minus k = 1, over the unit-layers added) and per plain layer."""
+    return {"unit": (figures["k"] - figures["k1"]) / UNIT_LAYERS, "plain": (figures["4"] - figures["2"]) / 2}
+
+
+def measure(repeats: int, device: torch.device = CPU) -> dict:
+    """This checkout's figures on ``device`` (see the module docstring), per unit-layer and per plain layer."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        steps = {k: pipeline_step(k) for k in (1, K)}
-        plain = {n: plain_step(n) for n in (2, 4)}
-        for fn in (*steps.values(), *plain.values()):
+        runs = {"k1": pipeline_step(1, device=device), "k": pipeline_step(K, device=device)}
+        runs |= {str(n): plain_step(n, device) for n in (2, 4)}
+        for fn in runs.values():
             fn()  # warm-up: shape inference, first allocations
-        ops = {"plain": (leaf_ops(plain[4]) - leaf_ops(plain[2])) / 2}
-        ops["CpuSdpaKernel"] = (leaf_ops(steps[K]) - leaf_ops(steps[1])) / UNIT_LAYERS
-        with _fake_cuda_ops():
-            for kernel in ("CudnnSdpaKernel", "CudaSdpaKernel"):
-                fake = {k: pipeline_step(k, kernel) for k in (1, K)}
-                for fn in fake.values():
-                    fn()
-                ops[kernel] = (leaf_ops(fake[K]) - leaf_ops(fake[1])) / UNIT_LAYERS
-        us = {"plain": (_best_us(plain[4], repeats) - _best_us(plain[2], repeats)) / 2}
-        us["unit"] = (_best_us(steps[K], repeats) - _best_us(steps[1], repeats)) / UNIT_LAYERS
+        count = _per_unit_layer({name: launches(fn, device) for name, fn in runs.items()})
+        record = {"device": str(device), "launches_per_unit_layer": count}
+        if device.type != "cuda":  # the CUDA adapters' op sequences, against fakes of their aten ops
+            with _fake_cuda_ops():
+                for kernel in ("CudnnSdpaKernel", "CudaSdpaKernel"):
+                    fake = {"k1": pipeline_step(1, kernel), "k": pipeline_step(K, kernel), "2": 0.0, "4": 0.0}
+                    for name in ("k1", "k"):
+                        fake[name]()
+                        fake[name] = leaf_ops(fake[name])
+                    count[kernel] = _per_unit_layer(fake)["unit"]
+        times = {name: _best_us(fn, repeats, device) for name, fn in runs.items()}
+        for i, name in enumerate(("host", "device")):
+            record[f"{name}_us_per_unit_layer"] = _per_unit_layer({run: t[i] for run, t in times.items()})
     finally:
         dist.destroy_process_group()
-    return {"ops_per_unit_layer": ops, "us_per_unit_layer": us, "unit_path_us": us["unit"] - us["plain"]}
+    host = record["host_us_per_unit_layer"]
+    record["unit_path_host_us"] = host["unit"] - host["plain"]
+    return record
 
 
 def _run_tree(tree: Path, repeats: int) -> dict:
@@ -215,8 +275,8 @@ def _run_tree(tree: Path, repeats: int) -> dict:
 
 
 def table(runs: list[dict], trees: list[Path]) -> str:
-    """Per tree: ops per unit-layer (CPU kernel, cuDNN and flash adapters) against a plain layer, and the
-    minimum host µs over the rounds."""
+    """Per tree: leaf ops per unit-layer (CPU kernel, cuDNN and flash adapters) against a plain layer,
+    and the least host µs over the rounds."""
     lines = [
         "| tree | leaf ops / unit-layer: CPU, cuDNN, flash (plain layer) | host µs / unit-layer (plain layer) | "
         "unit path's own µs |",
@@ -224,11 +284,11 @@ def table(runs: list[dict], trees: list[Path]) -> str:
     ]
     for tree in trees:
         mine = [r for r in runs if r["tree"] == str(tree)]
-        ops = mine[0]["ops_per_unit_layer"]
-        unit = min(r["us_per_unit_layer"]["unit"] for r in mine)
-        plain = min(r["us_per_unit_layer"]["plain"] for r in mine)
+        ops = mine[0]["launches_per_unit_layer"]
+        unit = min(r["host_us_per_unit_layer"]["unit"] for r in mine)
+        plain = min(r["host_us_per_unit_layer"]["plain"] for r in mine)
         lines.append(
-            f"| {tree} | {ops['CpuSdpaKernel']:.1f}, {ops['CudnnSdpaKernel']:.1f}, {ops['CudaSdpaKernel']:.1f} "
+            f"| {tree} | {ops['unit']:.1f}, {ops['CudnnSdpaKernel']:.1f}, {ops['CudaSdpaKernel']:.1f} "
             f"({ops['plain']:.1f}) | {unit:.0f} ({plain:.0f}) | {unit - plain:.0f} |"
         )
     loads = [r["load"] for r in runs]
@@ -240,18 +300,23 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", type=Path, nargs=2, help="two checkouts, before and after")
     ap.add_argument("--count", action="store_true", help="measure this interpreter's torchtitan_seq, print JSON")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="with --count")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.count or not args.trees:
-        print(json.dumps(measure(args.repeats)))
+        record = {"load": os.getloadavg()[0], **measure(args.repeats, torch.device(args.device))}
+        print(json.dumps(record))
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"unit_host_{args.device}.json").write_text(json.dumps(record, indent=1))
         return
     runs = []
     for r in range(args.rounds):
         for tree in args.trees if r % 2 == 0 else reversed(args.trees):
             load = os.getloadavg()[0]
-            runs.append({"round": r, "tree": str(tree), "load": load, **_run_tree(tree, args.repeats)})
+            runs.append({"round": r, "tree": str(tree), **_run_tree(tree, args.repeats), "load": load})
             print(json.dumps(runs[-1]), flush=True)
     report = table(runs, args.trees)
     print(report)
