@@ -26,7 +26,17 @@ linear in their tokens on this GPU). Fitted at one length each: 9.3 ms (16K), 6.
 (64K); at 32K the fixed cost is 19.5% of the F + B of a cut into 8 units (measured overhead
 against the whole sequence: +29%) and 10.8% at k = 4. Taken as the GPU's and the code's, whatever
 the model's width: kernel launches, host work and the per-call merges of unit attention do not
-shrink with a unit, and are not divided by TP."""
+shrink with a unit, and are not divided by TP.
+
+Measured on the code before the K/V slab (#26) and before the unit path was lightened (#40: 153.6 to
+123.1 leaf aten ops per unit-layer against a plain layer's 88 on the CPU, no host sync per unit;
+``benchmarks/unit_host.py``), so it likely overstates today's cost; kept until a GPU says otherwise.
+Refit it when a GPU check commits new cost files (``benchmarks/gpu_check.sh --out
+benchmarks/gpu/DATE/cudnn`` on an H200, whose default kernel is cuDNN, writes them, and beside them
+``unit_host_cuda.json``: launches and host against device time per unit-layer): ``fit_cost_files``
+over its ``cost_s*.json`` of 16K tokens and more, ``.fixed`` divided by the stack's 4 layers, is the
+new value, and ``tests/unit/test_simulate.py::test_the_h200_fixed_cost_per_unit_is_the_fit_of_its_cost_files``
+is pointed at DATE."""
 
 
 @dataclass(frozen=True)
