@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 
 import torch
 from torchtitan.config import JobConfig
+from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
 from .pipeline import job_shape, pipeline_sequence_llm
@@ -44,10 +46,13 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
         _check_activation_checkpointing(job_config)
         _check_documents(job_config, spec)
         _check_context_parallel(job_config)
+        if job_config.parallelism.pipeline_parallel_degree == 1:
+            _check_torch_context_parallel(job_config, spec)
         _check_shape(job_config, spec)
     else:
         _check_torch_accelerator(job_config)
         _check_torch_context_parallel(job_config, spec)
+    _check_datasets(job_config)  # last: a setting at odds with another is the likelier fault
 
 
 def _check_degrees(job_config: JobConfig, world_size: int) -> None:
@@ -78,7 +83,7 @@ def _check_flavor(job_config: JobConfig, spec: TrainSpec) -> None:
 
 def _check_compile(job_config: JobConfig) -> None:
     """torchtitan's memory-budget AC is a compile pass; compiled blocks run no split backward, nor
-    tensor parallelism in a pipeline (torch 2.13)."""
+    tensor parallelism in a pipeline (torch 2.13 to 2.15: tried on each)."""
     par, ac = job_config.parallelism, job_config.activation_checkpoint
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     sequence = par.pipeline_parallel_schedule in SEQUENCE_SCHEDULES
@@ -91,7 +96,7 @@ def _check_compile(job_config: JobConfig) -> None:
     if compile_model and par.tensor_parallel_degree > 1 and par.pipeline_parallel_degree > 1:
         raise ValueError(
             f"compile.enable = true cannot run with parallelism.tensor_parallel_degree = "
-            f"{par.tensor_parallel_degree} in a pipeline: torch 2.13 hands the compiled blocks' backward "
+            f"{par.tensor_parallel_degree} in a pipeline: torch 2.13 to 2.15 hand the compiled blocks' backward "
             "plain tensors for DTensors (torch's 1F1B alike); turn one of them off"
         )
     if ac.mode == "memory_budget" and not compile_model:
@@ -131,6 +136,25 @@ def _check_converters(job_config: JobConfig) -> None:
             raise ValueError(
                 f"model.converters = {converters}: {name!r} needs a CUDA GPU (SM89 or newer for float8); on a CPU "
                 "only quantize.linear.float8 runs, with quantize.linear.float8.emulate = true and compile off"
+            )
+
+
+def _check_datasets(job_config: JobConfig) -> None:
+    """The datasets the job reads are registered and, offline (``HF_DATASETS_OFFLINE=1``, which
+    ``torchtitan_seq.train`` sets unless told otherwise), on this machine: the shipped ones, or a
+    ``dataset_path`` that exists."""
+    val = job_config.validation
+    sections = [("training", job_config.training)] + ([("validation", val)] if val.enable else [])
+    for section, cfg in sections:
+        if cfg.dataset not in DATASETS:
+            raise ValueError(f"{section}.dataset = {cfg.dataset!r} is unknown: use one of {', '.join(DATASETS)}")
+        path = cfg.dataset_path or DATASETS[cfg.dataset].path
+        if os.environ.get("HF_DATASETS_OFFLINE") == "1" and not os.path.exists(path):
+            raise ValueError(
+                f"{section}.dataset = {cfg.dataset!r} is read from the Hugging Face Hub ({path}), but jobs run "
+                f"offline (HF_DATASETS_OFFLINE=1): use a shipped dataset (e.g. {section}.dataset = "
+                f"'{'seqpp_text' if section == 'training' else 'seqpp_text_validation'}') or set "
+                f"{section}.dataset_path to a local copy, or HF_DATASETS_OFFLINE=0 to stream it"
             )
 
 
@@ -265,22 +289,27 @@ def _check_context_parallel(job_config: JobConfig) -> None:
 
 
 def _check_torch_context_parallel(job_config: JobConfig, spec: TrainSpec) -> None:
-    """torchtitan's own CP (torch's schedules) runs torch's ring attention, which has no CPU kernel, and
-    shards flex attention's block masks, while llama3_seq's block-causal flavors attend by document ids."""
+    """torchtitan's own CP (torch's schedules, and any job without a pipeline, which torchtitan trains
+    unpipelined) runs torch's ring attention, which has no CPU kernel, and shards flex attention's block
+    masks, while llama3_seq's block-causal flavors attend by document ids."""
     par, flavor = job_config.parallelism, job_config.model.flavor
-    if par.context_parallel_degree > 1 and not torch.cuda.is_available():
-        raise ValueError(
-            f"parallelism.context_parallel_degree = {par.context_parallel_degree} with "
-            f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} needs CUDA: torchtitan's "
-            "CP runs torch's ring attention, which has no CPU kernel; use a sequence schedule (they run CP on CPUs)"
-        )
+    if par.context_parallel_degree == 1:
+        return
+    if par.pipeline_parallel_schedule in SEQUENCE_SCHEDULES:  # and no pipeline: torchtitan trains it alone
+        job = "parallelism.pipeline_parallel_degree = 1 (no pipeline: torchtitan's own CP)"
+        fix = "set parallelism.pipeline_parallel_degree >= 2 (a sequence schedule runs its own CP)"
+    else:
+        job = f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r}"
+        fix = "use a sequence schedule (they run their own CP)"
+    cp = f"parallelism.context_parallel_degree = {par.context_parallel_degree} with {job}"
+    if not torch.cuda.is_available():
+        ring = "torchtitan's CP runs torch's ring attention, which has no CPU kernel"
+        raise ValueError(f"{cp} needs CUDA: {ring}; {fix}")
     block_causal = spec.model_args[flavor].attn_mask_type == "block_causal"
-    if par.context_parallel_degree > 1 and block_causal and spec.pipelining_fn is pipeline_sequence_llm:
+    if block_causal and spec.pipelining_fn is pipeline_sequence_llm:
         raise ValueError(
-            f"parallelism.context_parallel_degree = {par.context_parallel_degree} with "
-            f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} and the block-causal "
-            f"model.flavor = {flavor!r}: torchtitan's CP shards flex attention's block masks, not the document "
-            "ids llama3_seq attends by; use a sequence schedule (they run CP on packed documents) or a causal flavor"
+            f"{cp} and the block-causal model.flavor = {flavor!r}: torchtitan's CP shards flex attention's block "
+            f"masks, not the document ids llama3_seq attends by; {fix}, or use a causal flavor"
         )
 
 

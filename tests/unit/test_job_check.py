@@ -18,7 +18,8 @@ def _check(*overrides: str, world: int = 2) -> None:
 
 def test_the_shipped_config_passes():
     _check()
-    _check("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "4")
+    validation = ("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "4")
+    _check(*validation, "--validation.dataset", "seqpp_text_validation")  # torchtitan's default, c4, is online
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel_flex_attn", "debugmodel_varlen_attn"])
@@ -138,7 +139,8 @@ def test_context_parallel_refusals_name_the_setting(overrides, needle):
 
 
 @pytest.mark.parametrize("config", ["llama3_8b_32k", "llama3_8b_32k_block_causal"])
-def test_the_8b_configs_take_context_parallelism_as_their_comment_says(config):
+def test_the_8b_configs_take_context_parallelism_as_their_comment_says(config, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")  # they stream c4 from the Hub, as a cluster can
     register()
     args = ["--job.config_file", f"train_configs/{config}.toml", *CP2, "--parallelism.data_parallel_shard_degree", "1"]
     args += ["--training.seq_len", "131072", "--compile.no-enable"]
