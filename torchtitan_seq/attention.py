@@ -34,8 +34,9 @@ names its context by a small host tensor, a graph input, so one compiled graph s
 layer of a model; the op finds the binding by the tensor's address, never reading the tensor.
 
 Nothing on a unit's path reads a tensor on the host (``item``, ``tolist``, a tensor-valued ``if``):
-handles, offsets and document starts are Python values, the starts computed once per step
-(:meth:`~torchtitan_seq.documents.Documents.of_batch`), so on a GPU the host never waits for the
+handles, offsets and document starts are Python values, the starts read once per step by the
+schedule (once per batch on the whole-sequence path,
+:meth:`~torchtitan_seq.documents.Documents.of_batch`), so on a GPU the host never waits for the
 device between units. Every add is in place and every merge writes into the kernel's own output.
 """
 
