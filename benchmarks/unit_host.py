@@ -14,7 +14,8 @@ torchtitan's Llama 3 on the whole batch (4 layers minus 2, halved), forward and 
   kernel launch each on a GPU). Counted with the CPU kernel, and with the CUDA adapters' op sequences
   (torch's cuDNN and flash kernels) against fakes of their aten ops on the CPU (each fake counted as
   the one op it stands for);
-* host µs: the minimum over ``--repeats`` steps (a GPU's host runs no faster than its best).
+* host µs: the minimum over ``--repeats`` steps of the thread's CPU time (a GPU's host runs no
+  faster than its best; CPU time, not wall time, so that a shared machine's load does not count).
 
 On a CUDA device (``--device cuda``, what ``benchmarks/gpu_check.sh`` runs after the GPU check) the
 model is in bf16 with the device's kernel (:func:`~torchtitan_seq.kernels.select_kernel`: cuDNN on an
@@ -211,17 +212,20 @@ def launches(fn: Callable[[], object], device: torch.device) -> int:
 
 
 def _best_us(step: Callable[[], None], repeats: int, device: torch.device) -> tuple[float, float]:
-    """The least host µs of ``step`` over ``repeats`` (its issue time: nothing waits for the device
-    inside it), and the least device µs (CUDA events around it; on the CPU the host's)."""
+    """The least host µs of ``step`` over ``repeats`` (on a GPU its issue time: nothing waits for the
+    device inside it; on the CPU the CPU time of this thread, which runs the whole step with one
+    thread: the time other work on a shared machine takes the core is not counted), and the least
+    device µs (CUDA events around it; on the CPU the host's)."""
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
     host = gpu = float("inf")
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        began = time.perf_counter()
+        began = clock()
         step()
-        host = min(host, time.perf_counter() - began)
+        host = min(host, clock() - began)
         if device.type == "cuda":
             end.record()
             end.synchronize()
