@@ -10,7 +10,7 @@ torchtitan's step line); on the steps
 :func:`~torchtitan_seq.timeline.export_due` picks, the step's timeline is
 exported (:func:`~torchtitan_seq.timeline.export_timeline`). Rank 0 appends
 every record to ``<dump_folder>/metrics.jsonl`` (:data:`RECORD_FILE`), whose
-schema README.md gives ("Benchmarks").
+schema docs/metrics.md gives.
 """
 
 from __future__ import annotations
