@@ -27,7 +27,7 @@ from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
 
 LENGTHS = (5, 3, 4, 2, 2, 1, 3, 1)
 """Uneven unit lengths: the first k are a microbatch's cut."""
-SWAPS = (1, 3, 8)
+SWAPS = (1, 6)
 """The perturbed orders: this many random swaps of neighbouring passes of two microbatches each."""
 
 
