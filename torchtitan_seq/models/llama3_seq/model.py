@@ -81,7 +81,8 @@ class SeqTransformer(Transformer):
         """(B, S) document ids of a packed batch, for the block-causal flavors: what every
         stage and every sequence schedule splits and reads, in place of a mask."""
         if (mask_type := self.model_args.attn_mask_type) != "block_causal":
-            raise ValueError(f"attention masks asked of a flavor with attn_mask_type={mask_type!r}")
+            # TypeError, as torchtitan's models raise it: its validator takes it for "no masks" (causal)
+            raise TypeError(f"attention masks asked of a flavor with attn_mask_type={mask_type!r}")
         if tokenizer.eos_id is None:
             raise ValueError("block-causal attention needs a tokenizer with an EOS token")
         return document_ids(input_batch, tokenizer.eos_id)
