@@ -37,3 +37,10 @@ def dataset_config(name: str) -> DatasetConfig:
     return DatasetConfig(
         path=str(SHIPPED_DATASETS[name]), loader=_load_jsonl, sample_processor=operator.itemgetter("text")
     )
+
+
+def add_to(table: dict[str, DatasetConfig]) -> None:
+    """Put the shipped datasets into torchtitan's dataset table (``text_datasets.DATASETS``, the same in
+    0.2.2 and 0.3), leaving any entry of the same name; idempotent."""
+    for name in SHIPPED_DATASETS:
+        table.setdefault(name, dataset_config(name))

@@ -10,7 +10,6 @@ job's :class:`~torchtitan_seq.shape.JobShape` says (:func:`job_shape`) and wraps
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,65 +22,18 @@ from torchtitan.distributed import pipeline_parallel as titan_pp
 from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.tools.logging import logger
 
-from .context_parallel import ContextShard
-from .kernels import select_kernel
+from . import pipeline_core
 from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 from .shape import JobShape
-from .stage import SequencePipelineStage
 
-__all__ = ["job_shape", "stages_per_rank", "split_model", "chunk_parallel_dims", "pipeline_sequence_llm"]
+__all__ = ["job_shape", "split_model", "chunk_parallel_dims", "pipeline_sequence_llm"]
 
 
 def job_shape(job_config: JobConfig, model_args: TransformerModelArgs, tp_degree: int, pp_degree: int) -> JobShape:
-    """The job's :class:`~torchtitan_seq.shape.JobShape`: ``[sequence_pipeline]`` over ``training.seq_len``,
-    N = local batch / microbatch size and v (:func:`stages_per_rank`) of a sequence schedule, its
-    lengths cut for TP and CP (``parallelism.context_parallel_degree``)."""
-    cfg, par = job_config.sequence_pipeline, job_config.parallelism
-    return JobShape.of_model(
-        model_args,
-        job_config.training.seq_len,
-        cfg.num_subsequences,
-        cfg.partition,
-        document_length=cfg.expected_document_length,
-        length_multiple=cfg.length_multiple,
-        tp=tp_degree,
-        cp=par.context_parallel_degree,
-        microbatches=job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size,
-        stages_per_rank=stages_per_rank(job_config, model_args, pp_degree),
+    """The job's :class:`~torchtitan_seq.shape.JobShape` (:func:`torchtitan_seq.pipeline_core.job_shape`)."""
+    return pipeline_core.job_shape(
+        job_config.sequence_pipeline, job_config.parallelism, job_config.training, model_args, tp_degree, pp_degree
     )
-
-
-def stages_per_rank(job_config: JobConfig, model_args: TransformerModelArgs, pp_degree: int) -> int:
-    """v, the sequence schedule's model chunks per rank, chosen as torchtitan 0.2.2's ``pipeline_llm`` does
-    (inside, with no function to call): with ``parallelism.pipeline_parallel_layers_per_stage`` set, the
-    model is cut into ceil((layers + first- and last-stage weights) / layers per stage) stages; otherwise a
-    single-stage schedule gets 1 stage per rank and a multi-stage one 2."""
-    par = job_config.parallelism
-    name, per_stage = par.pipeline_parallel_schedule, par.pipeline_parallel_layers_per_stage
-    cls = SEQUENCE_SCHEDULES[name]
-    default = cls.stages_per_rank
-    if per_stage is None:
-        return default
-    n_layers = model_args.n_layers
-    weights = n_layers + par.pipeline_parallel_first_stage_less_layers + par.pipeline_parallel_last_stage_less_layers
-    num_stages = math.ceil(weights / per_stage)
-    cut = f"parallelism.pipeline_parallel_layers_per_stage = {per_stage} cuts the {n_layers} layers into {num_stages}"
-    if cls.parameter_copies > 1:
-        chunks = pp_degree * default // cls.parameter_copies
-        if num_stages != chunks:
-            raise ValueError(
-                f"{cut} chunks, but {name} runs exactly {chunks} ({default // cls.parameter_copies} per pipeline "
-                "rank and direction): change it (or leave it unset)"
-            )
-        return default
-    v = num_stages // pp_degree
-    if num_stages % pp_degree or (v > 1) != (default > 1):
-        need = "at least 2 stages" if default > 1 else "exactly 1 stage"
-        raise ValueError(
-            f"{cut} stages, but {name} needs {need} on each of the {pp_degree} pipeline ranks: "
-            "change it (or leave it unset)"
-        )
-    return v
 
 
 def split_model(
@@ -137,10 +89,9 @@ def pipeline_sequence_llm(
         return titan_pp.pipeline_llm(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn)
     cls = SEQUENCE_SCHEDULES[name]
     shape = job_shape(job_config, model_args, parallel_dims.tp, parallel_dims.pp)
-    lengths = shape.lengths
     logger.info(
-        f"Sequence pipeline {name}: {shape.microbatches} microbatches x {len(lengths)} "
-        f"subsequences, '{cfg.partition}' partition, lengths {lengths}"
+        f"Sequence pipeline {name}: {shape.microbatches} microbatches x {len(shape.lengths)} "
+        f"subsequences, '{cfg.partition}' partition, lengths {shape.lengths}"
     )
     num_stages = parallel_dims.pp * shape.stages_per_rank
     names = par.module_fqns_per_model_part or titan_pp.generate_llm_fqn_per_model_part(
@@ -149,28 +100,20 @@ def pipeline_sequence_llm(
         par.pipeline_parallel_first_stage_less_layers,
         par.pipeline_parallel_last_stage_less_layers,
     )
-    options = cls.options_from_config(cfg)
     pp_mesh = parallel_dims.get_mesh("pp")
-    kernel = select_kernel(torch.device(device), cfg.attention_backend)
-    shard = ContextShard.of_group(parallel_dims.get_mesh("cp").get_group() if parallel_dims.cp_enabled else None)
     chunk_dims = chunk_parallel_dims(parallel_dims)
-    stages, model_parts = [], []
-    for index, chain_length, chunk in split_model(model, pp_mesh, name, device, names, **options):
-        model_parts.append(parallelize_fn(chunk, chunk_dims, job_config))
-        stages.append(
-            SequencePipelineStage(
-                model_parts[-1],
-                index,
-                num_stages,
-                device,
-                lengths=lengths,
-                kernel=kernel,
-                chain_length=chain_length,
-                context_shard=shard,
-                group=pp_mesh.get_group("pp"),
-            )
-        )
-    schedule = cls(stages, shape.microbatches, loss_fn, split_backward=cfg.split_backward, **options)
-    if (layout := schedule.describe()) is not None:
+    result = pipeline_core.build_sequence_schedule(
+        name,
+        split_model(model, pp_mesh, name, device, names, **cls.options_from_config(cfg)),
+        lambda chunk: parallelize_fn(chunk, chunk_dims, job_config),
+        shape=shape,
+        num_stages=num_stages,
+        sequence_pipeline=cfg,
+        device=device,
+        pp_group=pp_mesh.get_group("pp"),
+        cp_group=parallel_dims.get_mesh("cp").get_group() if parallel_dims.cp_enabled else None,
+        loss_fn=loss_fn,
+    )
+    if (layout := result[0].describe()) is not None:
         logger.info(layout)
-    return schedule, model_parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
+    return result

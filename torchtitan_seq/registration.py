@@ -18,7 +18,6 @@ MODEL_NAME = "llama3_seq"
 
 def register() -> None:
     """Make the model, its train spec and the shipped datasets known to torchtitan (idempotent)."""
-    for name in data.SHIPPED_DATASETS:
-        text_datasets.DATASETS.setdefault(name, data.dataset_config(name))
+    data.add_to(text_datasets.DATASETS)
     if MODEL_NAME not in train_spec._extra_train_specs:
         train_spec.register_train_spec(MODEL_NAME, get_train_spec())

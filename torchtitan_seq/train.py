@@ -1,7 +1,9 @@
-"""Entry point: ``torchrun ... -m torchtitan_seq.train --job.config_file FILE [overrides]``.
+"""Entry point: ``torchrun ... -m torchtitan_seq.train [args]``, for the installed torchtitan.
 
-Same command line as ``torchtitan.train``, with torchtitan_seq registered and the arguments
-:func:`resolve_args` gives. ``python -m torchtitan_seq.train --check [args]`` only checks the job
+The same command line as that version's ``torchtitan.train``, with torchtitan_seq registered:
+torchtitan 0.2.2 takes ``--job.config_file FILE [overrides]`` (with the arguments :func:`resolve_args`
+gives), torchtitan 0.3 ``--module torchtitan_seq.recipes --config F [overrides]``
+(:mod:`torchtitan_seq.recipes`). ``python -m torchtitan_seq.train --check [args]`` only checks the job
 for ``WORLD_SIZE`` processes and exits: 0, or 2 with one line naming the setting at fault
 (run_train.sh does this before it starts torchrun).
 """
@@ -18,6 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .assets import TOKENIZER_DIR
+from .titan_version import TITAN_03
 
 
 def _option(argv: list[str], toml: dict, section: str, key: str) -> str | None:
@@ -51,9 +54,10 @@ def resolve_args(argv: list[str]) -> list[str]:
 
 CHECK_ONLY = False
 if __name__ == "__main__":
-    # torchtitan's ConfigManager captures sys.argv when it is imported.
+    # torchtitan 0.2.2's ConfigManager captures sys.argv when it is imported.
     CHECK_ONLY = "--check" in sys.argv
-    sys.argv[1:] = [a for a in resolve_args(sys.argv[1:]) if a != "--check"]
+    args = [a for a in sys.argv[1:] if a != "--check"]
+    sys.argv[1:] = args if TITAN_03 else resolve_args(args)
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,22 +67,33 @@ from . import cpu_compat  # noqa: E402
 cpu_compat.apply()  # before torchtitan is imported
 
 from torchtitan.config import ConfigManager  # noqa: E402
-from torchtitan.train import main  # noqa: E402
 
-from .job_check import check_job  # noqa: E402
-from .registration import register  # noqa: E402
-from .trainer import SeqTrainer  # noqa: E402
+if TITAN_03:
+    from torchtitan.train import main as titan_main
+
+    from .titan03.job_check import check_job
+    from .titan03.registration import register
+else:
+    from torchtitan.train import main as titan_main_022
+
+    from .job_check import check_job
+    from .registration import register
+    from .trainer import SeqTrainer
+
+    def titan_main() -> None:
+        titan_main_022(SeqTrainer)
+
 
 if __name__ == "__main__":
     register()
     if CHECK_ONLY:
         try:
             check_job(ConfigManager().parse_args(), int(os.environ.get("WORLD_SIZE", "1")))
-        except (ValueError, FileNotFoundError) as e:
+        except (ValueError, FileNotFoundError, ImportError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         sys.exit(0)
-    main(SeqTrainer)
+    titan_main()
     # torchtitan has closed its writers and the process group; skip the interpreter's teardown,
     # whose C++ static destructors sometimes abort a finished run with exit code -6 ("terminate
     # called without an active exception", a joinable native thread of the pyarrow datasets load).

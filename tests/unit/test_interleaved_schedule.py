@@ -19,7 +19,7 @@ def _lower_and_run(order, p, v, n_units):
     return stage_to_rank
 
 
-def _job(schedule, layers_per_stage):
+def _parallelism(schedule, layers_per_stage):
     from types import SimpleNamespace
 
     par = SimpleNamespace(
@@ -28,7 +28,7 @@ def _job(schedule, layers_per_stage):
         pipeline_parallel_first_stage_less_layers=1,
         pipeline_parallel_last_stage_less_layers=1,
     )
-    return SimpleNamespace(parallelism=par)
+    return par
 
 
 @pytest.mark.parametrize("p,v", [(2, 2), (3, 2), (4, 2), (8, 2), (4, 3)])
@@ -60,21 +60,19 @@ def test_schedule_class_describes_its_placement():
 )
 def test_stages_per_rank_as_torchtitan_picks_them(schedule, layers_per_stage, v):
     """6 layers + embeddings + output on 2 ranks: torchtitan's pipeline_llm arithmetic."""
-    from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
-    from torchtitan_seq.pipeline import stages_per_rank
+    from torchtitan_seq.pipeline_core import stages_per_rank
 
-    assert stages_per_rank(_job(schedule, layers_per_stage), seq_llama3_flavors["debugmodel"], 2) == v
+    assert stages_per_rank(_parallelism(schedule, layers_per_stage), 6, 2) == v
 
 
 @pytest.mark.parametrize(
     "schedule,layers_per_stage,pp", [("Seq1F1B", 2, 2), ("InterleavedSeq1F1B", 4, 2), ("InterleavedSeq1F1B", 1, 3)]
 )
 def test_stages_per_rank_rejects_a_layout_the_schedule_cannot_run(schedule, layers_per_stage, pp):
-    from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
-    from torchtitan_seq.pipeline import stages_per_rank
+    from torchtitan_seq.pipeline_core import stages_per_rank
 
     with pytest.raises(ValueError, match="parallelism.pipeline_parallel_layers_per_stage"):
-        stages_per_rank(_job(schedule, layers_per_stage), seq_llama3_flavors["debugmodel"], pp)
+        stages_per_rank(_parallelism(schedule, layers_per_stage), 6, pp)
 
 
 @pytest.mark.parametrize("p,n,k", [(2, 4, 2), (4, 4, 1), (4, 4, 4), (4, 8, 2), (8, 8, 4), (4, 6, 3), (4, 9, 1)])

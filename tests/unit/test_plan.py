@@ -154,6 +154,18 @@ def test_the_toml_snippet_says_what_the_overrides_say():
     assert "sequence_pipeline" not in torch_plan.overrides("8B", 32768, 16)
 
 
+def test_the_config_function_snippet_says_what_the_overrides_say():
+    """torchtitan 0.3's form of the plan (tests/titan03 builds it under 0.3)."""
+    p = planner.Plan("Seq1F1B", 4, 2, 8, 8, "compute", 1, "full", 1.0, 1.0, 0.1, True)
+    snippet = p.config_function("8B_flex", 32768, 16)
+    assert "config = llama3_8b_32k_block_causal_seq1f1b()" in snippet
+    assert "config.model_spec = seq_llama3('8B_flex', pipeline_sequence_llm)" in snippet
+    assert "config.parallelism.pipeline_parallel_degree = 4\n" in snippet
+    assert 'config.parallelism.pipeline_parallel_schedule = "Seq1F1B"' in snippet
+    assert "config.sequence_pipeline.num_subsequences = 8\n" in snippet
+    assert "config.activation_checkpoint = FullAC.Config()" in snippet
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [

@@ -4,7 +4,8 @@
         --local-batch-size 16 [--tp 8] [--gpus-per-node 8] [--cost FILE] [--processes 4] [--json]
 
 The planner's command line: the search's (:func:`~torchtitan_seq.plan.search.plan`) plans as a
-markdown table with the best as ``./run_train.sh`` overrides and TOML, or every plan and the
+markdown table with the best as ``./run_train.sh`` overrides, TOML (torchtitan 0.2.2) and a config function
+(torchtitan 0.3), or every plan and the
 overrides as one JSON object (``--json``); a setting the search refuses is an error, exit code 2.
 """
 
@@ -107,5 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(_table(plans))
     print(f"\nBest, as ./run_train.sh overrides:\n  ./run_train.sh {overrides}\n")
-    print("As TOML:\n\n" + best.toml(job.flavor, job.seq_len, job.local_batch_size))
+    print("As TOML (torchtitan 0.2.2):\n\n" + best.toml(job.flavor, job.seq_len, job.local_batch_size))
+    print(
+        "\nAs a config function (torchtitan 0.3: save it as plan_job.py, then TORCHTITAN=0.3 MODULE=plan_job "
+        "CONFIG=plan ./run_train.sh):\n\n" + best.config_function(job.flavor, job.seq_len, job.local_batch_size)
+    )
     return 0

@@ -1,5 +1,5 @@
 """A plan: one configuration with what the models predict for it, and the settings that run it in
-torchtitan (``./run_train.sh`` overrides, a TOML snippet)."""
+torchtitan (``./run_train.sh`` overrides, a TOML snippet for torchtitan 0.2.2, a config function for 0.3)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from ..partition import Partition
 from ..schedules import SEQUENCE_SCHEDULES
 from ..shape import LENGTH_MULTIPLE
 from ..simulate.memory import ACMode
+
+# torchtitan 0.3's activation checkpointing, a config class per mode (None: off).
+_AC_03 = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,33 @@ class Plan:
             args["sequence_pipeline.partition"] = self.partition
             args["sequence_pipeline.length_multiple"] = self.length_multiple
         return " ".join(f"--{k} {v}" for k, v in args.items())
+
+    def config_function(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
+        """The configuration as a torchtitan 0.3 config function: the shipped job of ``flavor``'s size
+        (:mod:`torchtitan_seq.recipes`) with the plan's settings, for ``--module`` your file ``--config plan``."""
+        base = "llama3_debugmodel" if flavor.startswith("debugmodel") else "llama3_8b_32k"
+        block_causal = "_block_causal" if flavor.endswith(("_flex_attn", "_flex", "_varlen_attn", "_varlen")) else ""
+        lines = [
+            "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401",
+            f"from torchtitan_seq.recipes import {base}{block_causal}_seq1f1b",
+            "from torchtitan_seq.titan03.model import seq_llama3",
+            "from torchtitan_seq.titan03.pipeline import pipeline_sequence_llm",
+            "",
+            "",
+            "def plan():",
+            f"    config = {base}{block_causal}_seq1f1b()",
+            f"    config.model_spec = seq_llama3({flavor!r}, pipeline_sequence_llm)",
+        ]
+        for arg in self.overrides(flavor, seq_len, local_batch_size).split(" --"):
+            key, value = arg.removeprefix("--").split(" ")
+            section, name = key.split(".")
+            if section == "model":
+                continue
+            if section == "activation_checkpoint":
+                lines.append(f"    config.activation_checkpoint = {_AC_03[value]}")
+            else:
+                lines.append(f"    config.{key} = {value if value.isdigit() else json.dumps(value)}")
+        return "\n".join([*lines, "    return config"])
 
     def toml(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
         """The configuration as a torchtitan TOML snippet."""

@@ -20,7 +20,8 @@ from torchtitan.models.llama3.model.model import Attention, apply_rotary_emb
 
 from ...attention import SequenceAttention
 from ...documents import document_ids
-from ...kv_context import KVContext, Unit
+from ...kv_context import KVContext
+from ...rope import UnitPositions, unit_positions
 
 __all__ = ["SeqAttention", "SeqTransformer", "seq_llama3_flavors", "unit_positions"]
 
@@ -69,8 +70,7 @@ class SeqTransformer(Transformer):
         super().__init__(dataclasses.replace(model_args, attn_type="sdpa", attn_mask_type="causal"))
         self.model_args = model_args
         self.kv_context: KVContext | None = None
-        # RoPE positions of the units run so far, kept: the same few every step, built once
-        self._positions: dict[tuple[tuple[tuple[int, int], ...], torch.device], torch.Tensor] = {}
+        self._positions = UnitPositions()
         sdpa_args = dataclasses.replace(model_args, attn_type="sdpa")
         for layer_id, layer in self.layers.items():
             layer.attention = SeqAttention(sdpa_args, int(layer_id))
@@ -91,17 +91,7 @@ class SeqTransformer(Transformer):
         self, tokens: torch.Tensor, attention_masks: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """tokens: (B, L) ids on the first stage, else (B, L, dim) activations (L / tp with SP)."""
-        unit = self.kv_context.unit if self.kv_context is not None else None
-        if unit is not None and positions is None:
-            key = (unit.segments, tokens.device)
-            positions = self._positions.get(key)
-            if positions is None:
-                positions = self._positions[key] = unit_positions(unit, tokens.device)
+        if positions is None:
+            # this module's unit_positions, looked up per call (tests/mutations.py shifts it)
+            positions = self._positions.of(self.kv_context, tokens.device, unit_positions)
         return super().forward(tokens, attention_masks, positions)
-
-
-def unit_positions(unit: Unit, device: torch.device) -> torch.Tensor:
-    """RoPE positions of ``unit``'s queries on this rank: (1, L), the range [offset, offset + L) of the
-    whole sequence, or a CP rank's two chunks of it, (1, L / c) (under sequence parallelism too: RoPE
-    is applied after the gather, to the rank's whole share)."""
-    return torch.cat([torch.arange(a, b, device=device) for a, b in unit.segments]).unsqueeze(0)

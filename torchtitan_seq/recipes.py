@@ -1,0 +1,128 @@
+"""torchtitan 0.3 config functions: every shipped job, chosen by name as 0.3 chooses its own.
+
+``python -m torchtitan_seq.train --module torchtitan_seq.recipes --config llama3_debugmodel_seq1f1b``
+(what ``TORCHTITAN=0.3 ./run_train.sh`` runs), then 0.3's overrides, e.g.
+``--parallelism.pipeline-parallel-schedule BSIPipe --sequence-pipeline.num-subsequences 8``. One
+function per TOML file of ``train_configs/`` (torchtitan 0.2.2), with the same settings: the Llama 3
+debug model and 8B at 32K tokens, causal and block-causal (packed documents). Each returns
+:class:`~torchtitan_seq.titan03.trainer.SeqTrainer`'s config; its ``sequence_pipeline`` section is
+0.2.2's ``[sequence_pipeline]``. Needs torchtitan 0.3 (importing this module imports it).
+"""
+
+from __future__ import annotations
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+from .assets import TOKENIZER_DIR
+from .config import SequencePipeline
+from .data import DATASET_NAME, PACKED_DATASET_NAME
+from .titan03.model import seq_llama3
+from .titan03.pipeline import pipeline_sequence_llm
+from .titan03.trainer import SeqTrainer
+
+__all__ = [
+    "llama3_debugmodel_seq1f1b",
+    "llama3_debugmodel_block_causal_seq1f1b",
+    "llama3_8b_32k_seq1f1b",
+    "llama3_8b_32k_block_causal_seq1f1b",
+]
+
+# The packed corpus: about 610 tokens a document, BOS and EOS included.
+_PACKED_DOCUMENT_LENGTH = 600
+
+
+def llama3_debugmodel_seq1f1b() -> SeqTrainer.Config:
+    """Llama 3 debug model, Seq1F1B (k = 4) on 2 pipeline ranks (CPU by default):
+    ``train_configs/debug_model.toml``."""
+    return _debugmodel("debugmodel", DATASET_NAME, SequencePipeline(num_subsequences=4, length_multiple=64))
+
+
+def llama3_debugmodel_block_causal_seq1f1b() -> SeqTrainer.Config:
+    """The debug model with block-causal attention over the shipped short documents packed into each
+    sequence: ``train_configs/debug_block_causal.toml``."""
+    return _debugmodel(
+        "debugmodel_flex_attn",
+        PACKED_DATASET_NAME,
+        SequencePipeline(num_subsequences=4, length_multiple=64, expected_document_length=_PACKED_DOCUMENT_LENGTH),
+    )
+
+
+def llama3_8b_32k_seq1f1b() -> SeqTrainer.Config:
+    """Llama 3 8B at 32K tokens on 8 GPUs, pipeline 4 x FSDP 2, Seq1F1B with k = 4, compiled blocks:
+    ``train_configs/llama3_8b_32k.toml``. (Under 0.3 the job check refuses FSDP and compile with the
+    sequence schedules until they are tested there: run it with ``--parallelism.data-parallel-shard-degree 1
+    --no-compile.enable`` on 4 GPUs meanwhile.)"""
+    return _8b("8B")
+
+
+def llama3_8b_32k_block_causal_seq1f1b() -> SeqTrainer.Config:
+    """:func:`llama3_8b_32k_seq1f1b` with block-causal attention (packed documents):
+    ``train_configs/llama3_8b_32k_block_causal.toml``."""
+    return _8b("8B_flex")
+
+
+def _config(flavor: str, **fields) -> SeqTrainer.Config:
+    """The settings every shipped job shares; ``training.disable_cuda_graphs`` is on in each, as 0.3
+    asks of every pipeline-parallel job."""
+    model_spec = seq_llama3(flavor, pipeline_sequence_llm)
+    return SeqTrainer.Config(
+        model_spec=model_spec,
+        # The whole output layer in each unit's loss (0.3's default chunks it inside the loss).
+        loss=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),
+        activation_checkpoint=None,
+        debug=DebugConfig(seed=42),
+        **fields,
+    )
+
+
+def _debugmodel(flavor: str, dataset: str, sequence_pipeline: SequencePipeline) -> SeqTrainer.Config:
+    return _config(
+        flavor,
+        hf_assets_path=str(TOKENIZER_DIR),  # the tokenizer shipped with torchtitan_seq
+        dump_folder="./outputs",
+        metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
+        optimizer=default_adamw(lr=8e-4),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+        ),
+        training=TrainingConfig(local_batch_size=4, seq_len=2048, max_norm=1.0, steps=20, disable_cuda_graphs=True),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset=dataset),  # shipped with torchtitan_seq
+        parallelism=ParallelismConfig(
+            data_parallel_shard_degree=1, pipeline_parallel_degree=2, pipeline_parallel_schedule="Seq1F1B"
+        ),
+        sequence_pipeline=sequence_pipeline,
+        checkpoint=CheckpointManager.Config(enable=False, folder="checkpoint", interval=10),
+        compile=CompileConfig(enable=False),
+    )
+
+
+def _8b(flavor: str) -> SeqTrainer.Config:
+    return _config(
+        flavor,
+        hf_assets_path="./assets/hf/Llama-3.1-8B",
+        dump_folder="./outputs/llama3_8b_32k",
+        metrics=MetricsProcessor.Config(log_freq=10, enable_tensorboard=True),
+        optimizer=default_adamw(lr=3e-4),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200),
+        training=TrainingConfig(
+            local_batch_size=8,
+            seq_len=32768,
+            max_norm=1.0,
+            steps=1000,
+            mixed_precision_param="bfloat16",
+            mixed_precision_reduce="float32",
+            disable_cuda_graphs=True,
+        ),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4"),
+        parallelism=ParallelismConfig(
+            data_parallel_shard_degree=2, pipeline_parallel_degree=4, pipeline_parallel_schedule="Seq1F1B"
+        ),
+        sequence_pipeline=SequencePipeline(num_subsequences=4, length_multiple=128),
+        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
+        compile=CompileConfig(enable=True, components=["model", "loss"]),
+    )
