@@ -115,6 +115,9 @@ def _schedule(name: str, k: int, block_causal: bool):
 def _reads_of_steps(rank: int, world: int, store_path: str, out: str) -> None:
     """On each rank of a gloo group of ``world``: a step of every schedule that fits, causal and with
     documents, the reads during the units of the second step (the first infers shapes) written to ``out``."""
+    # Forked from a process whose intra-op thread pool may have run: OpenMP's pool does not survive a
+    # fork (a parallel region in the child hangs, seen with torch 2.14's build), so one thread.
+    torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     reads = {}
