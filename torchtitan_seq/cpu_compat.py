@@ -1,7 +1,9 @@
-"""CPU compatibility for torchtitan 0.2.2, applied before torchtitan is imported.
+"""CPU compatibility for torchtitan 0.2.2 and 0.3, applied before torchtitan is imported.
 
-torchtitan 0.2.2 assumes an accelerator. Without CUDA this module makes it run on the CPU with
-gloo (with CUDA it does nothing); torch's and torchtitan's files stay unmodified on disk:
+torchtitan assumes an accelerator (0.3 as 0.2.2: the same device detection, barriers and memory
+API; 0.3's CUDA graphs are off in every shipped config function, as pipelines need). Without CUDA
+this module makes it run on the CPU with gloo (with CUDA it does nothing); torch's and torchtitan's
+files stay unmodified on disk:
 
 * device detection falls back to "cpu" (torchtitan falls back to "cuda"), and so does
   ``create_block_mask``'s default device (it defaults to the accelerator, which the registry's CUDA
@@ -13,7 +15,8 @@ gloo (with CUDA it does nothing); torch's and torchtitan's files stay unmodified
   when there is no GPU, so ``[profiling]`` works;
 * FSDP2 reduces gradients with plain sums (:func:`fsdp_for_gloo`), since gloo has no PREMUL_SUM.
 
-Attention needs nothing: the models use SDPA, which has a CPU backward.
+Attention needs nothing: the models use SDPA, which has a CPU backward (under 0.3 too, whose Llama 3
+flavors default to flex attention, with no CPU backward: torchtitan_seq's model replaces it).
 """
 
 from __future__ import annotations

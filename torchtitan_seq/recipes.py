@@ -23,7 +23,7 @@ from .config import SequencePipeline
 from .data import DATASET_NAME, PACKED_DATASET_NAME
 from .titan03.model import seq_llama3
 from .titan03.pipeline import pipeline_sequence_llm
-from .titan03.trainer import SeqTrainer
+from .titan03.trainer import SeqTrainer, sequence_pipeline
 
 __all__ = [
     "llama3_debugmodel_seq1f1b",
@@ -39,7 +39,7 @@ _PACKED_DOCUMENT_LENGTH = 600
 def llama3_debugmodel_seq1f1b() -> SeqTrainer.Config:
     """Llama 3 debug model, Seq1F1B (k = 4) on 2 pipeline ranks (CPU by default):
     ``train_configs/debug_model.toml``."""
-    return _debugmodel("debugmodel", DATASET_NAME, SequencePipeline(num_subsequences=4, length_multiple=64))
+    return _debugmodel("debugmodel", DATASET_NAME, sequence_pipeline(num_subsequences=4, length_multiple=64))
 
 
 def llama3_debugmodel_block_causal_seq1f1b() -> SeqTrainer.Config:
@@ -48,7 +48,7 @@ def llama3_debugmodel_block_causal_seq1f1b() -> SeqTrainer.Config:
     return _debugmodel(
         "debugmodel_flex_attn",
         PACKED_DATASET_NAME,
-        SequencePipeline(num_subsequences=4, length_multiple=64, expected_document_length=_PACKED_DOCUMENT_LENGTH),
+        sequence_pipeline(num_subsequences=4, length_multiple=64, expected_document_length=_PACKED_DOCUMENT_LENGTH),
     )
 
 
@@ -80,7 +80,7 @@ def _config(flavor: str, **fields) -> SeqTrainer.Config:
     )
 
 
-def _debugmodel(flavor: str, dataset: str, sequence_pipeline: SequencePipeline) -> SeqTrainer.Config:
+def _debugmodel(flavor: str, dataset: str, sequence: SequencePipeline) -> SeqTrainer.Config:
     return _config(
         flavor,
         hf_assets_path=str(TOKENIZER_DIR),  # the tokenizer shipped with torchtitan_seq
@@ -95,7 +95,7 @@ def _debugmodel(flavor: str, dataset: str, sequence_pipeline: SequencePipeline) 
         parallelism=ParallelismConfig(
             data_parallel_shard_degree=1, pipeline_parallel_degree=2, pipeline_parallel_schedule="Seq1F1B"
         ),
-        sequence_pipeline=sequence_pipeline,
+        sequence_pipeline=sequence,
         checkpoint=CheckpointManager.Config(enable=False, folder="checkpoint", interval=10),
         compile=CompileConfig(enable=False),
     )
@@ -122,7 +122,7 @@ def _8b(flavor: str) -> SeqTrainer.Config:
         parallelism=ParallelismConfig(
             data_parallel_shard_degree=2, pipeline_parallel_degree=4, pipeline_parallel_schedule="Seq1F1B"
         ),
-        sequence_pipeline=SequencePipeline(num_subsequences=4, length_multiple=128),
+        sequence_pipeline=sequence_pipeline(num_subsequences=4, length_multiple=128),
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
         compile=CompileConfig(enable=True, components=["model", "loss"]),
     )

@@ -58,6 +58,8 @@ def test_the_sequence_pipeline_section_takes_overrides_as_0_3_takes_its_own():
         (["--sequence-pipeline.num-subsequences", "64"], "sequence_pipeline"),
         (["--parallelism.pipeline-parallel-schedule", "BSIPipe", "--training.local-batch-size", "3"], "BSIPipe"),
         (["activation-checkpoint:full"], "activation_checkpoint"),
+        (["--sequence-pipeline.pipeline-timeline"], "sequence_pipeline.pipeline_timeline = true"),
+        (["--sequence-pipeline.activation-memory-freq", "10"], "sequence_pipeline.activation_memory_freq > 0"),
     ],
 )
 def test_the_job_check_refuses_in_one_line(args, match):

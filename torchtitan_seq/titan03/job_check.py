@@ -2,9 +2,10 @@
 ranks or that no test has run, each in one line naming the setting and the fix.
 
 What 0.3 runs with the sequence schedules today (tests/titan03/): pipeline parallelism alone, causal
-and block-causal flavors, the full backward or the split one, no activation checkpointing, no
-torch.compile. The rest of 0.2.2's compositions (FSDP2, TP, CP, AC, compile) are refused here until
-they are tested under 0.3; torch's own schedules get 0.3's checks alone.
+and block-causal flavors, no activation checkpointing, no torch.compile, 0.3's own metrics
+(console, TensorBoard). The rest of 0.2.2's compositions (FSDP2, TP, CP, AC, compile) and its
+metrics record are refused here until they are tested under 0.3; torch's own schedules get 0.3's
+checks alone.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def _check_sequence_job(config: Any, world_size: int) -> None:
         is not None,
         "validator.enable = true": config.validator.enable,
         "parallelism.pipeline_parallel_schedule_csv": bool(par.pipeline_parallel_schedule_csv),
+        # 0.2.2's metrics record (metrics.jsonl: activation peaks, bubble ratios, the timeline)
+        "sequence_pipeline.activation_memory_freq > 0": seq.activation_memory_freq > 0,
+        "sequence_pipeline.pipeline_timeline = true": seq.pipeline_timeline,
     }
     for setting, on in untested.items():
         if on:

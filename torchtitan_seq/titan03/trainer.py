@@ -28,7 +28,13 @@ from ..schedules import SequenceSchedule
 from .job_check import check_job
 from .pipeline import pipeline_sequence_llm
 
-__all__ = ["SeqTrainer"]
+__all__ = ["SeqTrainer", "sequence_pipeline"]
+
+
+def sequence_pipeline(**settings: Any) -> SequencePipeline:
+    """0.2.2's ``[sequence_pipeline]`` with ``settings``, and off what 0.3 does not run yet: the
+    activation meter and the timeline of the metrics record (the job check refuses them on)."""
+    return SequencePipeline(**{"activation_memory_freq": 0, "pipeline_timeline": False, **settings})
 
 
 class SeqTrainer(Trainer):
@@ -36,7 +42,7 @@ class SeqTrainer(Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        sequence_pipeline: SequencePipeline = field(default_factory=SequencePipeline)
+        sequence_pipeline: SequencePipeline = field(default_factory=sequence_pipeline)
         """How sequence schedules cut and run each microbatch (0.2.2's ``[sequence_pipeline]``)."""
 
     def __init__(self, config: Config) -> None:
