@@ -59,6 +59,7 @@ def test_the_sequence_pipeline_section_takes_overrides_as_0_3_takes_its_own():
         (["--parallelism.pipeline-parallel-schedule", "BSIPipe", "--training.local-batch-size", "3"], "BSIPipe"),
         (["activation-checkpoint:full"], "activation_checkpoint"),
         (["--sequence-pipeline.pipeline-timeline"], "sequence_pipeline.pipeline_timeline = true"),
+        (["--parallelism.spmd-backend", "full_dtensor"], "parallelism.spmd_backend = 'full_dtensor'"),
         (["--sequence-pipeline.activation-memory-freq", "10"], "sequence_pipeline.activation_memory_freq > 0"),
     ],
 )

@@ -60,19 +60,25 @@ def _check_sequence_job(config: Any, world_size: int) -> None:
             f"{world_size} processes for parallelism.pipeline_parallel_degree = {par.pipeline_parallel_degree}: "
             f"{_FIX}; set the data-parallel, TP and CP degrees to 1 and NGPU to the pipeline degree"
         )
+    # setting as the user wrote it: (whether it is on, the fix)
     untested = {
-        "compile.enable = true": config.compile.enable,
-        "activation_checkpoint (use the subcommand activation-checkpoint:none)": config.activation_checkpoint
-        is not None,
-        "validator.enable = true": config.validator.enable,
-        "parallelism.pipeline_parallel_schedule_csv": bool(par.pipeline_parallel_schedule_csv),
+        "compile.enable = true": (config.compile.enable, "turn it off"),
+        "activation_checkpoint": (
+            config.activation_checkpoint is not None,
+            "use the subcommand activation-checkpoint:none",
+        ),
+        "validator.enable = true": (config.validator.enable, "turn it off"),
+        "parallelism.pipeline_parallel_schedule_csv": (bool(par.pipeline_parallel_schedule_csv), "leave it empty"),
+        f"parallelism.spmd_backend = {par.spmd_backend!r}": (par.spmd_backend != "spmd_types", "use 'spmd_types'"),
+        "parallelism.expert_parallel_degree > 1": (par.expert_parallel_degree > 1, "set it to 1"),
+        "training.enable_cpu_offload = true": (config.training.enable_cpu_offload, "turn it off"),
         # 0.2.2's metrics record (metrics.jsonl: activation peaks, bubble ratios, the timeline)
-        "sequence_pipeline.activation_memory_freq > 0": seq.activation_memory_freq > 0,
-        "sequence_pipeline.pipeline_timeline = true": seq.pipeline_timeline,
+        "sequence_pipeline.activation_memory_freq > 0": (seq.activation_memory_freq > 0, "set it to 0"),
+        "sequence_pipeline.pipeline_timeline = true": (seq.pipeline_timeline, "turn it off"),
     }
-    for setting, on in untested.items():
+    for setting, (on, fix) in untested.items():
         if on:
-            raise ValueError(f"{setting} with the sequence schedule {name}: {_FIX}; turn it off")
+            raise ValueError(f"{setting} with the sequence schedule {name}: {_FIX}; {fix}")
     if type(config.loss) is not CrossEntropyLoss.Config:
         raise ValueError(
             f"loss {type(config.loss).__qualname__} with the sequence schedule {name}: units run the whole "

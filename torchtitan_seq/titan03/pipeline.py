@@ -3,7 +3,10 @@
 A sequence schedule's chunks are cut with torchtitan's own ``_split_module`` (one chunk per held stage,
 as :meth:`~torchtitan_seq.schedules.SequenceSchedule.place_stages` says), parallelised with 0.3's
 ``parallelize_fn`` and run by :func:`torchtitan_seq.pipeline_core.build_sequence_schedule`; any other
-schedule goes to 0.3's ``pipeline_llm``.
+schedule goes to 0.3's ``pipeline_llm``. torchtitan's private names used, both in
+``distributed/pipeline_parallel.py``: ``_split_module`` (one chunk by module names: 0.3's public
+``pipeline_llm`` builds torch's stages with it, which a sequence schedule cannot run) and
+``_generate_llm_fqn_per_model_part`` (the module names per chunk, as ``pipeline_llm`` cuts them).
 """
 
 from __future__ import annotations
