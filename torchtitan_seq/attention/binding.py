@@ -1,0 +1,110 @@
+"""Binding a model's attention to a stage's KV context: :class:`SequenceAttention`, the attention layer a
+model with chunk-aware attention holds, and :func:`bind_kv_context`, which binds every such layer of a
+model chunk.
+
+Custom ops take no Python objects: a bound layer names its binding (the stage's context, its kernel and
+the layer's id) by a small host tensor of its own, ``ids``, a graph input, so one compiled graph serves
+every layer of a model; the op (``torchtitan_seq::unit_attention``, registered by the package) finds the
+binding by the tensor's address (:func:`_bound`), never reading the tensor.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..kernels import AttentionKernel
+from ..kv_context import KVContext
+from .whole_sequence import _whole_sequence_attention
+
+__all__ = ["SequenceAttention", "bind_kv_context"]
+
+
+@dataclass(eq=False)
+class _Binding:
+    """What a bound attention layer's custom op reads at run time: the stage's context and kernel,
+    and the layer's id in the context."""
+
+    context: KVContext
+    kernel: AttentionKernel
+    layer_id: int
+
+
+# Custom ops take no Python objects: a bound layer passes a small host tensor of its own, ``ids``,
+# and its binding is found by that tensor's address, a Python int read without reading the tensor
+# (its values are never read on the unit path: a read of a tensor is a device sync where it lies on
+# one). The graphs that saved ``ids`` keep it alive, so its address names no other binding meanwhile.
+_BINDINGS: weakref.WeakValueDictionary[int, _Binding] = weakref.WeakValueDictionary()
+
+
+def _bound(ids: Tensor) -> _Binding:
+    """The binding behind a layer's ``ids``."""
+    binding = _BINDINGS.get(ids.data_ptr())
+    if binding is None:
+        raise RuntimeError(
+            "unit attention: its SequenceAttention module is gone or rebound; "
+            "keep the model alive (and bound) until its graphs have run backward"
+        )
+    return binding
+
+
+class SequenceAttention(nn.Module):
+    """Drop-in for torchtitan's ``ScaledDotProductAttentionWrapper``. Unbound, it computes
+    exactly what torchtitan's Llama 3 computes: causal SDPA over the whole sequence
+    (block-causal given documents, by ``torchtitan_seq::document_attention``).
+    Bound to a stage's KV context (:meth:`bind`: after construction, as torchtitan deep-copies
+    the model per pipeline stage and each stage has its own context), it runs
+    ``torchtitan_seq::unit_attention`` on the units the context announces."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.ids: Tensor | None = None  # names the binding, on the host: see the module docstring
+        self._binding: _Binding | None = None
+
+    def bind(self, context: KVContext, kernel: AttentionKernel) -> None:
+        self.ids = torch.tensor([self.layer_id], device="cpu")  # a storage of its own, whose address is the handle
+        _BINDINGS[self.ids.data_ptr()] = self._binding = _Binding(context, kernel, self.layer_id)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        is_causal: bool = True,
+        documents: Tensor | None = None,
+    ) -> Tensor:
+        """q: (B, Hq, L, D) post-RoPE; k, v: (B, Hkv, L, D) post-RoPE, before GQA expansion.
+        documents: (B, L) document ids of a packed batch (block-causal attention), read
+        when unbound; a bound layer reads its unit's documents from the KV context.
+        Returns (B, Hq, L, D)."""
+        if self.ids is None:
+            return _whole_sequence_attention(q, k, v, documents, scale, is_causal, enable_gqa)
+        if not is_causal:
+            raise ValueError("SequenceAttention runs units of causal attention only")
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        compiled = torch.compiler.is_compiling()
+        return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, scale, compiled)[0]
+
+
+def bind_kv_context(model: nn.Module, context: KVContext, kernel: AttentionKernel) -> None:
+    """Attach ``context`` and ``kernel`` to every :class:`SequenceAttention` of a model chunk,
+    and the context to the chunk itself where it reads it (``model.kv_context``: RoPE at the
+    unit's offset). A chunk may hold no attention layer (the output layer alone), but a model
+    whose attention is not chunk-aware cannot run units."""
+    layers = [m for m in model.modules() if isinstance(m, SequenceAttention)]
+    if not layers and not hasattr(model, "kv_context"):
+        raise TypeError(
+            f"{type(model).__name__} has no chunk-aware attention: sequence schedules need "
+            '[model] name = "llama3_seq" (or SequenceAttention layers in a model of your own)'
+        )
+    for m in layers:
+        m.bind(context, kernel)
+    if hasattr(model, "kv_context"):
+        model.kv_context = context

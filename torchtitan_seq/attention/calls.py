@@ -1,0 +1,181 @@
+"""The kernel calls of a span of queries, and their forward and backward: what unit attention and the
+whole-sequence path both run.
+
+Queries at positions [s, s+L) attend to keys [0, s+L): a kernel that aligns causal masks at the bottom
+right reads them in one causal call; torch's kernels align them top-left, so they get two, the prefix
+unmasked and the square diagonal causally, merged once by log-sum-exp (:func:`_merge_into`). Packed
+documents keep this shape: per batch row each piece of a document within the span is a causal call,
+and only the queries of the document that continues into the span read the keys before it, from that
+document's first key on (:func:`_calls`). Backward makes the same calls with the *merged* output and
+log-sum-exp, which is exact (the ring-attention identity). Outputs, gradients and log-sum-exps are laid
+out as torch's kernels lay theirs out (:mod:`.layouts`), so none is copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..documents import Documents
+from ..kernels import AttentionKernel
+from ..kv_context import KVSlab
+from .layouts import _new_lse
+
+
+def _merge_into(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> None:
+    """Combine two softmax-normalised partial attentions by their log-sum-exp, into ``out``
+    (B, H, L, D) and ``lse`` (B, H, L) float32, in place: out_i's weight is
+    exp(lse_i - logaddexp(lse, lse_i)) = sigmoid(lse_i - lse), so the merge is four kernels (no
+    exp of each side, no product per side and sum); low-precision outputs are merged in float32
+    and rounded once, as the kernels round their own."""
+    weight = (lse_i - lse).sigmoid_().unsqueeze(-1)
+    torch.logaddexp(lse, lse_i, out=lse)
+    if out.dtype == torch.float32:
+        out.lerp_(out_i, weight)
+    else:
+        out.copy_(out.float().lerp_(out_i.float(), weight))
+
+
+_EVERY = slice(None)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One kernel call of a unit: the queries q[rows, :, queries] (positions within the unit)
+    attend to the keys [keys.start, keys.stop) of the sequence, causally (the mask aligned at
+    the bottom right: the last query sees the last key) or not."""
+
+    rows: slice
+    queries: slice
+    keys: slice
+    causal: bool
+
+    @property
+    def index(self) -> tuple[slice, slice, slice]:
+        """The index of q, out and lse (B, H, L[, D]) this call reads and writes."""
+        return self.rows, _EVERY, self.queries
+
+
+def _calls(
+    documents: Documents | None, segments: tuple[tuple[int, int], ...], bottom_right: bool
+) -> tuple[list[_Call], list[_Call]]:
+    """The kernel calls of queries at the positions ``segments`` ([start, stop) ranges, laid out in
+    q in that order: one for a whole unit, a CP rank's two chunks) under ``documents`` (None:
+    causal): causal calls whose queries cover every segment once, and unmasked prefix calls over
+    queries already covered, merged by log-sum-exp. Per segment and batch row (every row at once
+    without documents) each document piece inside the segment is a causal call over its own keys;
+    the piece of the document continuing into the segment reads that document's keys before the
+    segment too: in the same call where the kernel aligns causal masks at the bottom right, else in
+    one unmasked call of its own."""
+    one = documents is None and len(segments) == 1  # one call covers all of q
+    rows = [_EVERY] if documents is None else [slice(b, b + 1) for b in range(len(documents.starts))]
+    causal: list[_Call] = []
+    prefix: list[_Call] = []
+    local = 0  # where the segment's queries start in q
+    for start, stop in segments:
+        for b, row in enumerate(rows):
+            pieces = [(0, stop - start)] if documents is None else documents.pieces(b, start, stop)
+            first = 0 if documents is None else documents.start_of(b, start)
+            calls = [
+                _Call(row, _EVERY if one else slice(local + a, local + e), slice(start + a, start + e), True)
+                for a, e in pieces
+            ]
+            if first < start:  # the continuing document's keys [first, start)
+                head = calls[0]
+                if bottom_right:
+                    calls[0] = _Call(row, head.queries, slice(first, head.keys.stop), True)
+                else:
+                    prefix.append(_Call(row, head.queries, slice(first, start), False))
+            causal += calls
+        local += stop - start
+    return causal, prefix
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """Where a unit's keys lie: the unit's own, ``own`` (B, Hkv, L, D) from ``offset`` on, in
+    position order; those before ``offset`` in ``slab``."""
+
+    own: tuple[Tensor, Tensor]
+    offset: int
+    slab: KVSlab | None
+
+    def __call__(self, c: _Call) -> tuple[Tensor, Tensor]:
+        """K and V of call ``c``'s keys, views: a call within the unit reads its own keys (in
+        position order, as causal calls need them), one reaching before it the slab (an unmasked
+        prefix call in the slab's order, or a bottom-right causal call over an ascending slab)."""
+        if c.keys.start >= self.offset:
+            start, stop = c.keys.start - self.offset, c.keys.stop - self.offset
+            return self.own[0][c.rows, :, start:stop], self.own[1][c.rows, :, start:stop]
+        return self.slab.keys(c.keys.start, c.keys.stop, c.rows)
+
+
+def _attention_forward(
+    kernel: AttentionKernel, q: Tensor, keys: _Keys, causal: list[_Call], prefix: list[_Call], scale: float
+) -> tuple[Tensor, Tensor]:
+    """out (B, Hq, L, D) and lse (B, Hq, L) float32 of the ``causal`` and ``prefix`` calls."""
+    whole = (_EVERY, _EVERY, _EVERY)
+    if len(causal) == 1 and causal[0].index == whole:
+        out, lse = kernel.forward(q, *keys(causal[0]), True, scale)
+    else:
+        out, lse = torch.empty_like(q), _new_lse(q)
+        for c in causal:
+            out[c.index], lse[c.index] = kernel.forward(q[c.index], *keys(c), True, scale)
+    for c in prefix:  # merged into the views of out and lse the call's queries lie in
+        _merge_into(out[c.index], lse[c.index], *kernel.forward(q[c.index], *keys(c), False, scale))
+    return out, lse
+
+
+def _attention_backward(
+    kernel: AttentionKernel,
+    dout: Tensor,
+    q: Tensor,
+    keys: _Keys,
+    out: Tensor,
+    lse: Tensor,
+    causal: list[_Call],
+    prefix: list[_Call],
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, and dk, dv of the unit's own keys, of :func:`_attention_forward` given its merged
+    ``out`` and ``lse``; the gradient of earlier keys goes to the slab."""
+    offset, slab = keys.offset, keys.slab
+    length = keys.own[0].shape[2]  # the unit's keys (under CP more than its queries here)
+    whole = len(causal) == 1 and causal[0].index == (_EVERY, _EVERY, _EVERY)
+    if not whole:
+        dq = torch.empty_like(q)
+        # zeros: a CP rank's calls leave other ranks' keys unread, and bottom-right calls of its two
+        # chunks read some keys twice
+        dk, dv = (torch.zeros_like(t) for t in keys.own)
+    # Every add below is in place into a view (``x[i] += y`` would copy the sum back onto itself).
+    for c in causal:
+        dq_i, dk_i, dv_i = kernel.backward(dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], True, scale)
+        cut = max(offset - c.keys.start, 0)  # keys before the unit: a bottom-right call's prefix
+        if cut:
+            slab.accumulate(dk_i[:, :, :cut], dv_i[:, :, :cut], c.rows, c.keys.start)
+        own = slice(c.keys.start + cut - offset, c.keys.stop - offset)
+        if whole:
+            dq, dk, dv = dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:]
+        else:
+            dq[c.index].copy_(dq_i)
+            dk[c.rows, :, own].add_(dk_i[:, :, cut:])
+            dv[c.rows, :, own].add_(dv_i[:, :, cut:])
+    for c in prefix:
+        dq_i, dk_i, dv_i = kernel.backward(
+            dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], False, scale
+        )
+        dq[c.index].add_(dq_i)
+        if c.keys.start >= offset:  # keys within the unit, read from its own (a CP rank's later chunk)
+            own = slice(c.keys.start - offset, c.keys.stop - offset)
+            dk[c.rows, :, own].add_(dk_i)
+            dv[c.rows, :, own].add_(dv_i)
+        else:  # read from the slab, laid out as it lays positions out
+            slab.accumulate(dk_i, dv_i, c.rows, c.keys.start)
+    later_k, later_v = slab.take(offset, length) if slab is not None else (None, None)
+    if later_k is not None:  # dk, dv are the kernels' own (or the zeros above): added to in place
+        n = later_k.shape[2]
+        dk[:, :, :n].add_(later_k)
+        dv[:, :, :n].add_(later_v)
+    return dq, dk, dv

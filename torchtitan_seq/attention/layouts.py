@@ -1,0 +1,47 @@
+"""How unit attention lays out what it returns: outputs and gradients (B, H, L, D) as (B, L, H, D) in
+memory, log-sum-exps as the kernels of the device lay theirs out, as torch's attention kernels return
+them, so that none is copied on the way in or out; and the fake implementations of the custom ops,
+which must have those strides.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _heads_inner(t: Tensor) -> Tensor:
+    """(B, H, L, D) laid out as (B, L, H, D) in memory (a copy only if it is not): what torch's
+    attention kernels return, out and gradients alike. torchtitan's ``out.transpose(1, 2).contiguous()``
+    then takes the output without a copy (so the output projection saves the same storage as this op
+    does), and the gradients of q, k, v reach the projections' (B, L, H, D) views without one."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _new_lse(q: Tensor) -> Tensor:
+    """An empty log-sum-exp (B, H, L) float32 for queries q (B, H, L, D), laid out as the kernels of
+    q's device lay theirs out: torch's CPU flash kernel (B, L, H) in memory, every CUDA kernel
+    (B, H, L); so the op returns the kernel's own without a copy."""
+    b, h, n, _ = q.shape
+    if q.device.type == "cpu":
+        return q.new_empty(b, n, h, dtype=torch.float32).transpose(1, 2)
+    return q.new_empty(b, h, n, dtype=torch.float32)
+
+
+def _lse_layout(lse: Tensor) -> Tensor:
+    """``lse`` (B, H, L) laid out as :func:`_new_lse` lays it out (a copy only if it is not)."""
+    if lse.device.type == "cpu":
+        return lse.transpose(1, 2).contiguous().transpose(1, 2)
+    return lse.contiguous()
+
+
+def _fake_attention(q: Tensor, *_) -> tuple[Tensor, Tensor]:
+    """out (B, Hq, L, D) laid out as :func:`_heads_inner` lays it out, and lse (B, Hq, L) float32 as
+    :func:`_new_lse` lays it out."""
+    b, h, n, d = q.shape
+    return q.new_empty(b, n, h, d).transpose(1, 2), _new_lse(q)
+
+
+def _fake_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *_) -> tuple[Tensor, ...]:
+    """dq, dk, dv shaped like q, k, v, laid out as :func:`_heads_inner` lays them out."""
+    return tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).transpose(1, 2) for t in (q, k, v))
