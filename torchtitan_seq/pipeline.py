@@ -87,24 +87,16 @@ def pipeline_sequence_llm(
     name = par.pipeline_parallel_schedule
     if name not in SEQUENCE_SCHEDULES:
         return titan_pp.pipeline_llm(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn)
-    cls = SEQUENCE_SCHEDULES[name]
     shape = job_shape(job_config, model_args, parallel_dims.tp, parallel_dims.pp)
-    logger.info(
-        f"Sequence pipeline {name}: {shape.microbatches} microbatches x {len(shape.lengths)} "
-        f"subsequences, '{cfg.partition}' partition, lengths {shape.lengths}"
-    )
-    num_stages = parallel_dims.pp * shape.stages_per_rank
-    names = par.module_fqns_per_model_part or titan_pp.generate_llm_fqn_per_model_part(
-        num_stages // cls.parameter_copies,
-        model_args.n_layers,
-        par.pipeline_parallel_first_stage_less_layers,
-        par.pipeline_parallel_last_stage_less_layers,
+    logger.info(pipeline_core.describe_shape(name, shape, cfg.partition))
+    num_stages, names = pipeline_core.chunk_module_names(
+        name, shape, par, model_args.n_layers, parallel_dims.pp, titan_pp.generate_llm_fqn_per_model_part
     )
     pp_mesh = parallel_dims.get_mesh("pp")
     chunk_dims = chunk_parallel_dims(parallel_dims)
     result = pipeline_core.build_sequence_schedule(
         name,
-        split_model(model, pp_mesh, name, device, names, **cls.options_from_config(cfg)),
+        split_model(model, pp_mesh, name, device, names, **SEQUENCE_SCHEDULES[name].options_from_config(cfg)),
         lambda chunk: parallelize_fn(chunk, chunk_dims, job_config),
         shape=shape,
         num_stages=num_stages,

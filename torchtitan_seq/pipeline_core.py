@@ -22,7 +22,7 @@ from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 from .shape import JobShape
 from .stage import SequencePipelineStage
 
-__all__ = ["job_shape", "stages_per_rank", "build_sequence_schedule"]
+__all__ = ["job_shape", "stages_per_rank", "describe_shape", "chunk_module_names", "build_sequence_schedule"]
 
 
 def stages_per_rank(parallelism: Any, n_layers: int, pp_degree: int) -> int:
@@ -82,6 +82,36 @@ def job_shape(
         microbatches=training.local_batch_size // par.pipeline_parallel_microbatch_size,
         stages_per_rank=stages_per_rank(par, model_args.n_layers, pp_degree),
     )
+
+
+def describe_shape(name: str, shape: JobShape, partition: str) -> str:
+    """The line the trainer logs for a sequence schedule's cut of the job."""
+    return (
+        f"Sequence pipeline {name}: {shape.microbatches} microbatches x {len(shape.lengths)} "
+        f"subsequences, '{partition}' partition, lengths {shape.lengths}"
+    )
+
+
+def chunk_module_names(
+    name: str,
+    shape: JobShape,
+    parallelism: Any,
+    n_layers: int,
+    pp_degree: int,
+    generate: Callable[[int, int, int, int], list[list[str]]],
+) -> tuple[int, list[list[str]]]:
+    """(stages in the pipeline, the module names of each model chunk in model order) for schedule
+    ``name``: ``parallelism.module_fqns_per_model_part`` where set, else torchtitan's cut
+    (``generate(chunks, layers, first-stage less layers, last-stage less layers)``, the version's
+    ``generate_llm_fqn_per_model_part``). A schedule with parameter copies runs each chunk on as many stages."""
+    num_stages = pp_degree * shape.stages_per_rank
+    names = parallelism.module_fqns_per_model_part or generate(
+        num_stages // SEQUENCE_SCHEDULES[name].parameter_copies,
+        n_layers,
+        parallelism.pipeline_parallel_first_stage_less_layers,
+        parallelism.pipeline_parallel_last_stage_less_layers,
+    )
+    return num_stages, names
 
 
 def build_sequence_schedule(

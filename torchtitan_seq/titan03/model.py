@@ -52,15 +52,9 @@ class SeqInnerAttention(Module, SequenceAttention):
         enable_gqa: bool = False,
         is_causal: bool = True,
     ) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))  # to SequenceAttention's B, N, L, H
         out = SequenceAttention.forward(
-            self,
-            q_BLNH.transpose(1, 2),
-            k_BLNH.transpose(1, 2),
-            v_BLNH.transpose(1, 2),
-            scale=scale,
-            enable_gqa=enable_gqa,
-            is_causal=is_causal,
-            documents=attention_masks,
+            self, q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal, documents=attention_masks
         )
         return out.transpose(1, 2)
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import pipeline_parallel as titan_pp
 from torchtitan.tools.logging import logger
 
@@ -31,29 +30,19 @@ __all__ = ["pipeline_sequence_llm"]
 def pipeline_sequence_llm(
     model: nn.Module,
     *,
-    parallel_dims: ParallelDims,
-    training: Any,
-    parallelism: Any,
-    compile_config: Any,
-    ac_config: Any,
-    dump_folder: str,
     device: torch.device,
     model_config: Any,
     parallelize_fn: Callable[..., nn.Module],
     loss_fn: Callable[..., tuple[torch.Tensor, dict]],
     sequence_pipeline: SequencePipeline,
     model_shape: ModelShape,
+    **spmd: Any,
 ) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
     """0.3's ``pipelining_fn`` contract, plus ``sequence_pipeline`` and the flavor's ``model_shape``,
-    which 0.3 does not hand a pipelining function (the trainer binds them)."""
-    spmd = dict(
-        parallel_dims=parallel_dims,
-        training=training,
-        parallelism=parallelism,
-        compile_config=compile_config,
-        ac_config=ac_config,
-        dump_folder=dump_folder,
-    )
+    which 0.3 does not hand a pipelining function (the trainer binds them). ``spmd``: what 0.3 hands
+    its ``parallelize_fn`` too (``parallel_dims``, ``training``, ``parallelism``, ``compile_config``,
+    ``ac_config``, ``dump_folder``)."""
+    parallel_dims, parallelism = spmd["parallel_dims"], spmd["parallelism"]
     name = parallelism.pipeline_parallel_schedule
     if name not in SEQUENCE_SCHEDULES:
         return titan_pp.pipeline_llm(
@@ -61,18 +50,11 @@ def pipeline_sequence_llm(
         )
     cls = SEQUENCE_SCHEDULES[name]
     shape = pipeline_core.job_shape(
-        sequence_pipeline, parallelism, training, model_shape, parallel_dims.tp, parallel_dims.pp
+        sequence_pipeline, parallelism, spmd["training"], model_shape, parallel_dims.tp, parallel_dims.pp
     )
-    logger.info(
-        f"Sequence pipeline {name}: {shape.microbatches} microbatches x {len(shape.lengths)} "
-        f"subsequences, '{sequence_pipeline.partition}' partition, lengths {shape.lengths}"
-    )
-    num_stages = parallel_dims.pp * shape.stages_per_rank
-    names = parallelism.module_fqns_per_model_part or titan_pp._generate_llm_fqn_per_model_part(
-        num_stages // cls.parameter_copies,
-        model_shape.n_layers,
-        parallelism.pipeline_parallel_first_stage_less_layers,
-        parallelism.pipeline_parallel_last_stage_less_layers,
+    logger.info(pipeline_core.describe_shape(name, shape, sequence_pipeline.partition))
+    num_stages, names = pipeline_core.chunk_module_names(
+        name, shape, parallelism, model_shape.n_layers, parallel_dims.pp, titan_pp._generate_llm_fqn_per_model_part
     )
     pp_mesh = parallel_dims.get_mesh("pp")
     held = cls.place_stages(pp_mesh.size(), len(names), **cls.options_from_config(sequence_pipeline))
