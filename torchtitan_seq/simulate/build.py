@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import SEND_B, SEND_F, PipelineSched
 from ..ordering import B, F, compute_leaves, feeds, validate_unit_order
 from ..partition import Partition
 from ..schedules import (
+    PLACEMENTS,
     SEQUENCE_SCHEDULES,
     TORCH_SCHEDULES,
     ActionLists,
@@ -37,7 +38,7 @@ from ..shape import LENGTH_MULTIPLE
 from ..torch_internals import Action, MockStage, stage_to_rank_mapping, torch_lowering
 from .network import Network
 
-__all__ = ["SimConfig", "Built", "build", "stages_by_rank", "lower", "send_after_compute"]
+__all__ = ["SimConfig", "Built", "build", "stages_by_rank", "lower", "send_after_compute", "check_placement"]
 
 # The V-shaped ones place two stages per rank as torchtitan does (stage_to_rank_mapping style "v").
 _TORCH_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -242,3 +243,18 @@ def send_after_compute(
                     steps.append((i, Action(leaf.stage_index, send, leaf.microbatch_index)))
         out[rank] = steps
     return out
+
+
+def check_placement(stage_to_rank: dict[int, int], placement: str, p: int, v: int, schedule: str) -> None:
+    """Refuse lists that put the stages elsewhere than ``placement`` ("loop", "v" or "bidirectional":
+    either of its placements) puts p v stages on p ranks."""
+    expected = (
+        [BidirectionalLayout(p, name, v).stage_to_rank() for name in PLACEMENTS]
+        if placement == "bidirectional"
+        else [stage_to_rank_mapping(p, p * v, style=placement)]
+    )
+    if stage_to_rank not in expected:
+        raise ValueError(
+            f"{schedule} places stages on ranks {stage_to_rank}, but its stage_placement "
+            f"{placement!r} means {' or '.join(map(str, expected))}"
+        )

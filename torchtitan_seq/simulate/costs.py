@@ -46,11 +46,12 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..flavors import ModelShape, flavor_shape, flavor_shapes
+from ..ordering import B, F, I, W
 from ..partition import UnitCost
 from ..schedules import SEQUENCE_SCHEDULES
 from ..shape import JobShape
@@ -72,6 +73,7 @@ __all__ = [
     "UnitCostFit",
     "fit_unit_costs",
     "fit_cost_files",
+    "stage_times",
 ]
 
 
@@ -319,3 +321,29 @@ def job_shape(config: SimConfig) -> JobShape:
 def subsequence_lengths(config: SimConfig) -> list[int]:
     """Lengths of ``config``'s k subsequences under its partition (:func:`job_shape`)."""
     return job_shape(config).lengths
+
+
+def stage_times(
+    kinds: frozenset,
+    stage_to_rank: dict[int, int],
+    chain_length: int,
+    share: float,
+    times: UnitTimes,
+    chunk_times: ChunkTimes | None,
+    schedule: str,
+    cost: str,
+) -> dict[int, dict[Any, tuple[float, ...] | None]]:
+    """Per stage and pass kind, the time of each subsequence's unit: each stage's own chunk where
+    ``chunk_times`` measured it on the stage's rank, else ``times`` (for a stage with 1/p of the
+    layers) scaled by ``share``. Refuses a cost without times for one of the ``kinds`` of pass the lists run."""
+    scaled = {
+        kind: None if ts is None else tuple(t * share for t in ts)
+        for kind, ts in ((F, times.F), (B, times.B), (I, times.I), (W, times.W))
+    }
+    missing = sorted(kind.value for kind in kinds if scaled[kind] is None)
+    if missing:
+        raise ValueError(f"{schedule} runs {missing} passes, but the cost {cost!r} has no times for them")
+    own = {s: (chunk_times or {}).get((r, s % chain_length, chain_length)) for s, r in stage_to_rank.items()}
+    if None not in own.values():
+        return {s: {F: t.F, B: t.B, I: t.I, W: t.W} for s, t in own.items()}
+    return dict.fromkeys(stage_to_rank, scaled)

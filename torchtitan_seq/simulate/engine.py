@@ -28,116 +28,37 @@ model chunk end the step with the copies' all-reduces between the ranks that
 share chunks, once both have finished computing; the makespan includes them.
 
 Pass times come from :mod:`.costs`, scaled to a stage's share of the layers, or,
-from a calibration that timed every chunk, each stage's own chunk's.
-Activations are in M, one microbatch's activations on 1/p of the layers: unit
-j on a stage with 1/V of the rank's layers weighs (L_j / S) / V from its F
-until its backward ends (B, or W where backward is split: W needs the inputs).
+from a calibration that timed every chunk, each stage's own chunk's. Activations: :mod:`.result`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.pipelining.schedules import SEND_B, SEND_F
 
 from ..ordering import B, F, I, W, compute_leaves, fed_by
-from ..render import Interval, Timeline
-from ..schedules import PLACEMENTS, ActionLists, BidirectionalLayout
-from ..torch_internals import Action, stage_to_rank_mapping
-from .build import SimConfig, build, lower, send_after_compute
-from .costs import ChunkTimes, UnitTimes, model_args, seconds_per_time_unit, subsequence_lengths, unit_and_chunk_times
-from .network import Transfers
-
-__all__ = ["StuckRank", "Deadlock", "SimResult", "simulate", "simulate_order"]
-
-
-@dataclass(frozen=True)
-class StuckRank:
-    """Where one rank stopped: the action at ``index`` of its list (see :class:`Deadlock`)."""
-
-    rank: int
-    index: int
-    action: str
-    waits_for: str
-
-
-@dataclass(frozen=True)
-class Deadlock:
-    """No rank could progress.
-
-    ``list_kind`` is "lowered" (indices into the lowered lists the runtime
-    runs) or "compute-only" (torch's lowering rejected the lists; indices
-    into the compute-only lists).
-    """
-
-    list_kind: str
-    stuck: tuple[StuckRank, ...]
-
-    def describe(self) -> str:
-        where = "; ".join(
-            f"rank {s.rank} stuck at action {s.index} ({s.action}) waiting for {s.waits_for}" for s in self.stuck
-        )
-        return f"no rank can progress ({self.list_kind} lists): {where}"
-
-
-@dataclass(kw_only=True)
-class SimResult(Timeline):
-    """A simulated step: the timeline plus what only the simulation knows;
-    :meth:`summary` is what ``--json`` prints."""
-
-    cost: str
-    lengths: list[int]
-    parameter_copies: int
-    deadlock: Deadlock | None
-    lowered: dict[int, list[Action]] = field(repr=False)
-    time_unit: str = "forwards of one microbatch on 1/p of the layers"
-    copies_synced: list[float] = field(default_factory=list)
-    """Per rank, when the all-reduces of its parameter copies end (the step's last
-    communication); empty for a schedule with one copy."""
-
-    @property
-    def makespan(self) -> float:
-        """The step: the last compute, or the copies' all-reduces after it."""
-        return max([super().makespan, *self.copies_synced])
-
-    @functools.cached_property
-    def peak_activations(self) -> list[float]:
-        """Per rank, in M (see the module docstring); worked out when asked (the planner never does)."""
-        share = self.parameter_copies / self.stages_per_rank  # a stage's layers over a 1/p stage's
-        weights = [length / sum(self.lengths) * share for length in self.lengths]
-        return [_peak(self.timeline[r], weights, self.subsequences) for r in sorted(self.timeline)]
-
-    def title(self) -> str:
-        return (
-            f"{self.label()}  cost={self.cost}  bubble ratio {self.bubble_ratio:.4f}  "
-            f"makespan {self.makespan:.4g}  peak activations rank 0 {self.peak_activations[0]:.4g} M"
-        )
-
-    def warning(self) -> str | None:
-        return self.deadlock.describe() if self.deadlock else None
-
-    def summary(self) -> dict:
-        return {name: getattr(self, name) for name in _SUMMARY} | {"deadlock": self.warning() or False}
-
-
-_SUMMARY = (
-    "schedule",
-    "pp",
-    "microbatches",
-    "subsequences",
-    "stages_per_rank",
-    "split_backward",
-    "cost",
-    "lengths",
-    "bubble_ratio",
-    "makespan",
-    "peak_activations",
-    "parameter_copies",
-    "copies_synced",
+from ..render import Interval
+from ..schedules import ActionLists
+from ..torch_internals import Action
+from .build import SimConfig, build, check_placement, lower, send_after_compute
+from .costs import (
+    ChunkTimes,
+    UnitTimes,
+    model_args,
+    seconds_per_time_unit,
+    stage_times,
+    subsequence_lengths,
+    unit_and_chunk_times,
 )
+from .network import Transfers
+from .result import Deadlock, SimResult, StuckRank
+
+__all__ = ["simulate", "simulate_order"]
+
 
 Transfer = Callable[[int, int, int], float]
 """(source rank, destination rank, subsequence j) -> time from a SEND to its data on the destination."""
@@ -407,10 +328,10 @@ def simulate_order(
     prepared = _prepare(frozen, num_stages, microbatches * k, chain_length, torch_lowering)
     lowered, stage_to_rank = prepared.lowered, prepared.stage_to_rank
     if placement is not None:
-        _check_placement(stage_to_rank, placement, p, v, schedule)
+        check_placement(stage_to_rank, placement, p, v, schedule)
     # A stage holds 1/chain_length of the model, a 1/p stage's p/chain_length.
     share = p / chain_length
-    per_stage = _stage_times(prepared.kinds, stage_to_rank, chain_length, share, times, chunk_times, schedule, cost)
+    per_stage = stage_times(prepared.kinds, stage_to_rank, chain_length, share, times, chunk_times, schedule, cost)
 
     def duration(a: Action) -> float:
         return per_stage[a.stage_index][a.computation_type][a.microbatch_index % k]
@@ -442,47 +363,6 @@ def simulate_order(
     )
 
 
-def _check_placement(stage_to_rank: dict[int, int], placement: str, p: int, v: int, schedule: str) -> None:
-    """Refuse lists that put the stages elsewhere than ``placement`` ("loop", "v" or "bidirectional":
-    either of its placements) puts p v stages on p ranks."""
-    expected = (
-        [BidirectionalLayout(p, name, v).stage_to_rank() for name in PLACEMENTS]
-        if placement == "bidirectional"
-        else [stage_to_rank_mapping(p, p * v, style=placement)]
-    )
-    if stage_to_rank not in expected:
-        raise ValueError(
-            f"{schedule} places stages on ranks {stage_to_rank}, but its stage_placement "
-            f"{placement!r} means {' or '.join(map(str, expected))}"
-        )
-
-
-def _stage_times(
-    kinds: frozenset,
-    stage_to_rank: dict[int, int],
-    chain_length: int,
-    share: float,
-    times: UnitTimes,
-    chunk_times: ChunkTimes | None,
-    schedule: str,
-    cost: str,
-) -> dict[int, dict[Any, tuple[float, ...] | None]]:
-    """Per stage and pass kind, the time of each subsequence's unit: each stage's own chunk where
-    ``chunk_times`` measured it on the stage's rank, else ``times`` (for a stage with 1/p of the
-    layers) scaled by ``share``. Refuses a cost without times for one of the ``kinds`` of pass the lists run."""
-    scaled = {
-        kind: None if ts is None else tuple(t * share for t in ts)
-        for kind, ts in ((F, times.F), (B, times.B), (I, times.I), (W, times.W))
-    }
-    missing = sorted(kind.value for kind in kinds if scaled[kind] is None)
-    if missing:
-        raise ValueError(f"{schedule} runs {missing} passes, but the cost {cost!r} has no times for them")
-    own = {s: (chunk_times or {}).get((r, s % chain_length, chain_length)) for s, r in stage_to_rank.items()}
-    if None not in own.values():
-        return {s: {F: t.F, B: t.B, I: t.I, W: t.W} for s, t in own.items()}
-    return dict.fromkeys(stage_to_rank, scaled)
-
-
 def _sync_copies(
     timeline: dict[int, list[Interval]],
     stage_to_rank: dict[int, int],
@@ -504,17 +384,3 @@ def _sync_copies(
         end = max(done[r] for r in ranks) + (transfers.copy_sync(ranks, chunks) if transfers else 0.0)
         done.update(dict.fromkeys(ranks, end))
     return [done[r] for r in sorted(done)]
-
-
-def _peak(intervals: list[Interval], weights: list[float], k: int) -> float:
-    """Largest sum of live unit weights; a rank runs one action at a time, so
-    the peak is reached right after some forward."""
-    live = peak = 0.0
-    for _, _, a in intervals:
-        w = weights[a.microbatch_index % k]
-        if a.computation_type == F:
-            live += w
-            peak = max(peak, live)
-        elif a.computation_type in (B, W):
-            live -= w
-    return peak
