@@ -461,7 +461,9 @@ def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: 
     torch.set_num_threads(1)
     # The ranks fill the cores: inductor compiles in the rank, without a pool of workers to start.
     torch._inductor.config.compile_threads = 1
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # A rank waits this long for a peer before the job ends with a message: one compiling a variant's
+    # blocks while CI's other lane shares the 2 cores can take minutes.
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     results = []
     for v in variants:
         # what torchtitan sets globally for a variant (memory-budget AC) ends with it
