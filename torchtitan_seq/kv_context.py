@@ -15,8 +15,9 @@ gathered over the CP group, so the slab holds the same positions as without CP.
 Gradients flow backwards through the slab without joining the units' autograd graphs
 (joining them would let the backward of unit j walk into, and free, the graph of unit j-1):
 the slab holds K/V *detached*; a later unit's attention backward adds dL/dK and dL/dV of the
-prefix it read into the slab's gradient slab (allocated once per microbatch and layer, added
-to in place); a unit's own attention backward adds the part at its own positions to the
+prefix it read into the slab's gradient slab (the first sender's own gradient where it covers
+every position later units read, else zeros allocated once per microbatch and layer; added to in
+place); a unit's own attention backward adds the part at its own positions to the
 gradient of its own K/V, once. This is exact when, per microbatch and stage, backwards run
 last unit first (``torchtitan_seq.ordering``), for full and split input/weight backward
 alike: the gradient slab is filled and read inside the attention's own backward, in the
@@ -96,6 +97,11 @@ class Phase(enum.Enum):
     BACKWARD = "backward"  # the unit's backward: reads the slab, sends the prefix's dK/dV to the gradient slab
 
 
+def _whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` spans its storage (a kernel's output, not a part of one)."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 class KVSlab:
     """K/V of one microbatch in one layer, and the gradient later units send earlier positions.
 
@@ -152,6 +158,13 @@ class KVSlab:
         rows ``rows`` (grad_k, grad_v: (rows, Hkv, n, D), laid out as :meth:`keys` gave them), in place."""
         if self.grad_k is None:  # once per microbatch and layer: every position a later unit reads
             readable = self.k.shape[2] if self.descending else self.filled
+            covers = start == 0 and grad_k.shape[2] == readable and grad_k.shape[0] == self.k.shape[0]
+            if covers and _whole(grad_k) and _whole(grad_v):
+                # The first sender (the last unit, whose prefix is every readable position) covers the
+                # whole gradient slab: a kernel's fresh output, nothing else in its storage, which
+                # becomes the gradient slab itself (no zeros, no add).
+                self.grad_k, self.grad_v = grad_k, grad_v
+                return
             self.grad_k, self.grad_v = (t.new_zeros(*t.shape[:2], readable, t.shape[3]) for t in (self.k, self.v))
         where = self._span(start, start + grad_k.shape[2])
         self.grad_k[rows, :, where].add_(grad_k)  # into the view: ``+=`` on an index copies the sum back

@@ -146,9 +146,12 @@ def _attention_backward(
     whole = len(causal) == 1 and causal[0].index == (_EVERY, _EVERY, _EVERY)
     if not whole:
         dq = torch.empty_like(q)
-        # zeros: a CP rank's calls leave other ranks' keys unread, and bottom-right calls of its two
-        # chunks read some keys twice
-        dk, dv = (torch.zeros_like(t) for t in keys.own)
+        # As many queries as own keys (no CP): the causal calls cover each own key once, and write its
+        # gradient. Under CP zeros, added to: a rank's calls leave other ranks' keys unread, and
+        # bottom-right calls of its two chunks read some keys twice.
+        once = q.shape[2] == length
+        dk, dv = (torch.empty_like(t) if once else torch.zeros_like(t) for t in keys.own)
+        put = Tensor.copy_ if once else Tensor.add_
     # Every add below is in place into a view (``x[i] += y`` would copy the sum back onto itself).
     for c in causal:
         dq_i, dk_i, dv_i = kernel.backward(dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], True, scale)
@@ -160,8 +163,8 @@ def _attention_backward(
             dq, dk, dv = dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:]
         else:
             dq[c.index].copy_(dq_i)
-            dk[c.rows, :, own].add_(dk_i[:, :, cut:])
-            dv[c.rows, :, own].add_(dv_i[:, :, cut:])
+            put(dk[c.rows, :, own], dk_i[:, :, cut:])
+            put(dv[c.rows, :, own], dv_i[:, :, cut:])
     for c in prefix:
         dq_i, dk_i, dv_i = kernel.backward(
             dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], False, scale
@@ -174,7 +177,7 @@ def _attention_backward(
         else:  # read from the slab, laid out as it lays positions out
             slab.accumulate(dk_i, dv_i, c.rows, c.keys.start)
     later_k, later_v = slab.take(offset, length) if slab is not None else (None, None)
-    if later_k is not None:  # dk, dv are the kernels' own (or the zeros above): added to in place
+    if later_k is not None:  # dk, dv are the kernels' own (or written above): added to in place
         n = later_k.shape[2]
         dk[:, :, :n].add_(later_k)
         dv[:, :, :n].add_(later_v)
