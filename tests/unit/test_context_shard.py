@@ -65,6 +65,12 @@ class _OneRankOfTwo(ContextShard):
         return whole
 
 
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal to 1e-5 of the reference's largest magnitude: fp32 round-off, whose size depends on the CPU's
+    summation order (an absolute 1e-6 failed by 1.2e-6 on values near 3 on an AMD EPYC)."""
+    torch.testing.assert_close(actual, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("descending", [False, True], ids=["ascending", "descending"])
 def test_both_ranks_shares_add_up_to_whole_sequence_attention(descending):
     """Two microbatches of k = 2 units through one context in a 1F1B order, each in an arena of its own
@@ -107,8 +113,8 @@ def test_both_ranks_shares_add_up_to_whole_sequence_attention(descending):
                     (outs[m, j] * w[:, :, rows]).sum().backward()
         for (m, j), (qq, kk, vv, rows) in inputs.items():
             out, dq, _, _ = ref[m]
-            torch.testing.assert_close(outs[m, j], out[:, :, rows], atol=1e-6, rtol=0)
-            torch.testing.assert_close(qq.grad, dq[:, :, rows], atol=1e-6, rtol=0)
+            _assert_close(outs[m, j], out[:, :, rows])
+            _assert_close(qq.grad, dq[:, :, rows])
             dkv[rank][m][:, :, :, 8 * j : 8 * j + 8] = torch.stack([kk.grad, vv.grad])
     for m in range(2):
-        torch.testing.assert_close(dkv[0][m] + dkv[1][m], torch.stack(ref[m][2:]), atol=1e-6, rtol=0)
+        _assert_close(dkv[0][m] + dkv[1][m], torch.stack(ref[m][2:]))
