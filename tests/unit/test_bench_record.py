@@ -184,6 +184,7 @@ def test_measured_timeline_goes_through_the_simulator_writers():
     assert timeline_figure(result).axes
 
 
+@pytest.mark.slow  # a timed calibration of 2 stages: about 12 s
 def test_calibration_writes_a_cost_file_the_simulator_reads(tmp_path):
     cost = bench.calibrate(256, [128, 64, 64], 2, units=True, repeats=1)
     first, last = cost["stages"]

@@ -25,6 +25,7 @@ def test_document_mask_is_torchtitans():
     assert torch.equal(document_mask(document_ids(tokens, EOS)).squeeze(1), theirs)
 
 
+@pytest.mark.slow  # flex attention compiles its kernel on the CPU: half a minute
 def test_block_causal_flavor_computes_torchtitans_flex_model():
     """Same weights, same packed batch: logits of torchtitan's own Llama 3 with flex
     attention and a block-causal mask (forward only: flex has no CPU backward)."""

@@ -33,6 +33,7 @@ def dry_run(tmp_path_factory) -> tuple[Path, dict]:
     return out, json.loads((out / "gpu_check.json").read_text())
 
 
+@pytest.mark.slow  # the dry run: the whole GPU check on a tiny model, about 25 s
 def test_dry_run_reports_every_figure(dry_run):
     _, results = dry_run
     for key in (
@@ -71,6 +72,7 @@ def test_dry_run_reports_every_figure(dry_run):
             assert r["loss_rel_diff"] < 1e-5  # units compute the whole sequence's loss
 
 
+@pytest.mark.slow  # the dry run: the whole GPU check on a tiny model, about 25 s
 def test_dry_run_steps_a_sequence_schedule_on_one_rank(dry_run):
     """Two stages of one pipeline on the one rank, as the GPU runs them, exact in float32."""
     step = dry_run[1]["sequence_step"]
@@ -81,6 +83,7 @@ def test_dry_run_steps_a_sequence_schedule_on_one_rank(dry_run):
     assert "whole" not in step  # float32: the reference itself
 
 
+@pytest.mark.slow  # the dry run: the whole GPU check on a tiny model, about 25 s
 def test_dry_run_trains_end_to_end(dry_run):
     """torchrun, one process, torch's 1F1B with pp = 1: the record and TensorBoard's events are there."""
     training = dry_run[1]["training"]
@@ -91,6 +94,7 @@ def test_dry_run_trains_end_to_end(dry_run):
     assert "-m torchtitan_seq.train" in training["command"] and "1F1B" in training["command"]
 
 
+@pytest.mark.slow  # the dry run: the whole GPU check on a tiny model, about 25 s
 def test_cost_files_load_in_the_simulator(dry_run):
     out, results = dry_run
     for r in results["overhead"]["runs"]:
