@@ -508,8 +508,11 @@ def _start_fork_server() -> None:
     imported: a process group of w ranks then starts in about a second, not w x 6 s of CPU."""
     multiprocessing.set_forkserver_preload(["rank_imports"])
     # The server imports it from PYTHONPATH: Python 3.11's server ignores the sys.path it is sent.
+    # benchmarks/ holds training_run, which forked_run reads a run's record with.
     tests = os.path.dirname(os.path.abspath(__file__))
-    with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))):
+    benchmarks = os.path.join(os.path.dirname(tests), "benchmarks")
+    path = os.pathsep.join(filter(None, [tests, benchmarks, os.environ.get("PYTHONPATH")]))
+    with mock.patch.dict(os.environ, PYTHONPATH=path):
         multiprocessing.forkserver.ensure_running()
 
 

@@ -15,6 +15,7 @@ import torchtitan.components.loss  # noqa: E402,F401  (after cpu_compat.apply, a
 import torchtitan.models.llama3.infra.parallelize  # noqa: E402,F401
 
 import bottom_right  # noqa: E402,F401
+import forked_run  # noqa: E402,F401  (the end-to-end runs of jobs known to be valid)
 import harness  # noqa: E402,F401
 import mutations  # noqa: E402,F401
 import settings_walk  # noqa: E402,F401
@@ -22,4 +23,5 @@ import torchtitan_seq.models.llama3_seq  # noqa: E402,F401
 import torchtitan_seq.pipeline  # noqa: E402,F401
 import torchtitan_seq.schedules  # noqa: E402,F401
 import torchtitan_seq.stage  # noqa: E402,F401
+import torchtitan_seq.train  # noqa: E402,F401
 import torchtitan_seq.trainer  # noqa: E402,F401  (the settings walk's ranks)

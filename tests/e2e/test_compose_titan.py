@@ -1,5 +1,5 @@
 """Sequence schedules composed with torchtitan's FSDP2, TP, CP, activation checkpointing and DCP,
-run as a user runs them: ./run_train.sh on CPU ranks (gloo).
+run as ./run_train.sh runs them, on CPU ranks (gloo).
 
 tests/exactness/test_compose.py checks the same compositions against a single-process
 reference on a tiny model; these check them end to end through torchtitan's
@@ -23,9 +23,9 @@ TOL_RESUME = 1e-5  # a resumed run against the uninterrupted one
 TOL_CP = 2e-5  # pp=2 x cp=2 against pp=2 from the same weights: fp32 round-off, and the log's 5 decimals
 LOSS = "loss_metrics/global_avg_loss"
 
-# The runs below skip run_train.sh's start-up check (check=False, ~7 s a run;
-# every rank checks the job anyway): these tests are about torchtitan's
-# parallelisms, not the check, which the context-parallel test below and
+# The runs below are the jobs run_train.sh starts, on ranks forked from a server that imported torch
+# and torchtitan once (check=False: tests/forked_run.py; every rank checks the job anyway): these tests
+# are about torchtitan's parallelisms, not the start-up, which the context-parallel test below and
 # tests/e2e/test_train.py exercise.
 
 

@@ -1,4 +1,5 @@
-"""Training through torchtitan with ./run_train.sh (2 CPU ranks, gloo)."""
+"""Training through torchtitan with ./run_train.sh (2 CPU ranks, gloo). Every schedule name trains a
+step in the settings walk (test_settings_walk.py); these compare losses and memory over steps."""
 
 import pytest
 
@@ -6,9 +7,9 @@ from titan import REFERENCE, assert_same_losses, assert_trained, max_diff, run_t
 
 SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4")
 
-# The shared runs and the bad-input tests go through run_train.sh's start-up
-# check; the other runs skip it (check=False, ~7 s a run): their jobs are
-# valid, and every rank checks the job again.
+# The shared runs and the bad-input tests go through ./run_train.sh as a user runs it; the other
+# runs' jobs are valid (check=False: forked ranks, tests/forked_run.py), and every rank checks the
+# job again.
 
 
 @pytest.mark.slow
@@ -20,21 +21,6 @@ def test_seq1f1b_logs_the_losses_of_1f1b(shared_run):
     assert_trained(ref, 10)
     assert_same_losses(seq, ref)
     assert seq.losses[-1] < seq.losses[0] - 0.5  # it learns
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["GPipe", "TeraPipe"])
-def test_other_schedules_train(schedule, tmp_path):
-    run = run_train(
-        *SMALL,
-        "--training.steps",
-        "2",
-        "--parallelism.pipeline_parallel_schedule",
-        schedule,
-        dump_folder=tmp_path,
-        check=False,
-    )
-    assert_trained(run, 2)
 
 
 @pytest.mark.slow
