@@ -52,3 +52,12 @@ def shared_run(tmp_path_factory):
         return runs[key]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (run_tests.sh: ``-n 2 --dist loadgroup``) a file's tests run in one worker,
+    so its module fixtures (a file's exactness ranks, its shared runs) run once; so do the tests
+    reading the session's ``shared_run``, whose runs each worker would otherwise train again."""
+    for item in items:
+        shared = "shared_run" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("shared_run" if shared else item.nodeid.split("::")[0]))
