@@ -5,8 +5,9 @@ From one seed checkpoint (torchtitan seeds each pipeline rank differently), Seq1
 torch's 1F1B on the same mesh, as under 0.2.2 (tests/e2e/test_compose_titan.py). To keep the wall time
 low, each Seq1F1B run composes more than its mesh: activation checkpointing (which recomputes, and so
 must leave the losses as they are) rides on the mesh runs, whose 1F1B runs, without it, are the
-reference; the FSDP2 run also writes the metrics record (``metrics.jsonl``, TensorBoard, the pipeline
-timeline), read by its own test.
+reference; the TP runs train on packed documents (the block-causal config: document ids pass through
+0.3's TP plan for attention); the FSDP2 run also writes the metrics record (``metrics.jsonl``,
+TensorBoard, the pipeline timeline), read by its own test.
 """
 
 from __future__ import annotations
@@ -26,16 +27,28 @@ SMALL = ("--training.seq-len", "256", "--training.local-batch-size", "4", "--seq
 STEPS = 2
 TOL = 1e-3  # Seq1F1B against 1F1B: same maths, different summation order (0.2.2's tolerance)
 
-# name: (processes, degrees as overrides, the mesh line 0.3 logs)
+# name: (processes, degrees as overrides, the mesh line 0.3 logs, the config function, its data set)
 MESHES = {
-    "pp2-fsdp2": (4, ("--parallelism.data-parallel-shard-degree", "2"), "dp_shard=2, cp=1, tp=1"),
-    "pp2-tp2": (4, ("--parallelism.tensor-parallel-degree", "2"), "dp_shard=1, cp=1, tp=2"),
+    "pp2-fsdp2": (
+        4,
+        ("--parallelism.data-parallel-shard-degree", "2"),
+        "dp_shard=2, cp=1, tp=1",
+        "llama3_debugmodel_seq1f1b",
+        "seqpp_text",
+    ),
+    "pp2-tp2-packed": (
+        4,
+        ("--parallelism.tensor-parallel-degree", "2"),
+        "dp_shard=1, cp=1, tp=2",
+        "llama3_debugmodel_block_causal_seq1f1b",
+        "seqpp_packed",
+    ),
 }
 # The activation checkpointing each mesh's Seq1F1B run applies (0.3's subcommand, last on the line),
 # and the class 0.3 logs for it.
 AC = {
     "pp2-fsdp2": ("activation-checkpoint:selective", "SelectiveAC"),
-    "pp2-tp2": ("activation-checkpoint:full", "FullAC"),
+    "pp2-tp2-packed": ("activation-checkpoint:full", "FullAC"),
 }
 # The FSDP2 run's record: TensorBoard on, the timeline exported at step 2 without the profiler.
 RECORD_ARGS = ("--metrics.enable-tensorboard",)
@@ -60,9 +73,17 @@ def seed(tmp_path_factory) -> str:
 
 
 def _from_seed(
-    seed: str, *overrides: str, dump_folder: Path, ngpu: int, check: bool = False, env: dict | None = None
+    seed: str,
+    *overrides: str,
+    dump_folder: Path,
+    ngpu: int,
+    check: bool = False,
+    env: dict | None = None,
+    config: str | None = None,
 ) -> Run:
-    """``STEPS`` steps from the seed checkpoint; ``check``: run run_train.sh's start-up check too."""
+    """``STEPS`` steps of the job ``config`` (run_train.sh's default when None) from the seed checkpoint
+    (the debug model's: the block-causal flavor has the same weights); ``check``: run run_train.sh's
+    start-up check too."""
     run = run_train(
         *SMALL,
         "--training.steps",
@@ -74,6 +95,7 @@ def _from_seed(
         "1000",
         *overrides,
         dump_folder=dump_folder,
+        config=config,
         env={"NGPU": str(ngpu), **({} if check else {"TORCHTITAN_SEQ_SKIP_CHECK": "1"}), **(env or {})},
     )
     assert run.returncode == 0, run.output[-4000:]
@@ -92,7 +114,7 @@ def mesh_runs(seed, tmp_path_factory):
 
     def get(mesh: str) -> tuple[Run, Run, Path]:
         if mesh not in runs:
-            ngpu, degrees = MESHES[mesh][:2]
+            ngpu, degrees, _, config, _ = MESHES[mesh]
             folder = tmp_path_factory.mktemp(mesh)
             record = mesh == "pp2-fsdp2"
             # the job check on: what it lets through here is what these tests prove
@@ -105,9 +127,10 @@ def mesh_runs(seed, tmp_path_factory):
                 ngpu=ngpu,
                 check=True,
                 env=RECORD_ENV if record else None,
+                config=config,
             )
             schedule = ("--parallelism.pipeline-parallel-schedule", "1F1B")
-            ref = _from_seed(seed, *degrees, *schedule, dump_folder=folder / "ref", ngpu=ngpu)
+            ref = _from_seed(seed, *degrees, *schedule, dump_folder=folder / "ref", ngpu=ngpu, config=config)
             runs[mesh] = seq, ref, folder / "seq"
         return runs[mesh]
 
@@ -118,10 +141,10 @@ def mesh_runs(seed, tmp_path_factory):
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_seq1f1b_with_activation_checkpointing_logs_the_losses_of_1f1b_on_the_same_mesh(mesh, mesh_runs):
     seq, ref, _ = mesh_runs(mesh)
-    layout = MESHES[mesh][2]
+    layout, dataset = MESHES[mesh][2], MESHES[mesh][4]
     for run in (seq, ref):
         mesh_line = f"Building device mesh with parallelism: pp=2, dp_replicate=1, {layout}"
-        assert mesh_line in run.output, run.output[-3000:]
+        assert mesh_line in run.output and f"Preparing {dataset} dataset" in run.output, run.output[-3000:]
     assert "Sequence pipeline Seq1F1B: 4 microbatches x 4 subsequences" in seq.output
     assert f"Applied {AC[mesh][1]} activation checkpointing to the model" in seq.output, seq.output[-3000:]
     print(f"{mesh}: Seq1F1B {seq.losses}, 1F1B {ref.losses}")
