@@ -8,7 +8,6 @@ names the setting at fault and the fix. torch's own schedules get the checks tha
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 
 import torch
@@ -16,6 +15,7 @@ from torchtitan.config import JobConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
+from .job_rules import check_compile, check_degrees, check_instrumentation, check_split_backward_ac
 from .pipeline import job_shape, pipeline_sequence_llm
 from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ScheduleShape
 
@@ -31,11 +31,11 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
             f"parallelism.pipeline_parallel_schedule = {name!r} is unknown: use a sequence schedule "
             f"({', '.join(SEQUENCE_SCHEDULES)}) or one of torch's ({', '.join(TORCH_SCHEDULES)})"
         )
-    _check_degrees(job_config, world_size)
+    check_degrees(job_config.parallelism, world_size)
     spec = get_train_spec(job_config.model.name)
     _check_flavor(job_config, spec)
     _check_compile(job_config)
-    _check_instrumentation(job_config)
+    check_instrumentation(job_config.sequence_pipeline.activation_memory_freq)
     _check_converters(job_config)
     if name in SEQUENCE_SCHEDULES:
         _check_sequence_model(job_config, spec)
@@ -55,23 +55,6 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
     _check_datasets(job_config)  # last: a setting at odds with another is the likelier fault
 
 
-def _check_degrees(job_config: JobConfig, world_size: int) -> None:
-    """The parallel degrees multiply to the process count (FSDP's -1 takes what is left)."""
-    par = job_config.parallelism
-    degrees = {
-        f"{dim}_degree": getattr(par, f"{dim}_degree")
-        for dim in ("data_parallel_replicate", "context_parallel", "tensor_parallel", "pipeline_parallel")
-    }
-    fixed, shard = math.prod(degrees.values()), par.data_parallel_shard_degree
-    if world_size % fixed or (shard != -1 and fixed * shard != world_size):
-        product = " x ".join(f"{k}={v}" for k, v in {**degrees, "data_parallel_shard_degree": shard}.items())
-        raise ValueError(
-            f"parallelism degrees {product} do not fit {world_size} processes: set them (e.g. "
-            "parallelism.pipeline_parallel_degree) so that their product is the process count, or change "
-            "the process count (NGPU)"
-        )
-
-
 def _check_flavor(job_config: JobConfig, spec: TrainSpec) -> None:
     flavor = job_config.model.flavor
     if flavor not in spec.model_args:
@@ -86,33 +69,18 @@ def _check_compile(job_config: JobConfig) -> None:
     tensor parallelism in a pipeline (torch 2.13 to 2.15: tried on each)."""
     par, ac = job_config.parallelism, job_config.activation_checkpoint
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
-    sequence = par.pipeline_parallel_schedule in SEQUENCE_SCHEDULES
-    if compile_model and job_config.sequence_pipeline.split_backward and sequence:
-        raise ValueError(
-            "sequence_pipeline.split_backward = true cannot run with compile.enable = true: a compiled block is one "
-            "autograd node, so the weight pass would run its whole backward again (and torch 2.13 then gets some "
-            "weight gradients wrong); use a full backward"
-        )
-    if compile_model and par.tensor_parallel_degree > 1 and par.pipeline_parallel_degree > 1:
-        raise ValueError(
-            f"compile.enable = true cannot run with parallelism.tensor_parallel_degree = "
-            f"{par.tensor_parallel_degree} in a pipeline: torch 2.13 to 2.15 hand the compiled blocks' backward "
-            "plain tensors for DTensors (torch's 1F1B alike); turn one of them off"
-        )
+    check_compile(
+        compile_model,
+        split_backward=job_config.sequence_pipeline.split_backward,
+        sequence=par.pipeline_parallel_schedule in SEQUENCE_SCHEDULES,
+        tp_degree=par.tensor_parallel_degree,
+        pp_degree=par.pipeline_parallel_degree,
+    )
     if ac.mode == "memory_budget" and not compile_model:
         raise ValueError(
             "activation_checkpoint.mode = 'memory_budget' needs torch.compile of the model: set "
             "compile.enable = true with 'model' in compile.components, or use activation_checkpoint.mode "
             "'full', 'selective' or 'none'"
-        )
-
-
-def _check_instrumentation(job_config: JobConfig) -> None:
-    freq = job_config.sequence_pipeline.activation_memory_freq
-    if freq < 0:
-        raise ValueError(
-            f"sequence_pipeline.activation_memory_freq = {freq} is negative: use N >= 1 "
-            "(every N-th logged step) or 0 (never)"
         )
 
 
@@ -245,12 +213,11 @@ def _check_validation(job_config: JobConfig, n_microbatches: int) -> None:
 
 def _check_activation_checkpointing(job_config: JobConfig) -> None:
     ac = job_config.activation_checkpoint
-    if job_config.sequence_pipeline.split_backward and ac.mode == "selective" and ac.selective_ac_option == "op":
-        raise ValueError(
-            "sequence_pipeline.split_backward = true cannot run with activation_checkpoint.mode = 'selective' "
-            "and selective_ac_option = 'op' (torch's op-level SAC allows one backward per region): use "
-            "another AC option or a full backward"
-        )
+    check_split_backward_ac(
+        ac.mode == "selective" and ac.selective_ac_option == "op",
+        split_backward=job_config.sequence_pipeline.split_backward,
+        setting="activation_checkpoint.mode = 'selective' and selective_ac_option = 'op'",
+    )
 
 
 def _check_documents(job_config: JobConfig, spec: TrainSpec) -> None:

@@ -1,5 +1,9 @@
 """torchtitan's metrics, plus what sequence pipelines need to show, and a structured record.
 
+:class:`SequenceMetrics` holds it all for any torchtitan version's ``MetricsProcessor``: 0.2.2's is
+:class:`SeqMetricsProcessor` (here), 0.3's :class:`torchtitan_seq.titan03.metrics.SeqMetricsProcessor`;
+each says where its job keeps the settings (:class:`SequenceMetricsSettings`).
+
 Per logged step, every rank's bubble ratio and the step's pipeline makespan
 (:mod:`torchtitan_seq.timeline`), and on the steps that meter activations
 (:meth:`SeqMetricsProcessor.meters_activations`) every rank's peak activation
@@ -15,17 +19,18 @@ schema docs/metrics.md gives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor, TensorBoardLogger
-from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
 
 from . import timeline
@@ -33,7 +38,20 @@ from .memory import ActivationMemory
 from .render import bubble_ratios, busy_and_end
 from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 
-__all__ = ["RECORD_FILE", "STEP_FIELDS", "MetricsRecord", "SeqMetricsProcessor", "build_seq_metrics_processor"]
+if TYPE_CHECKING:  # torchtitan 0.2.2's
+    from torchtitan.config import JobConfig
+    from torchtitan.protocols.model import BaseModelArgs
+
+__all__ = [
+    "RECORD_FILE",
+    "STEP_FIELDS",
+    "MetricsRecord",
+    "SequenceMetricsSettings",
+    "SequenceMetrics",
+    "InstrumentedSteps",
+    "SeqMetricsProcessor",
+    "build_seq_metrics_processor",
+]
 
 RECORD_FILE = "metrics.jsonl"
 """The structured record's file name in the job's dump folder."""
@@ -108,18 +126,38 @@ def _allocator_peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
 
 
-class SeqMetricsProcessor(MetricsProcessor):
-    """torchtitan's ``MetricsProcessor`` that also reports, per rank, activation memory and
-    the pipeline's bubble ratio, and keeps the structured record on rank 0."""
+@dataclass(frozen=True)
+class SequenceMetricsSettings:
+    """What :class:`SequenceMetrics` reads of a job, wherever the torchtitan version keeps it."""
+
+    sequence_pipeline: Any
+    """The job's :class:`~torchtitan_seq.config.SequencePipeline`."""
+    schedule: str
+    """``parallelism.pipeline_parallel_schedule``."""
+    log_freq: int
+    """torchtitan's metrics ``log_freq``."""
+    dump_folder: Path
+    profiling: Any
+    """torchtitan's profiling section (``enable_profiling``, ``profile_freq``, ``save_traces_folder``)."""
+
+
+class SequenceMetrics:
+    """Mixed into a torchtitan version's ``MetricsProcessor`` (before it): reports, per rank,
+    activation memory and the pipeline's bubble ratio, and keeps the structured record on rank 0.
+    The subclass provides :attr:`settings`; its trainer arms each step with :meth:`instrumented_step`."""
 
     activation_memory: ActivationMemory | None = None
     """The trainer's meter; without one no step is metered."""
     record: MetricsRecord | None = None
 
-    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag: str | None = None) -> None:
-        super().__init__(job_config, parallel_dims, tag)
+    @property
+    def settings(self) -> SequenceMetricsSettings:
+        raise NotImplementedError
+
+    def attach_record(self) -> None:
+        """On rank 0, append every logged step to ``<dump_folder>/metrics.jsonl`` from now on."""
         if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-            self.record = MetricsRecord(Path(job_config.job.dump_folder) / RECORD_FILE)
+            self.record = MetricsRecord(self.settings.dump_folder / RECORD_FILE)
             if not isinstance(self.logger, LoggerContainer):
                 self.logger = LoggerContainer()  # torchtitan's plain BaseLogger: no backend here
             self.logger.add_logger(self.record)
@@ -128,16 +166,29 @@ class SeqMetricsProcessor(MetricsProcessor):
         """The start record, with the subsequence lengths ``schedule`` (the trainer's) runs."""
         if self.record is not None:
             lengths = schedule.lengths if isinstance(schedule, SequenceSchedule) else None
-            name = self.job_config.parallelism.pipeline_parallel_schedule
+            name = self.settings.schedule
             self.record.append({"event": "start", "time": time.time(), "schedule": name, "lengths": lengths})
 
     def meters_activations(self, step: int) -> bool:
         """Whether training step ``step`` meters saved activations: step 1 and the multiples of
         ``[sequence_pipeline] activation_memory_freq`` x ``metrics.log_freq`` (never when it is 0),
         the trainer's meter being attached (:attr:`activation_memory`)."""
-        freq = self.job_config.sequence_pipeline.activation_memory_freq
-        due = freq > 0 and (step == 1 or step % (freq * self.job_config.metrics.log_freq) == 0)
+        settings = self.settings
+        freq = settings.sequence_pipeline.activation_memory_freq
+        due = freq > 0 and (step == 1 or step % (freq * settings.log_freq) == 0)
         return due and self.activation_memory is not None
+
+    @contextlib.contextmanager
+    def instrumented_step(self, step: int, device: torch.device) -> Iterator[bool]:
+        """Around training step ``step``: whether it meters activations (the trainer then runs forward
+        and backward under the meter); the timeline recorder is armed for the step if it logs. The meter
+        and the timeline cost per saved tensor and per action: armed for the steps that report them only."""
+        if self.settings.sequence_pipeline.pipeline_timeline and self.should_log(step):
+            timeline.RECORDER.enable(device)
+        try:
+            yield self.meters_activations(step)
+        finally:
+            timeline.RECORDER.disable()
 
     def log(
         self,
@@ -182,13 +233,13 @@ class SeqMetricsProcessor(MetricsProcessor):
             parts.append(f"pipeline: {max(ends):.1f} ms")
         if parts:
             logger.info(f"step: {step:2}  " + "  ".join(parts))
-        timed = self.job_config.sequence_pipeline.pipeline_timeline
-        if timed and timeline.export_due(step, self.job_config.profiling):
-            name = self.job_config.parallelism.pipeline_parallel_schedule
-            k = self.job_config.sequence_pipeline.num_subsequences if name in SEQUENCE_SCHEDULES else 1
+        settings = self.settings
+        if settings.sequence_pipeline.pipeline_timeline and timeline.export_due(step, settings.profiling):
+            name = settings.schedule
+            k = settings.sequence_pipeline.num_subsequences if name in SEQUENCE_SCHEDULES else 1
             loggers = getattr(self.logger, "_loggers", [])  # torchtitan's LoggerContainer
             writers = [lg.writer for lg in loggers if isinstance(lg, TensorBoardLogger)]
-            folder = Path(self.job_config.job.dump_folder) / self.job_config.profiling.save_traces_folder
+            folder = settings.dump_folder / settings.profiling.save_traces_folder
             timeline.export_timeline(step, name, k, folder, writers)
 
     def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
@@ -199,6 +250,43 @@ class SeqMetricsProcessor(MetricsProcessor):
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.parallel_dims.get_mesh("pp").get_group())
             loss = value.item()
         super().log_validation(loss, step, extra_metrics)
+
+
+class InstrumentedSteps:
+    """Mixed into a torchtitan version's ``Trainer`` (before it): each training step runs under its
+    metrics processor's :meth:`SequenceMetrics.instrumented_step`; :attr:`metering` says whether the
+    step meters activations (the trainer's forward and backward then run under its meter)."""
+
+    metering: bool = False
+
+    def train_step(self, data_iterator: Iterator[Any]) -> None:
+        processor = self.metrics_processor
+        if not isinstance(processor, SequenceMetrics):
+            return super().train_step(data_iterator)
+        try:
+            with processor.instrumented_step(self.step, self.device) as self.metering:  # step: already the step's
+                super().train_step(data_iterator)
+        finally:
+            self.metering = False
+
+
+class SeqMetricsProcessor(SequenceMetrics, MetricsProcessor):
+    """torchtitan 0.2.2's ``MetricsProcessor`` with :class:`SequenceMetrics`; the settings are the job's."""
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag: str | None = None) -> None:
+        super().__init__(job_config, parallel_dims, tag)
+        self.attach_record()
+
+    @property
+    def settings(self) -> SequenceMetricsSettings:
+        job = self.job_config
+        return SequenceMetricsSettings(
+            sequence_pipeline=job.sequence_pipeline,
+            schedule=job.parallelism.pipeline_parallel_schedule,
+            log_freq=job.metrics.log_freq,
+            dump_folder=Path(job.job.dump_folder),
+            profiling=job.profiling,
+        )
 
 
 def build_seq_metrics_processor(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
@@ -21,9 +20,10 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from .assets import TOKENIZER_DIR
 from .config import SequencePipeline
 from .data import DATASET_NAME, PACKED_DATASET_NAME
+from .titan03.metrics import SeqMetricsProcessor
 from .titan03.model import seq_llama3
 from .titan03.pipeline import pipeline_sequence_llm
-from .titan03.trainer import SeqTrainer, sequence_pipeline
+from .titan03.trainer import SeqTrainer
 
 __all__ = [
     "llama3_debugmodel_seq1f1b",
@@ -39,7 +39,7 @@ _PACKED_DOCUMENT_LENGTH = 600
 def llama3_debugmodel_seq1f1b() -> SeqTrainer.Config:
     """Llama 3 debug model, Seq1F1B (k = 4) on 2 pipeline ranks (CPU by default):
     ``train_configs/debug_model.toml``."""
-    return _debugmodel("debugmodel", DATASET_NAME, sequence_pipeline(num_subsequences=4, length_multiple=64))
+    return _debugmodel("debugmodel", DATASET_NAME, SequencePipeline(num_subsequences=4, length_multiple=64))
 
 
 def llama3_debugmodel_block_causal_seq1f1b() -> SeqTrainer.Config:
@@ -48,15 +48,13 @@ def llama3_debugmodel_block_causal_seq1f1b() -> SeqTrainer.Config:
     return _debugmodel(
         "debugmodel_flex_attn",
         PACKED_DATASET_NAME,
-        sequence_pipeline(num_subsequences=4, length_multiple=64, expected_document_length=_PACKED_DOCUMENT_LENGTH),
+        SequencePipeline(num_subsequences=4, length_multiple=64, expected_document_length=_PACKED_DOCUMENT_LENGTH),
     )
 
 
 def llama3_8b_32k_seq1f1b() -> SeqTrainer.Config:
     """Llama 3 8B at 32K tokens on 8 GPUs, pipeline 4 x FSDP 2, Seq1F1B with k = 4, compiled blocks:
-    ``train_configs/llama3_8b_32k.toml``. (Under 0.3 the job check refuses FSDP and compile with the
-    sequence schedules until they are tested there: run it with ``--parallelism.data-parallel-shard-degree 1
-    --no-compile.enable`` on 4 GPUs meanwhile.)"""
+    ``train_configs/llama3_8b_32k.toml``."""
     return _8b("8B")
 
 
@@ -85,7 +83,7 @@ def _debugmodel(flavor: str, dataset: str, sequence: SequencePipeline) -> SeqTra
         flavor,
         hf_assets_path=str(TOKENIZER_DIR),  # the tokenizer shipped with torchtitan_seq
         dump_folder="./outputs",
-        metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
+        metrics=SeqMetricsProcessor.Config(log_freq=1, disable_color_printing=True),
         optimizer=default_adamw(lr=8e-4),
         lr_scheduler=LRSchedulersContainer.Config(
             warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
@@ -106,7 +104,7 @@ def _8b(flavor: str) -> SeqTrainer.Config:
         flavor,
         hf_assets_path="./assets/hf/Llama-3.1-8B",
         dump_folder="./outputs/llama3_8b_32k",
-        metrics=MetricsProcessor.Config(log_freq=10, enable_tensorboard=True),
+        metrics=SeqMetricsProcessor.Config(log_freq=10, enable_tensorboard=True),
         optimizer=default_adamw(lr=3e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200),
         training=TrainingConfig(
@@ -122,7 +120,7 @@ def _8b(flavor: str) -> SeqTrainer.Config:
         parallelism=ParallelismConfig(
             data_parallel_shard_degree=2, pipeline_parallel_degree=4, pipeline_parallel_schedule="Seq1F1B"
         ),
-        sequence_pipeline=sequence_pipeline(num_subsequences=4, length_multiple=128),
+        sequence_pipeline=SequencePipeline(num_subsequences=4, length_multiple=128),
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
         compile=CompileConfig(enable=True, components=["model", "loss"]),
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,24 +23,23 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config import JobConfig
 from torchtitan.train import Trainer
 
-from . import cpu_compat, timeline
+from . import cpu_compat
 from .job_check import check_job
 from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
-from .metrics import SeqMetricsProcessor
+from .metrics import InstrumentedSteps, SeqMetricsProcessor
 from .pipeline import chunk_parallel_dims
 from .schedules import SequenceSchedule
 
 __all__ = ["SeqTrainer"]
 
 
-class SeqTrainer(Trainer):
+class SeqTrainer(InstrumentedSteps, Trainer):
     """torchtitan's ``Trainer`` for sequence pipelines; see the module docstring."""
 
     def __init__(self, job_config: JobConfig) -> None:
         check_job(job_config, int(os.environ["WORLD_SIZE"]))
         self.activation_memory = ActivationMemory()
-        self.metering = False  # whether the current step meters activations (train_step decides)
         super().__init__(job_config)
         cpu_compat.fsdp_for_gloo(self.model_parts)
         schedule = getattr(self, "pp_schedule", None)
@@ -51,21 +49,6 @@ class SeqTrainer(Trainer):
         if isinstance(self.metrics_processor, SeqMetricsProcessor):
             self.metrics_processor.activation_memory = self.activation_memory
             self.metrics_processor.record_start(schedule)
-
-    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
-        # The meter and the timeline cost per saved tensor and per action: armed for this step
-        # only when it reports them (``self.step`` is already the step's number).
-        processor = self.metrics_processor
-        reports = isinstance(processor, SeqMetricsProcessor)
-        self.metering = reports and processor.meters_activations(self.step)
-        timed = self.job_config.sequence_pipeline.pipeline_timeline
-        if reports and timed and processor.should_log(self.step):
-            timeline.RECORDER.enable(self.device)
-        try:
-            super().train_step(data_iterator)
-        finally:
-            timeline.RECORDER.disable()
-            self.metering = False
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor

@@ -50,34 +50,65 @@ def test_the_sequence_pipeline_section_takes_overrides_as_0_3_takes_its_own():
 
 
 @pytest.mark.parametrize(
-    "args,match",
+    "args,world,match",
     [
-        (["--parallelism.pipeline-parallel-schedule", "Seq2F2B"], "pipeline_parallel_schedule = 'Seq2F2B' is unknown"),
-        (["--compile.enable"], "compile.enable = true with the sequence schedule Seq1F1B"),
-        (["--parallelism.pipeline-parallel-degree", "4"], "do not fit 2 processes"),
-        (["--sequence-pipeline.num-subsequences", "64"], "sequence_pipeline"),
-        (["--parallelism.pipeline-parallel-schedule", "BSIPipe", "--training.local-batch-size", "3"], "BSIPipe"),
-        (["activation-checkpoint:full"], "activation_checkpoint"),
-        (["--sequence-pipeline.pipeline-timeline"], "sequence_pipeline.pipeline_timeline = true"),
-        (["--parallelism.spmd-backend", "full_dtensor"], "parallelism.spmd_backend = 'full_dtensor'"),
-        (["--sequence-pipeline.activation-memory-freq", "10"], "sequence_pipeline.activation_memory_freq > 0"),
+        (
+            ["--parallelism.pipeline-parallel-schedule", "Seq2F2B"],
+            2,
+            "pipeline_parallel_schedule = 'Seq2F2B' is unknown",
+        ),
+        (["--parallelism.pipeline-parallel-degree", "4"], 2, "do not fit 2 processes"),
+        (["--sequence-pipeline.num-subsequences", "64"], 2, "sequence_pipeline"),
+        (["--parallelism.pipeline-parallel-schedule", "BSIPipe", "--training.local-batch-size", "3"], 2, "BSIPipe"),
+        (["--parallelism.spmd-backend", "full_dtensor"], 2, "parallelism.spmd_backend = 'full_dtensor'"),
+        (["--sequence-pipeline.activation-memory-freq", "-1"], 2, "activation_memory_freq = -1 is negative"),
+        # 0.2.2's rules (torchtitan_seq.job_rules)
+        (
+            ["--compile.enable", "--sequence-pipeline.split-backward"],
+            2,
+            "split_backward = true cannot run with compile",
+        ),
+        (["--compile.enable", "--parallelism.tensor-parallel-degree", "2"], 4, "tensor_parallel_degree = 2 in a pipe"),
+        (
+            ["--sequence-pipeline.split-backward", "activation-checkpoint:selective"],
+            2,
+            "split_backward = true cannot run with activation-checkpoint:selective",
+        ),
+        # not tested under 0.3 yet
+        (
+            ["--parallelism.context-parallel-degree", "2"],
+            4,
+            "parallelism.context_parallel_degree = 2 with the sequence",
+        ),
+        (["--parallelism.data-parallel-replicate-degree", "2"], 4, "parallelism.data_parallel_replicate_degree = 2"),
+        (
+            ["--compile.enable", "activation-checkpoint:memory-budget"],
+            2,
+            "activation-checkpoint:memory-budget with the sequence schedule",
+        ),
     ],
 )
-def test_the_job_check_refuses_in_one_line(args, match):
+def test_the_job_check_refuses_in_one_line(args, world, match):
     from torchtitan_seq.titan03.job_check import check_job
 
     config = _parse("--config", "llama3_debugmodel_seq1f1b", *args)
     with pytest.raises(ValueError, match=match) as e:
-        check_job(config, 2)
+        check_job(config, world)
     assert "\n" not in str(e.value)
 
 
-def test_fsdp_with_a_sequence_schedule_is_refused_until_tested():
+@pytest.mark.parametrize(
+    "args,world",
+    [
+        (["--parallelism.data-parallel-shard-degree", "2", "activation-checkpoint:selective"], 4),
+        (["--parallelism.tensor-parallel-degree", "2", "activation-checkpoint:full"], 4),
+        (["--compile.enable"], 2),
+    ],
+)
+def test_the_job_check_passes_what_tests_titan03_compose_runs(args, world):
     from torchtitan_seq.titan03.job_check import check_job
 
-    config = _parse("--config", "llama3_debugmodel_seq1f1b", "--parallelism.data-parallel-shard-degree", "2")
-    with pytest.raises(ValueError, match="4 processes for parallelism.pipeline_parallel_degree = 2"):
-        check_job(config, 4)
+    check_job(_parse("--config", "llama3_debugmodel_seq1f1b", *args), world)
 
 
 def test_the_planners_config_function_builds_the_plan():

@@ -26,6 +26,7 @@ def _processor(freq: int, log_freq: int = 1, meter: ActivationMemory | None = No
         metrics=SimpleNamespace(log_freq=log_freq),
         profiling=SimpleNamespace(enable_profiling=False, profile_freq=10),
         parallelism=SimpleNamespace(pipeline_parallel_schedule="Seq1F1B"),
+        job=SimpleNamespace(dump_folder="."),
     )
     processor.device_memory_monitor = SimpleNamespace(device=torch.device("cpu"))
     processor.activation_memory = meter if meter is not None else ActivationMemory()

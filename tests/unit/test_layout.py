@@ -27,6 +27,7 @@ CORE = [
     "render",
     "pipeline_core",
     "rope",
+    "job_rules",
 ]
 
 

@@ -8,6 +8,7 @@ A thin layer over the plain-torch core (:mod:`torchtitan_seq.schedules`, :mod:`~
 * :mod:`.model` — 0.3's Llama 3 with chunk-aware inner attention (``seq_llama3``);
 * :mod:`.pipeline` — its ``pipelining_fn``: sequence schedules by name, torch's through 0.3's own;
 * :mod:`.trainer` — ``SeqTrainer`` and its config, 0.3's with the ``sequence_pipeline`` section;
+* :mod:`.metrics` — its metrics processor: 0.2.2's per-rank metrics, timeline and ``metrics.jsonl``;
 * :mod:`.job_check` — the check every rank and ``--check`` run first;
 * the config functions are :mod:`torchtitan_seq.recipes` (``--module torchtitan_seq.recipes``).
 

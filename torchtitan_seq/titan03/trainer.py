@@ -6,10 +6,14 @@ the loss. The trainer binds ``sequence_pipeline`` and the flavor's shape to the 
 (0.3 hands a pipelining function no config section of its own), feeds the model sequence positions
 (RoPE at 0..L-1, as under 0.2.2, where 0.3's dataloaders emit per-document positions) and, for the
 block-causal flavors, the batch's document ids as ``attention_masks``, and every rank logs the loss.
+Its metrics processor (:mod:`.metrics`) reports what 0.2.2's does, instrumented as there: saved
+activations metered on the steps ``sequence_pipeline.activation_memory_freq`` picks, compute actions
+timed on logged steps only, and ``metrics.jsonl`` in the dump folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -24,29 +28,29 @@ from .. import cpu_compat
 from ..config import SequencePipeline
 from ..documents import document_ids
 from ..flavors import flavor_shapes
+from ..memory import ActivationMemory
+from ..metrics import InstrumentedSteps
 from ..schedules import SequenceSchedule
 from .job_check import check_job
+from .metrics import SeqMetricsProcessor
 from .pipeline import pipeline_sequence_llm
 
-__all__ = ["SeqTrainer", "sequence_pipeline"]
+__all__ = ["SeqTrainer"]
 
 
-def sequence_pipeline(**settings: Any) -> SequencePipeline:
-    """0.2.2's ``[sequence_pipeline]`` with ``settings``, and off what 0.3 does not run yet: the
-    activation meter and the timeline of the metrics record (the job check refuses them on)."""
-    return SequencePipeline(**{"activation_memory_freq": 0, "pipeline_timeline": False, **settings})
-
-
-class SeqTrainer(Trainer):
+class SeqTrainer(InstrumentedSteps, Trainer):
     """0.3's ``Trainer`` for sequence pipelines; see the module docstring."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        sequence_pipeline: SequencePipeline = field(default_factory=sequence_pipeline)
+        sequence_pipeline: SequencePipeline = field(default_factory=SequencePipeline)
         """How sequence schedules cut and run each microbatch (0.2.2's ``[sequence_pipeline]``)."""
+        metrics: SeqMetricsProcessor.Config = field(default_factory=SeqMetricsProcessor.Config)
+        """0.3's metrics section; its processor also reports the sequence pipeline (:mod:`.metrics`)."""
 
     def __init__(self, config: Config) -> None:
         check_job(config, int(os.environ["WORLD_SIZE"]))
+        self.activation_memory = ActivationMemory()
         spec = config.model_spec
         config.model_spec = dataclasses.replace(
             spec,
@@ -62,6 +66,15 @@ class SeqTrainer(Trainer):
         if isinstance(schedule, SequenceSchedule):
             # e.g. BSIPipe, Chimera: the optimizer steps each chunk's primary copy; the mirror copy follows.
             self.optimizers.register_step_post_hook(lambda *_: schedule.after_optimizer_step())
+        if isinstance(self.metrics_processor, SeqMetricsProcessor):
+            self.metrics_processor.attach(config)
+            self.metrics_processor.activation_memory = self.activation_memory
+            self.metrics_processor.record_start(schedule)
+
+    def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
+        """0.3's, under the activation meter on the steps that meter."""
+        with self.activation_memory.track() if self.metering else contextlib.nullcontext():
+            return super().forward_backward_step(**kwargs)
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
