@@ -4,7 +4,8 @@ With it the unit attention takes the path flash-attn takes (:mod:`torchtitan_seq
 reads its prefix and its own keys in one causal call, its slab written in position order (ascending,
 arenas not shared top and bottom, ``with_own``), on a machine without a GPU. It is the
 :class:`~torchtitan_seq.kernels.AttentionKernel` protocol in plain float32 matrix products, exact
-to round-off; the exactness harness runs it with ``Variant(kernel="bottom_right")``.
+to round-off; every exactness variant runs its compared step with it as well as with torch's CPU kernel
+(``Variant.kernels``, tests/harness.py).
 """
 
 from __future__ import annotations

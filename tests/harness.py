@@ -8,8 +8,10 @@ differences, each relative to its own reference: a parameter's gradient error
 over the largest magnitude of that parameter's reference gradient, the loss
 error over the reference loss. With ``optimizer_steps`` both sides first take
 that many SGD steps, so the compared step also checks what happens between
-steps (BSIPipe's and Chimera's copies). A ``mutation`` (:mod:`mutations`) breaks one
-mechanism on purpose.
+steps (BSIPipe's and Chimera's copies). The compared step runs once per kernel of
+``kernels``, from the same weights in the same rank processes: torch's CPU kernel (causal masks
+aligned top-left) and :mod:`bottom_right`'s (aligned bottom-right, flash-attn's one-call path), each
+reported and checked on its own. A ``mutation`` (:mod:`mutations`) breaks one mechanism on purpose.
 
 A variant runs in named steps (:func:`_run_variant`): the models, the batches, this rank's
 parallelised chunks and stages, the mutation's patches, the training of both sides, the
@@ -59,7 +61,9 @@ class Variant:
     documents: bool = False  # packed documents (block-causal attention), laid out by packed_tokens
     optimizer_steps: int = 0  # SGD steps (and BSIPipe/Chimera copy syncs) on both sides before the compared step
     mutation: str | None = None  # a mechanism broken on purpose: a key of mutations.MUTATIONS
-    kernel: str = "top_left"  # unit attention's kernel: torch's CPU kernel, or "bottom_right" (bottom_right.py)
+    # unit attention's kernels, each checked on the compared step: torch's CPU kernel (causal masks aligned
+    # top-left) and bottom_right.py's (bottom-right: flash-attn's one-call path)
+    kernels: tuple[str, ...] = ("top_left", "bottom_right")
     pre_split: bool = False  # step() given one entry per microbatch (arg_mbs, ...), as torch 2.14's step takes them
 
     @property
@@ -281,8 +285,21 @@ class _Reference:
         return loss, {n: p.grad.clone() for n, p in self.model.named_parameters()}
 
 
+def _kernel(name: str):
+    """Unit attention's kernel ``name``: "top_left", torch's CPU kernel (the device's), or "bottom_right"."""
+    if name == "bottom_right":
+        from bottom_right import BottomRightCpuKernel
+
+        return BottomRightCpuKernel()
+    if name != "top_left":
+        raise ValueError(f"unknown kernel {name!r}")
+    from torchtitan_seq.kernels import select_kernel
+
+    return select_kernel(torch.device("cpu"))
+
+
 def _stages(v: Variant, args, chunks, dims) -> list:
-    """This rank's pipeline stages over ``chunks``, cut into the variant's units."""
+    """This rank's pipeline stages over ``chunks``, cut into the variant's units, with its first kernel."""
     from torchtitan_seq.context_parallel import ContextShard
     from torchtitan_seq.shape import JobShape
     from torchtitan_seq.stage import SequencePipelineStage
@@ -292,18 +309,13 @@ def _stages(v: Variant, args, chunks, dims) -> list:
     lengths = JobShape.of_model(args, v.seq_len, v.k, v.partition, tp=v.tp, cp=v.cp).lengths
     shard = ContextShard.of_group(dims.get_mesh("cp").get_group() if v.cp > 1 else None)
     pp_mesh = dims.get_mesh("pp")
-    kernel = None  # the device's: torch's CPU kernel
-    if v.kernel == "bottom_right":
-        from bottom_right import BottomRightCpuKernel
-
-        kernel = BottomRightCpuKernel()
     return [
         SequencePipelineStage(
             chunk,
             index,
             v.pp * v.stages_per_rank,
             torch.device("cpu"),
-            kernel=kernel,
+            kernel=_kernel(v.kernels[0]),
             lengths=lengths,
             chain_length=chain,
             context_shard=shard,
@@ -311,6 +323,20 @@ def _stages(v: Variant, args, chunks, dims) -> list:
         )
         for index, chain, chunk in chunks
     ]
+
+
+def _use_kernel(stages: list, name: str) -> None:
+    """Every attention layer of ``stages`` calls kernel ``name`` from now on. The layers keep their
+    bindings (the same ``ids``, which compiled graphs take as an input): only the kernel changes,
+    which the unit attention op reads at run time, and the KV context places each step's slabs
+    for the kernel that writes them."""
+    from torchtitan_seq.attention import SequenceAttention
+
+    kernel = _kernel(name)
+    for stage in stages:
+        for m in stage.submod.modules():
+            if isinstance(m, SequenceAttention):
+                m._binding.kernel = kernel
 
 
 @contextlib.contextmanager
@@ -385,6 +411,11 @@ class _PipelineRun:
             self.graphs.append(counters["stats"]["unique_graphs"])
         return losses
 
+    def next_kernel(self) -> None:
+        """The records of saved activations start again for the next kernel's steps (the graphs
+        compiled so far are counted on: a kernel switch compiles nothing)."""
+        self.activations_left, self.peaks = [], []
+
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.schedule.after_optimizer_step()  # as the trainer's optimizer hook does
@@ -427,13 +458,16 @@ def _report(run: _PipelineRun, chunks, stages: list, losses: list | None, compar
 
 
 def _run_variant(v: Variant, rank: int) -> dict:
-    """Train the reference and the pipeline on the same batches; report the compared step."""
+    """Train the reference and the pipeline on the same batches; report the compared step, once
+    per kernel of the variant: the optimizer steps before it run with the first kernel, then each
+    kernel runs the compared step from the same weights (the gradients start again at none)."""
     args, whole, model = _models(v)
     batches = _batches(v, args.vocab_size)
     rows = _data_parallel_rows(v, rank)
     reference = _Reference(model, rows)
     chunks, pp_mesh, dims = _pipeline_chunks(whole, args, v)
     stages = _stages(v, args, chunks, dims)
+    reports = {}
     with _mutated(v, dims):
         run = _PipelineRun(v, chunks, stages, rows)
         for b in batches[:-1]:
@@ -441,9 +475,14 @@ def _run_variant(v: Variant, rank: int) -> dict:
             reference.step(b)
             run.optimizer_step()
             reference.optimizer.step()
-        losses = run.step(batches[-1], repeats=v.steps)
         compared = reference.step(batches[-1])
-    return _report(run, chunks, stages, losses, compared, dims)
+        for i, kernel in enumerate(v.kernels):
+            if i:
+                _use_kernel(stages, kernel)
+                run.next_kernel()
+            losses = run.step(batches[-1], repeats=v.steps)
+            reports[kernel] = _report(run, chunks, stages, losses, compared, dims)
+    return {"kernels": reports}
 
 
 def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: str) -> None:
@@ -528,25 +567,54 @@ def run_variants(variants: list[Variant], tmp_path) -> list[dict]:
         _worker, args=(world, _free_port(), variants, str(tmp_path)), nprocs=world, join=True, start_method="forkserver"
     )
     per_rank = [json.load(open(os.path.join(tmp_path, f"rank{r}.json"))) for r in range(world)]
-    return [_merge(v.name, [per_rank[r][i] for r in range(world)]) for i, v in enumerate(variants)]
+    return [_combine(v, [per_rank[r][i] for r in range(world)]) for i, v in enumerate(variants)]
+
+
+def _combine(v: Variant, recs: list[dict]) -> dict:
+    """One variant's report: ``kernels``, each kernel's (:func:`_merge`, named "<variant> [<kernel>]"),
+    and beside it the worst kernel's fields over all of them (what was left after any step, graphs
+    and graph breaks of the whole run; the copies' differences are the optimizer steps', before the
+    kernels split)."""
+    per = {
+        kernel: _merge(f"{v.name} [{kernel}]", [r["kernels"][kernel] if "kernels" in r else r for r in recs])
+        for kernel in v.kernels
+    }
+    worst = max(per.values(), key=lambda m: max(m["grad_rel"], m["loss_rel"]))
+    last = per[v.kernels[-1]]
+    return {
+        **worst,
+        "name": v.name,
+        "error": next((m["error"] for m in per.values() if m["error"] is not None), None),
+        "kv_left": sum(m["kv_left"] for m in per.values()),
+        "activations_left": max(m["activations_left"] for m in per.values()),
+        "mirror_grads": sum(m["mirror_grads"] for m in per.values()),
+        "peaks": None,  # per kernel: r["kernels"][kernel]["peaks"]
+        "graphs": last["graphs"],
+        "graph_breaks": last["graph_breaks"],
+        "kernels": per,
+    }
 
 
 def assert_exact(r: dict, n_losses: int | None = None) -> None:
-    """A variant matched the reference: loss and every gradient within ``TOL`` of their own
-    scale, an empty KV context and no saved activation left after the step."""
+    """A variant matched the reference with each of its kernels: loss and every gradient within
+    ``TOL`` of their own scale, an empty KV context and no saved activation left after the step."""
     assert r["error"] is None, f"{r['name']}:\n{r['error']}"
-    assert r["ref_grad_min"] >= GRAD_FLOOR, r  # else a wrong gradient could hide in round-off
-    assert r["loss_rel"] <= TOL and r["grad_rel"] <= TOL, r
-    assert r["kv_left"] == 0, r
-    assert r["activations_left"] == 0, r
-    if n_losses is not None:
-        assert r["n_losses"] == n_losses, r  # one loss per microbatch, as torch's schedules
+    assert r["kernels"], r
+    for k in r["kernels"].values():
+        assert k["ref_grad_min"] >= GRAD_FLOOR, k  # else a wrong gradient could hide in round-off
+        assert k["loss_rel"] <= TOL and k["grad_rel"] <= TOL, k
+        assert k["kv_left"] == 0, k
+        assert k["activations_left"] == 0, k
+        if n_losses is not None:
+            assert k["n_losses"] == n_losses, k  # one loss per microbatch, as torch's schedules
 
 
 def assert_breaks_exactness(r: dict, margin: float = 100) -> float:
-    """A mutation ran and missed the reference by more than ``margin`` x the tolerance;
-    returns its relative error."""
+    """A mutation ran and, with each of the variant's kernels, missed the reference by more than
+    ``margin`` x the tolerance; returns the smallest of their relative errors."""
     assert r["error"] is None, f"{r['name']}:\n{r['error']}"
-    error = max(r["grad_rel"], r["loss_rel"])
-    assert error > margin * TOL, r
-    return error
+    assert r["kernels"], r
+    errors = {kernel: max(k["grad_rel"], k["loss_rel"]) for kernel, k in r["kernels"].items()}
+    for kernel, error in errors.items():
+        assert error > margin * TOL, r["kernels"][kernel]
+    return min(errors.values())

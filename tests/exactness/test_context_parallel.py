@@ -20,7 +20,10 @@ CP = dict(cp=2, seq_len=64)
 FOUR_RANKS = [
     Variant(f"seq1f1b-k{k}-{part}", k=k, partition=part, **CP)
     for k, part in itertools.product((1, 2, 3, 4), ("even", "compute"))
+    if k > 1 or part == "even"  # one subsequence: both partitions are the whole sequence
 ] + [
+    # seq_len 48: the clean twin of two CP mutations (test_mutations.py)
+    Variant("seq1f1b-k3-compute-48", k=3, partition="compute", cp=2, seq_len=48),
     Variant("seq1f1b-k4-IW", k=4, split_backward=True, **CP),
     Variant("seq1f1b-k3-ac-full", k=3, partition="compute", ac="full", **CP),
     Variant("seq1f1b-k3-ac-selective-1", k=3, partition="compute", ac="selective:1", **CP),

@@ -6,12 +6,17 @@ import pytest
 import torch
 from torchtitan.models.llama3 import Transformer
 
+from bottom_right import BottomRightCpuKernel
 from harness import TOL, init_test_weights, model_args
 from mutations import MutationContext, patches
 from torchtitan_seq.attention import bind_kv_context
 from torchtitan_seq.kernels import select_kernel
 from torchtitan_seq.kv_context import KVContext, Phase, Unit
 from torchtitan_seq.models.llama3_seq import SeqTransformer
+
+# torch's CPU kernel (causal masks aligned top-left: the prefix in calls apart) and one that aligns them
+# bottom-right (flash-attn's one-call path, on the CPU)
+KERNELS = {"top-left": lambda: select_kernel(torch.device("cpu")), "bottom-right": BottomRightCpuKernel}
 
 
 def _models(seq_len=24):
@@ -29,10 +34,10 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _run_units(seq, tokens, weight, lengths, dtype=torch.float32) -> torch.Tensor:
+def _run_units(seq, tokens, weight, lengths, kernel=None) -> torch.Tensor:
     """Forward the units in order through a fresh KV context, backward last unit first."""
-    context = KVContext()
-    bind_kv_context(seq, context, select_kernel(torch.device("cpu")))
+    context = KVContext(lengths)
+    bind_kv_context(seq, context, kernel or select_kernel(torch.device("cpu")))
     units = [Unit(0, j, sum(lengths[:j]), n, len(lengths)) for j, n in enumerate(lengths)]
     outs = []
     for u in units:
@@ -52,14 +57,15 @@ def test_outside_a_unit_it_is_llama3():
     assert torch.equal(seq(tokens), ref(tokens))
 
 
+@pytest.mark.parametrize("aligned", list(KERNELS))
 @pytest.mark.parametrize("lengths", [[24], [8, 8, 8], [11, 7, 4, 2]])
-def test_units_equal_full_sequence(lengths):
+def test_units_equal_full_sequence(lengths, aligned):
     seq, ref = _models()
     tokens = torch.randint(0, 64, (2, 24))
     weight = torch.randn(2, 24, 64)  # a loss that weighs every logit differently
     ref_out = ref(tokens)
     (ref_out * weight).sum().backward()
-    out = _run_units(seq, tokens, weight, lengths)
+    out = _run_units(seq, tokens, weight, lengths, KERNELS[aligned]())
     assert _relative(out, ref_out) <= TOL
     for (name, p), q in zip(seq.named_parameters(), ref.parameters()):
         assert _relative(p.grad, q.grad) <= TOL, name
@@ -91,7 +97,8 @@ def test_the_context_names_each_phase():
     assert context.unit is None and context.phase(forward=True) is None
 
 
-def test_attention_runs_in_the_phase_the_context_gives():
+@pytest.mark.parametrize("aligned", list(KERNELS))
+def test_attention_runs_in_the_phase_the_context_gives(aligned):
     """Under activation checkpointing the op asks the context for its phase: each unit's forward,
     then per unit, last first, the recomputation and the backward."""
     from torch.utils.checkpoint import checkpoint
@@ -105,7 +112,7 @@ def test_attention_runs_in_the_phase_the_context_gives():
 
     context, layer = Recording([4, 4]), SequenceAttention(0)
     context.seen = []
-    layer.bind(context, select_kernel(torch.device("cpu")))
+    layer.bind(context, KERNELS[aligned]())
     units = [Unit(0, j, 4 * j, 4, 2) for j in range(2)]
     q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
     outs = []
@@ -190,39 +197,6 @@ def test_bf16_bound_catches_the_attention_mutations(mutation):
     assert units > 5 * BF16_BOUND * whole, (mutation, units, whole)
 
 
-class BottomRightKernel:
-    """Attention by its definition in float32, causal masks aligned at the bottom right (query i
-    attends keys up to i + Lk - Lq), GQA by expansion: the one-call path of a bottom-right
-    kernel (flash-attn's), exercised on the CPU."""
-
-    bottom_right = True
-
-    @staticmethod
-    def _probabilities(q, k, causal, scale, lse=None):
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1).float()
-        scores = q.float() @ k.transpose(-1, -2) * scale
-        if causal:
-            lq, lk = scores.shape[-2:]
-            scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
-        lse = scores.logsumexp(-1) if lse is None else lse
-        return (scores - lse.unsqueeze(-1)).exp(), lse, k
-
-    def forward(self, q, k, v, causal, scale):
-        p, lse, _ = self._probabilities(q, k, causal, scale)
-        return (p @ v.repeat_interleave(q.shape[1] // v.shape[1], 1).float()).to(q.dtype), lse
-
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        n_rep = q.shape[1] // k.shape[1]
-        p, _, k_full = self._probabilities(q, k, causal, scale, lse)
-        dout = dout.float()
-        dv = p.transpose(-1, -2) @ dout
-        dp = dout @ v.repeat_interleave(n_rep, 1).float().transpose(-1, -2)
-        ds = p * (dp - (dout * out.float()).sum(-1, keepdim=True))
-        dq, dk = ds @ k_full * scale, ds.transpose(-1, -2) @ q.float() * scale
-        grouped = [t.unflatten(1, (-1, n_rep)).sum(2) for t in (dk, dv)]
-        return dq.to(q.dtype), *(t.to(k.dtype) for t in grouped)
-
-
 class CountingKernel:
     """A kernel that counts its forward and backward calls per unit (``unit``: set by the test)."""
 
@@ -280,9 +254,6 @@ def _units_of_one_layer(kernel, lengths: list[int], ids: torch.Tensor | None):
     assert len(context) == 0
     out = torch.cat([outs[u.index] for u in units], 2)
     return max(_relative(a, b) for a, b in zip((out, q.grad, k.grad, v.grad), (ref, *ref_grads)))
-
-
-KERNELS = {"top-left": lambda: select_kernel(torch.device("cpu")), "bottom-right": BottomRightKernel}
 
 
 @pytest.mark.parametrize("aligned", list(KERNELS))

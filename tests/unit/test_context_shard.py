@@ -71,11 +71,17 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("descending", [False, True], ids=["ascending", "descending"])
-def test_both_ranks_shares_add_up_to_whole_sequence_attention(descending):
+@pytest.mark.parametrize("bottom_right", [False, True], ids=["top-left", "bottom-right"])
+@pytest.mark.parametrize("told", [False, True], ids=["untold", "told-the-order"])
+def test_both_ranks_shares_add_up_to_whole_sequence_attention(told, bottom_right):
     """Two microbatches of k = 2 units through one context in a 1F1B order, each in an arena of its own
-    or the second sharing the first's from its top (descending): each CP rank's output, dq and its part
-    of dk and dv (summed over the ranks) equal SDPA's over the whole sequence."""
+    or, told the order, with torch's top-left kernel the second sharing the first's from its top
+    (descending; a bottom-right kernel, flash-attn's one-call path, keeps ascending slabs, apart here).
+    Each CP rank's output, dq and its part of dk and dv (summed over the ranks) equal SDPA's over the
+    whole sequence."""
+    from bottom_right import BottomRightCpuKernel
+
+    descending = told and not bottom_right
     lengths, s = [8, 8], 16
     g = torch.Generator().manual_seed(0)
     data = [[torch.randn(1, h, s, 4, generator=g) for h in (4, 2, 2, 4)] for _ in range(2)]  # q, k, v, dout
@@ -91,10 +97,10 @@ def test_both_ranks_shares_add_up_to_whole_sequence_attention(descending):
     for rank in range(2):
         shard = _OneRankOfTwo(None, rank, 2)
         context = KVContext(lengths, shard)
-        if descending:  # told the order, the second microbatch shares the first's arena, from its top
+        if told:
             context.expect(passes)
         layer = SequenceAttention(0)
-        layer.bind(context, select_kernel(torch.device("cpu")))
+        layer.bind(context, BottomRightCpuKernel() if bottom_right else select_kernel(torch.device("cpu")))
         outs, inputs = {}, {}
         for forward, m, j in passes:
             unit = Unit(m, j, 8 * j, 8, 2, shard.segments(8 * j, 8))
@@ -107,7 +113,10 @@ def test_both_ranks_shares_add_up_to_whole_sequence_attention(descending):
                     outs[m, j] = layer(qq, kk, vv, enable_gqa=True)
                 inputs[m, j] = (qq, kk, vv, rows)
                 if (m, j) == (1, 0):
-                    assert context._placed[1][1].descending is descending
+                    placed = context._placed[1][1]
+                    assert placed.descending is descending
+                    # ascending, the second's first unit would overwrite keys the first's still reads
+                    assert (placed.arena == context._placed[0][1].arena) is descending
             else:
                 with context.backward(unit):
                     (outs[m, j] * w[:, :, rows]).sum().backward()
