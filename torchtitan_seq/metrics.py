@@ -33,7 +33,7 @@ from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsPr
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
-from . import timeline
+from . import cpu_compat, timeline
 from .memory import ActivationMemory
 from .render import bubble_ratios, busy_and_end
 from .schedules import SEQUENCE_SCHEDULES, SequenceSchedule
@@ -258,6 +258,18 @@ class InstrumentedSteps:
     step meters activations (the trainer's forward and backward then run under its meter)."""
 
     metering: bool = False
+
+    def attach_sequence_pipeline(self) -> None:
+        """Called by the trainer once torchtitan built the job (the version's processor attached):
+        FSDP over gloo on a CPU, the mirror copies following the optimizer, the record's start."""
+        cpu_compat.fsdp_for_gloo(self.model_parts)
+        schedule = getattr(self, "pp_schedule", None)
+        if isinstance(schedule, SequenceSchedule):
+            # e.g. BSIPipe, Chimera: the optimizer steps each chunk's primary copy; the mirror copy follows.
+            self.optimizers.register_step_post_hook(lambda *_: schedule.after_optimizer_step())
+        if isinstance(self.metrics_processor, SequenceMetrics):
+            self.metrics_processor.activation_memory = self.activation_memory
+            self.metrics_processor.record_start(schedule)
 
     def train_step(self, data_iterator: Iterator[Any]) -> None:
         processor = self.metrics_processor

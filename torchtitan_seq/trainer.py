@@ -23,11 +23,10 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config import JobConfig
 from torchtitan.train import Trainer
 
-from . import cpu_compat
 from .job_check import check_job
 from .loss import TokenNormalizedLoss
 from .memory import ActivationMemory
-from .metrics import InstrumentedSteps, SeqMetricsProcessor
+from .metrics import InstrumentedSteps
 from .pipeline import chunk_parallel_dims
 from .schedules import SequenceSchedule
 
@@ -41,14 +40,7 @@ class SeqTrainer(InstrumentedSteps, Trainer):
         check_job(job_config, int(os.environ["WORLD_SIZE"]))
         self.activation_memory = ActivationMemory()
         super().__init__(job_config)
-        cpu_compat.fsdp_for_gloo(self.model_parts)
-        schedule = getattr(self, "pp_schedule", None)
-        if isinstance(schedule, SequenceSchedule):
-            # e.g. BSIPipe, Chimera: the optimizer steps each chunk's primary copy; the mirror copy follows.
-            self.optimizers.register_step_post_hook(lambda *_: schedule.after_optimizer_step())
-        if isinstance(self.metrics_processor, SeqMetricsProcessor):
-            self.metrics_processor.activation_memory = self.activation_memory
-            self.metrics_processor.record_start(schedule)
+        self.attach_sequence_pipeline()
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor

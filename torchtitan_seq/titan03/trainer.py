@@ -24,13 +24,11 @@ import torch
 import torch.distributed as dist
 from torchtitan.trainer import Trainer
 
-from .. import cpu_compat
 from ..config import SequencePipeline
 from ..documents import document_ids
 from ..flavors import flavor_shapes
 from ..memory import ActivationMemory
 from ..metrics import InstrumentedSteps
-from ..schedules import SequenceSchedule
 from .job_check import check_job
 from .metrics import SeqMetricsProcessor
 from .pipeline import pipeline_sequence_llm
@@ -61,15 +59,9 @@ class SeqTrainer(InstrumentedSteps, Trainer):
             ),
         )
         super().__init__(config)
-        cpu_compat.fsdp_for_gloo(self.model_parts)
-        schedule = getattr(self, "pp_schedule", None)
-        if isinstance(schedule, SequenceSchedule):
-            # e.g. BSIPipe, Chimera: the optimizer steps each chunk's primary copy; the mirror copy follows.
-            self.optimizers.register_step_post_hook(lambda *_: schedule.after_optimizer_step())
         if isinstance(self.metrics_processor, SeqMetricsProcessor):
             self.metrics_processor.attach(config)
-            self.metrics_processor.activation_memory = self.activation_memory
-            self.metrics_processor.record_start(schedule)
+        self.attach_sequence_pipeline()
 
     def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
         """0.3's, under the activation meter on the steps that meter."""
