@@ -17,8 +17,10 @@ __all__ = ["BottomRightCpuKernel"]
 
 
 def _expand(t: Tensor, n_rep: int) -> Tensor:
-    """K or V (B, Hkv, L, D) repeated to (B, Hkv * n_rep, L, D): GQA by copies."""
-    return t.repeat_interleave(n_rep, dim=1)
+    """K or V (B, Hkv, L, D) repeated to (B, Hkv * n_rep, L, D): GQA by copies (as repeat_interleave
+    on dim 1, which the host-read instrument counts: with a tensor of repeats it syncs)."""
+    b, h, length, d = t.shape
+    return t.unsqueeze(2).expand(b, h, n_rep, length, d).reshape(b, h * n_rep, length, d)
 
 
 def _reduce(t: Tensor, n_rep: int) -> Tensor:

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from host_reads import reads_during_units
+
 TOL = 1e-5  # relative; fp32 round-off stays below 1e-6 here
 GRAD_FLOOR = 5e-4  # every parameter's largest reference gradient is at least this: 1e4 x fp32 round-off
 LR = 0.1  # SGD between compared steps: a missed update shows, gradients stay above GRAD_FLOOR
@@ -377,6 +379,9 @@ class _PipelineRun:
         self.peaks: list[int] = []
         self.graphs: list[int] = []  # compiled graphs so far, after each step
         self.copies_diff: list[float] = []
+        self.host_reads: list[str] = []  # tensors read on the host during the units (host_reads.py)
+        self.contexts = [s.kv_context for s in stages]
+        self.steps_run = 0
         torch._dynamo.reset()  # graphs and counters of this variant alone
         counters.clear()
         self.schedule = SEQUENCE_SCHEDULES[v.schedule](stages, v.microbatches, loss_fn, split_backward=v.split_backward)
@@ -393,7 +398,9 @@ class _PipelineRun:
             tokens = b.tokens[rows] if self.first else None
             target = b.labels[rows] if self.last else None
             masks = b.documents[rows] if b.documents is not None else None
-            with self.memory.track():
+            # the schedule's first step infers the stages' shapes; every later one is instrumented
+            reads = reads_during_units(self.contexts) if self.steps_run else contextlib.nullcontext([])
+            with self.memory.track(), reads as seen:
                 if self.pre_split:
                     n = self.pre_split
                     self.schedule.step(
@@ -406,15 +413,17 @@ class _PipelineRun:
                     self.schedule.step(
                         *(() if tokens is None else (tokens,)), target=target, losses=losses, attention_masks=masks
                     )
+            self.steps_run += 1
+            self.host_reads += seen[:1]
             self.activations_left.append(self.memory.current)
             self.peaks.append(self.memory.peak)
             self.graphs.append(counters["stats"]["unique_graphs"])
         return losses
 
     def next_kernel(self) -> None:
-        """The records of saved activations start again for the next kernel's steps (the graphs
-        compiled so far are counted on: a kernel switch compiles nothing)."""
-        self.activations_left, self.peaks = [], []
+        """The records of saved activations and host reads start again for the next kernel's steps
+        (the graphs compiled so far are counted on: a kernel switch compiles nothing)."""
+        self.activations_left, self.peaks, self.host_reads = [], [], []
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -444,6 +453,7 @@ def _report(run: _PipelineRun, chunks, stages: list, losses: list | None, compar
         "copies_diff": run.copies_diff,
         "graphs": run.graphs,
         "graph_breaks": sum(counters["graph_break"].values()),
+        "host_reads": run.host_reads,
     }
     # Every last stage holds its units' losses (BSIPipe and Chimera have two); the pipeline's sum is the
     # loss, and under CP the sum of the CP ranks' shares.
@@ -539,6 +549,7 @@ def _merge(name: str, recs: list[dict]) -> dict:
         "copies_diff": [max(d) for d in zip(*(r.get("copies_diff", []) for r in recs))],
         "graphs": [r.get("graphs") for r in recs],
         "graph_breaks": sum(r.get("graph_breaks", 0) for r in recs),
+        "host_reads": [read for r in recs for read in r.get("host_reads", [])],
     }
 
 
@@ -605,6 +616,7 @@ def assert_exact(r: dict, n_losses: int | None = None) -> None:
         assert k["loss_rel"] <= TOL and k["grad_rel"] <= TOL, k
         assert k["kv_left"] == 0, k
         assert k["activations_left"] == 0, k
+        assert not k["host_reads"], f"{k['name']}: a tensor read on the host during the units:\n{k['host_reads'][0]}"
         if n_losses is not None:
             assert k["n_losses"] == n_losses, k  # one loss per microbatch, as torch's schedules
 

@@ -255,6 +255,20 @@ def _bottom_right_descending(ctx: MutationContext) -> list:
     return [mock.patch.object(KVContext, "append", any_order)]
 
 
+def _host_read_in_units(ctx: MutationContext) -> list:
+    """Not a break of exactness: each unit reads a value of its keys on the host as it appends them (a
+    device sync per unit and layer on a GPU), which every exactness test's host-read check refuses."""
+    from torchtitan_seq.kv_context import KVContext
+
+    append = KVContext.append
+
+    def reading(self, layer_id, k, v, *args, **kwargs):
+        k.sum().item()
+        return append(self, layer_id, k, v, *args, **kwargs)
+
+    return [mock.patch.object(KVContext, "append", reading)]
+
+
 MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "prefix_dk_dropped": lambda ctx: _prefix_grads(keep_k=False, keep_v=True),
     "prefix_dv_dropped": lambda ctx: _prefix_grads(keep_k=True, keep_v=False),
@@ -273,6 +287,7 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "cp_kv_grads_local": _cp_kv_grads_local,
     "cp_second_chunk_positions": _cp_second_chunk_positions,
     "bottom_right_descending": _bottom_right_descending,
+    "host_read_in_units": _host_read_in_units,
 }
 
 

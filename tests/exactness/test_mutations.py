@@ -12,7 +12,7 @@ the mutation alone.
 
 import pytest
 
-from harness import TOL, Variant, assert_breaks_exactness, run_variants
+from harness import TOL, Variant, assert_breaks_exactness, assert_exact, run_variants
 from mutations import MUTATIONS
 
 pytestmark = pytest.mark.slow
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 # the diagonal's) are the top-left kernel's; the ascending slabs the bottom-right kernel's.
 TOP_LEFT, BOTTOM_RIGHT = ("top_left",), ("bottom_right",)
 TWO_RANKS = [
+    Variant("host_read_in_units", k=2, optimizer_steps=1, mutation="host_read_in_units"),
     Variant("prefix_dk_dropped", k=4, mutation="prefix_dk_dropped"),
     Variant("prefix_dv_dropped", k=4, mutation="prefix_dv_dropped"),
     Variant("prefix_dq_dropped", k=4, mutation="prefix_dq_dropped", kernels=TOP_LEFT),
@@ -75,6 +76,15 @@ def _check(results, name: str) -> None:
     for kernel, r in results[name]["kernels"].items():
         error = max(r["grad_rel"], r["loss_rel"])
         print(f"{name} [{kernel}]: relative error {error:.3g} ({error / TOL:.0f}x the tolerance)")
+
+
+def test_host_read_in_units(results):
+    """Exact, but a unit reads a tensor on the host: the host-read check of every exactness test
+    (assert_exact, host_reads.py) fails on it, with each kernel."""
+    r = results["host_read_in_units"]
+    assert all(k["host_reads"] and k["grad_rel"] <= TOL for k in r["kernels"].values()), r["kernels"]
+    with pytest.raises(AssertionError, match="read on the host during the units"):
+        assert_exact(r)
 
 
 def test_prefix_dk_dropped(results):

@@ -6,15 +6,14 @@ On the CPU no read syncs anything, so the test cannot tell a device tensor from 
 every read of any tensor while a stage's KV context runs a unit (forward, recompute or backward),
 which is stricter than a GPU needs (a read of a tensor that lives on the host would be allowed there).
 Reads before the units (the step splitting the batch, the documents' starts, once per step) are not
-counted. The whole-sequence document path (torch's schedules) reads the ids once per batch.
+counted. The whole-sequence document path (torch's schedules) reads the ids once per batch. The
+exactness harness steps every variant under the same instrument (host_reads.py): with CP, TP,
+FSDP, activation checkpointing, compile and both kernels.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,52 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from host_reads import reads_during_units
 from torchtitan_seq.documents import document_ids
 from torchtitan_seq.kv_context import KVContext, Unit
 
-# Tensor methods and torch functions that read a tensor on the host, or whose result's shape needs
-# its values there (a sync on a GPU).
-_TENSOR_READS = (
-    "item",
-    "tolist",
-    "cpu",
-    "numpy",
-    "__bool__",
-    "__int__",
-    "__float__",
-    "__index__",
-    "nonzero",
-    "masked_select",
-    "unique",
-    "unique_consecutive",
-    "repeat_interleave",
-)
-_TORCH_READS = ("nonzero", "masked_select", "unique", "unique_consecutive", "repeat_interleave", "equal", "is_nonzero")
-_OWNERS = ((torch.Tensor, _TENSOR_READS), (torch, _TORCH_READS))
 EOS, VOCAB, SEQ_LEN = 3, 64, 32
-
-
-@contextlib.contextmanager
-def _reads_during_units(contexts: list[KVContext]) -> Iterator[list[str]]:
-    """Instruments the reads; yields the list of those made while one of ``contexts`` runs a unit."""
-    seen: list[str] = []
-    originals = [(owner, name, getattr(owner, name)) for owner, names in _OWNERS for name in names]
-
-    def instrument(name: str, original):
-        def read(*args, **kwargs):
-            if any(c.unit is not None for c in contexts):
-                seen.append(f"{name}\n{''.join(traceback.format_stack(limit=8)[:-1])}")
-            return original(*args, **kwargs)
-
-        return read
-
-    try:
-        for owner, name, original in originals:
-            setattr(owner, name, instrument(name, original))
-        yield seen
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
 
 
 def _schedule(name: str, k: int, block_causal: bool):
@@ -126,7 +84,7 @@ def _reads_of_steps(rank: int, world: int, store_path: str, out: str) -> None:
             for block_causal in (False, True):
                 step, stages = _schedule(name, 4, block_causal)
                 step()
-                with _reads_during_units([stage.kv_context for stage in stages]) as seen:
+                with reads_during_units([stage.kv_context for stage in stages]) as seen:
                     step()
                 assert any(p.grad is not None for s in stages for p in s.submod.parameters())  # it ran
                 reads[f"{name}, documents={block_causal}"] = seen[:1]
@@ -151,7 +109,7 @@ def test_no_tensor_is_read_on_the_host_during_the_units(tmp_path, world):
 def test_the_instrument_sees_a_read():
     """A read inside a unit is counted (the instrument works), one outside is not."""
     context = KVContext([4, 4])
-    with _reads_during_units([context]) as seen:
+    with reads_during_units([context]) as seen:
         torch.ones(2).tolist()
         assert not seen
         with context.running(Unit(0, 0, 0, 4, 2)):
