@@ -16,7 +16,10 @@ reported and checked on its own. A ``mutation`` (:mod:`mutations`) breaks one me
 A variant runs in named steps (:func:`_run_variant`): the models, the batches, this rank's
 parallelised chunks and stages, the mutation's patches, the training of both sides, the
 report; :func:`run_variants` spawns the ranks and merges their reports. The tests using it
-are in ``tests/exactness/``.
+are in ``tests/exactness/`` (torchtitan 0.2.2) and ``tests/titan03/test_titan03_harness.py`` (0.3).
+What goes through torchtitan (the model and its args, the chunks, their parallelisation on
+``ParallelDims``' mesh, the loss, the context of a step) is the installed version's, from
+:mod:`harness_titan`; the rest is plain torch and torchtitan_seq, the same under both.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from harness_titan import TITAN, DenseDocumentAttention, init_test_weights  # noqa: F401  (the harness's API)
 from host_reads import reads_during_units
 
 TOL = 1e-5  # relative; fp32 round-off stays below 1e-6 here
@@ -84,36 +88,7 @@ class Variant:
         return 2 * self.microbatches
 
 
-def model_args(seq_len: int, n_layers: int = 4):
-    from torchtitan.models.llama3 import TransformerModelArgs
-
-    return TransformerModelArgs(
-        dim=32,
-        n_layers=n_layers,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab_size=64,
-        multiple_of=16,
-        max_seq_len=seq_len,
-        rope_theta=10000,
-    )
-
-
-@torch.no_grad()
-def init_test_weights(model: torch.nn.Module) -> None:
-    """Weights under which every parameter's gradient is far above fp32 round-off.
-
-    torchtitan's initialisation (std 0.02) leaves this small model's attention
-    nearly uniform: the largest gradient of some wq, wk and norm weights is
-    then under 1e-5, and a wholly wrong gradient hides in round-off. Matrices
-    drawn with std 0.1 make attention depend on the keys; every gradient is
-    then above ``GRAD_FLOOR`` (sharper attention, std 0.3, would raise
-    round-off to 5e-6 of a gradient's scale).
-    """
-    model.init_weights()
-    for p in model.parameters():
-        if p.dim() == 2:
-            p.normal_(0.0, 0.1)
+model_args = TITAN.model_args  # the tiny model's args (0.2.2's TransformerModelArgs; 0.3: its shape)
 
 
 EOS = 0
@@ -134,18 +109,6 @@ def packed_tokens(batch: int, seq_len: int, g: torch.Generator, shift: int = 0) 
     return tokens
 
 
-class DenseDocumentAttention(torch.nn.Module):
-    """The reference's inner attention: SDPA with the dense document mask, or causal."""
-
-    def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True, documents=None):
-        from torchtitan_seq.documents import document_mask
-
-        mask = None if documents is None else document_mask(documents)
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
-        )
-
-
 def _free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -161,44 +124,6 @@ def dp_rank_of(rank: int, v: Variant) -> int:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _pipeline_chunks(whole, args, v: Variant):
-    """This rank's chunks of ``whole``, [(stage index, chain length, chunk)], parallelised as
-    torchtitan does it, with the pipeline's mesh and torchtitan's ``ParallelDims``."""
-    from torchtitan.config import JobConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
-    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
-
-    from torchtitan_seq.cpu_compat import fsdp_for_gloo
-    from torchtitan_seq.pipeline import chunk_parallel_dims, split_model
-    from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
-
-    dims = ParallelDims(dp_replicate=1, dp_shard=v.dp_shard, cp=v.cp, tp=v.tp, pp=v.pp, ep=1, etp=1, world_size=v.world)
-    dims.build_mesh()
-    pp_mesh = dims.get_mesh("pp")
-    cls = SEQUENCE_SCHEDULES[v.schedule]
-    names = generate_llm_fqn_per_model_part(v.pp * v.stages_per_rank // cls.parameter_copies, args.n_layers, 1, 1)
-    # Placed as torchtitan_seq places it inside torchtitan.
-    split = split_model(whole, pp_mesh, v.schedule, torch.device("cpu"), names)
-    job = JobConfig()
-    job.training.seq_len = v.seq_len
-    job.parallelism.pipeline_parallel_degree = v.pp
-    job.parallelism.data_parallel_shard_degree = v.dp_shard
-    job.parallelism.tensor_parallel_degree = v.tp
-    job.parallelism.context_parallel_degree = v.cp
-    job.parallelism.disable_loss_parallel = True
-    job.compile.enable = v.compile is not None
-    job.compile.backend = v.compile or "inductor"
-    job.training.mixed_precision_param = "float32"  # torchtitan's FSDP default is bf16
-    mode, _, option = v.ac.partition(":")
-    job.activation_checkpoint.mode = mode
-    job.activation_checkpoint.selective_ac_option = option or "2"
-    chunk_dims = chunk_parallel_dims(dims)  # as torchtitan_seq parallelises chunks inside torchtitan
-    chunks = [(index, chain, parallelize_llama(chunk, chunk_dims, job)) for index, chain, chunk in split]
-    fsdp_for_gloo([chunk for _, _, chunk in chunks])
-    return chunks, pp_mesh, dims
 
 
 def _relative_errors(chunks, ref_grads: dict) -> dict[str, float]:
@@ -225,23 +150,6 @@ class Batch:
     tokens: torch.Tensor
     labels: torch.Tensor
     documents: torch.Tensor | None = None
-
-
-def _models(v: Variant) -> tuple[object, torch.nn.Module, torch.nn.Module]:
-    """``(args, whole, reference)``: the tiny model with the test weights, and its copy whose
-    attention is SDPA over the whole sequence (with the dense document mask)."""
-    import copy
-
-    from torchtitan_seq.models.llama3_seq import SeqTransformer
-
-    args = model_args(v.seq_len, v.layers)
-    torch.manual_seed(0)
-    whole = SeqTransformer(args)
-    init_test_weights(whole)
-    reference = copy.deepcopy(whole)
-    for layer in reference.layers.values():
-        layer.attention.inner_attention = DenseDocumentAttention()
-    return args, whole, reference
 
 
 def _batches(v: Variant, vocab_size: int) -> list[Batch]:
@@ -278,10 +186,9 @@ class _Reference:
 
     def step(self, b: Batch) -> tuple[float, dict[str, torch.Tensor]]:
         """The gradients of the whole batch's loss, and this rank's rows' share of that loss."""
-        from torchtitan.components.loss import cross_entropy_loss
-
+        cross_entropy_loss = TITAN.cross_entropy_loss
         self.model.zero_grad(set_to_none=True)
-        logits = self.model(b.tokens, b.documents)  # (batch, seq_len, vocab)
+        logits = TITAN.logits(self.model, b.tokens, b.documents)  # (batch, seq_len, vocab)
         (cross_entropy_loss(logits, b.labels) / b.labels.numel()).backward()
         loss = float(cross_entropy_loss(logits[self.rows], b.labels[self.rows]) / b.labels.numel())
         return loss, {n: p.grad.clone() for n, p in self.model.named_parameters()}
@@ -361,9 +268,8 @@ class _PipelineRun:
     """This rank's stages under the variant's schedule and an SGD optimizer, and what each step
     leaves behind: saved activations, their peak, compiled graphs, the copies' difference."""
 
-    def __init__(self, v: Variant, chunks, stages: list, rows: slice) -> None:
+    def __init__(self, v: Variant, chunks, stages: list, rows: slice, dims) -> None:
         from torch._dynamo.utils import counters
-        from torchtitan.components.loss import cross_entropy_loss
 
         from torchtitan_seq.loss import TokenNormalizedLoss
         from torchtitan_seq.memory import ActivationMemory
@@ -371,7 +277,7 @@ class _PipelineRun:
 
         self.rows = rows
         self.first, self.last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-        loss_fn = TokenNormalizedLoss(cross_entropy_loss)
+        loss_fn = TokenNormalizedLoss(TITAN.cross_entropy_loss)
         loss_fn.denominator = v.batch_size * v.seq_len
         self.optimizer = torch.optim.SGD([p for _, _, chunk in chunks for p in chunk.parameters()], lr=LR)
         self.memory = ActivationMemory()
@@ -386,6 +292,7 @@ class _PipelineRun:
         counters.clear()
         self.schedule = SEQUENCE_SCHEDULES[v.schedule](stages, v.microbatches, loss_fn, split_backward=v.split_backward)
         self.pre_split = v.microbatches if v.pre_split else 0
+        self.dims = dims
 
     def step(self, b: Batch, repeats: int = 1) -> list | None:
         """``repeats`` schedule steps on ``b``; the last stage's unit losses of the last one."""
@@ -400,7 +307,7 @@ class _PipelineRun:
             masks = b.documents[rows] if b.documents is not None else None
             # the schedule's first step infers the stages' shapes; every later one is instrumented
             reads = reads_during_units(self.contexts) if self.steps_run else contextlib.nullcontext([])
-            with self.memory.track(), reads as seen:
+            with TITAN.step_context(self.dims), self.memory.track(), reads as seen:
                 if self.pre_split:
                     n = self.pre_split
                     self.schedule.step(
@@ -471,15 +378,15 @@ def _run_variant(v: Variant, rank: int) -> dict:
     """Train the reference and the pipeline on the same batches; report the compared step, once
     per kernel of the variant: the optimizer steps before it run with the first kernel, then each
     kernel runs the compared step from the same weights (the gradients start again at none)."""
-    args, whole, model = _models(v)
+    args, whole, model = TITAN.models(v)
     batches = _batches(v, args.vocab_size)
     rows = _data_parallel_rows(v, rank)
     reference = _Reference(model, rows)
-    chunks, pp_mesh, dims = _pipeline_chunks(whole, args, v)
+    chunks, dims = TITAN.pipeline_chunks(whole, args, v)
     stages = _stages(v, args, chunks, dims)
     reports = {}
     with _mutated(v, dims):
-        run = _PipelineRun(v, chunks, stages, rows)
+        run = _PipelineRun(v, chunks, stages, rows, dims)
         for b in batches[:-1]:
             run.step(b)
             reference.step(b)

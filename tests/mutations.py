@@ -59,10 +59,21 @@ def _prefix_dq(ctx: MutationContext) -> list:
     return [mock.patch.object(CpuSdpaKernel, "backward", no_prefix_dq)]
 
 
+def _model_module():
+    """The module of the installed torchtitan's chunk-aware Llama 3, whose ``unit_positions`` its
+    model looks up per call."""
+    from torchtitan_seq.titan_version import TITAN_03
+
+    if TITAN_03:
+        from torchtitan_seq.titan03 import model
+    else:
+        from torchtitan_seq.models.llama3_seq import model
+    return model
+
+
 def _rope_offset(ctx: MutationContext) -> list:
     """Units after the first read RoPE one position too early."""
-    from torchtitan_seq.models.llama3_seq import model
-
+    model = _model_module()
     positions = model.unit_positions
 
     def shifted(unit, device):
@@ -229,8 +240,7 @@ def _cp_kv_grads_local(ctx: MutationContext) -> list:
 
 def _cp_second_chunk_positions(ctx: MutationContext) -> list:
     """Context parallelism: RoPE reads the second chunk of a CP rank's share one position early."""
-    from torchtitan_seq.models.llama3_seq import model
-
+    model = _model_module()
     positions = model.unit_positions
 
     def second_off(unit, device):

@@ -22,7 +22,7 @@ from torchtitan.protocols.module import Module
 
 from ..attention import SequenceAttention
 from ..kv_context import KVContext
-from ..rope import UnitPositions
+from ..rope import UnitPositions, unit_positions
 
 __all__ = ["SeqInnerAttention", "SeqLlama3Model", "seq_llama3"]
 
@@ -77,8 +77,12 @@ class SeqLlama3Model(Llama3Model):
     ) -> torch.Tensor:
         """tokens: (B, L) ids on the first stage, else (B, L, dim) activations."""
         if positions is None:
-            positions = self._positions.of(self.kv_context, tokens.device)
-        return super().forward(tokens, positions, attention_masks)
+            # this module's unit_positions, looked up per call (tests/mutations.py shifts it)
+            positions = self._positions.of(self.kv_context, tokens.device, unit_positions)
+        # Under 0.3's sequence parallelism (TP) a stage's output, (B, L, dim) sharded on L, is a view that is
+        # not contiguous once a microbatch holds more than one row; torch's stage sends it as it is, and gloo
+        # refuses ("input tensor has to be contiguous"). A no-op on a contiguous output.
+        return super().forward(tokens, positions, attention_masks).contiguous()
 
 
 # 0.2.2's flavor names (the shipped configs' and the planner's), block-causal where 0.2.2's flex flavors are.

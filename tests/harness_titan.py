@@ -1,0 +1,306 @@
+"""What the exactness harness (:mod:`harness`) does differently per torchtitan version.
+
+The harness itself is plain torch and torchtitan_seq; five things go through torchtitan and differ
+between 0.2.2 and 0.3: building the tiny Llama 3 (its args, its chunk-aware model), splitting it into
+this rank's chunks, parallelising each chunk with the version's parallelize function on its
+``ParallelDims`` mesh, the summed cross-entropy loss, and the context a pipeline step runs in.
+:data:`TITAN` is the installed version's adapter (:data:`torchtitan_seq.titan_version.TITAN_03`):
+
+- :class:`Titan022`: torchtitan 0.2.2's ``TransformerModelArgs``, torchtitan_seq's
+  :class:`~torchtitan_seq.models.llama3_seq.SeqTransformer`, chunks placed by
+  :func:`torchtitan_seq.pipeline.split_model` and parallelised by ``parallelize_llama`` with a
+  ``JobConfig`` (the CP ranks as FSDP's, :func:`~torchtitan_seq.pipeline.chunk_parallel_dims`).
+- :class:`Titan03`: torchtitan 0.3's Llama 3 built from configs with
+  :class:`~torchtitan_seq.titan03.model.SeqInnerAttention` in every layer (as
+  :func:`~torchtitan_seq.titan03.model.seq_llama3` builds a flavor), chunks cut by 0.3's
+  ``_split_module`` as :mod:`torchtitan_seq.titan03.pipeline` cuts them, parallelised by the model
+  spec's ``parallelize_fn`` (keyword configs: ``training``, ``parallelism``, ``compile_config``,
+  ``ac_config``), pipeline steps inside 0.3's SPMD context (its ``spmd_types`` backend, as the
+  trainer's ``train_context``). 0.3's Llama 3 fuses wq, wk and wv into one ``wqkv``; the names the
+  harness compares are each version's own, on both sides. CP is refused under 0.3 (as
+  :mod:`torchtitan_seq.titan03.job_check` refuses it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+
+from torchtitan_seq.titan_version import TITAN_03
+
+__all__ = ["TITAN", "Titan022", "Titan03", "DenseDocumentAttention", "init_test_weights"]
+
+# The tiny model of every variant: GQA (4 query heads, 2 K/V heads), fp32.
+DIM, HEADS, KV_HEADS, VOCAB, MULTIPLE_OF, ROPE_THETA = 32, 4, 2, 64, 16, 10000
+
+
+class DenseDocumentAttention(torch.nn.Module):
+    """The reference's inner attention: SDPA with the dense document mask, or causal; q, k, v and the
+    output (B, heads, L, head_dim)."""
+
+    def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True, documents=None):
+        from torchtitan_seq.documents import document_mask
+
+        mask = None if documents is None else document_mask(documents)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
+        )
+
+
+class Titan022:
+    """torchtitan 0.2.2's side of the harness."""
+
+    version = "0.2.2"
+
+    def model_args(self, seq_len: int, n_layers: int = 4):
+        from torchtitan.models.llama3 import TransformerModelArgs
+
+        return TransformerModelArgs(
+            dim=DIM,
+            n_layers=n_layers,
+            n_heads=HEADS,
+            n_kv_heads=KV_HEADS,
+            vocab_size=VOCAB,
+            multiple_of=MULTIPLE_OF,
+            max_seq_len=seq_len,
+            rope_theta=ROPE_THETA,
+        )
+
+    def models(self, v) -> tuple[Any, torch.nn.Module, torch.nn.Module]:
+        """``(args, whole, reference)``: the tiny model with the test weights, and its copy whose
+        attention is SDPA over the whole sequence (with the dense document mask)."""
+        from torchtitan_seq.models.llama3_seq import SeqTransformer
+
+        args = self.model_args(v.seq_len, v.layers)
+        torch.manual_seed(0)
+        whole = SeqTransformer(args)
+        init_test_weights(whole)
+        reference = copy.deepcopy(whole)
+        for layer in reference.layers.values():
+            layer.attention.inner_attention = DenseDocumentAttention()
+        return args, whole, reference
+
+    def init_weights(self, model: torch.nn.Module) -> None:
+        model.init_weights()
+
+    def logits(self, model: torch.nn.Module, tokens: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        return model(tokens, documents)
+
+    def cross_entropy_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The token losses' sum."""
+        from torchtitan.components.loss import cross_entropy_loss
+
+        return cross_entropy_loss(pred, labels)
+
+    def pipeline_chunks(self, whole, args, v):
+        """This rank's chunks of ``whole``, [(stage index, chain length, chunk)], parallelised as
+        torchtitan does it, with the pipeline's mesh and torchtitan's ``ParallelDims``."""
+        from torchtitan.config import JobConfig
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+        from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+
+        from torchtitan_seq.cpu_compat import fsdp_for_gloo
+        from torchtitan_seq.pipeline import chunk_parallel_dims, split_model
+        from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+
+        dims = ParallelDims(
+            dp_replicate=1, dp_shard=v.dp_shard, cp=v.cp, tp=v.tp, pp=v.pp, ep=1, etp=1, world_size=v.world
+        )
+        dims.build_mesh()
+        pp_mesh = dims.get_mesh("pp")
+        cls = SEQUENCE_SCHEDULES[v.schedule]
+        names = generate_llm_fqn_per_model_part(v.pp * v.stages_per_rank // cls.parameter_copies, args.n_layers, 1, 1)
+        # Placed as torchtitan_seq places it inside torchtitan.
+        split = split_model(whole, pp_mesh, v.schedule, torch.device("cpu"), names)
+        job = JobConfig()
+        job.training.seq_len = v.seq_len
+        job.parallelism.pipeline_parallel_degree = v.pp
+        job.parallelism.data_parallel_shard_degree = v.dp_shard
+        job.parallelism.tensor_parallel_degree = v.tp
+        job.parallelism.context_parallel_degree = v.cp
+        job.parallelism.disable_loss_parallel = True
+        job.compile.enable = v.compile is not None
+        job.compile.backend = v.compile or "inductor"
+        job.training.mixed_precision_param = "float32"  # torchtitan's FSDP default is bf16
+        mode, _, option = v.ac.partition(":")
+        job.activation_checkpoint.mode = mode
+        job.activation_checkpoint.selective_ac_option = option or "2"
+        chunk_dims = chunk_parallel_dims(dims)  # as torchtitan_seq parallelises chunks inside torchtitan
+        chunks = [(index, chain, parallelize_llama(chunk, chunk_dims, job)) for index, chain, chunk in split]
+        fsdp_for_gloo([chunk for _, _, chunk in chunks])
+        return chunks, dims
+
+    def step_context(self, dims) -> contextlib.AbstractContextManager:
+        """What a pipeline step runs in: nothing under 0.2.2."""
+        return contextlib.nullcontext()
+
+
+class _DenseDocumentAttention03(DenseDocumentAttention):
+    """:class:`DenseDocumentAttention` in 0.3's inner-attention call: q, k, v and the output
+    (B, L, heads, head_dim), the document ids as ``attention_masks``."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = super().forward(q, k, v, scale=scale, enable_gqa=enable_gqa, documents=attention_masks)
+        return out.transpose(1, 2)
+
+
+class Titan03:
+    """torchtitan 0.3's side of the harness."""
+
+    version = "0.3"
+
+    def model_args(self, seq_len: int, n_layers: int = 4):
+        """The tiny model's shape (torchtitan_seq's :class:`~torchtitan_seq.flavors.ModelShape`, which
+        the partition's cost model reads as it reads 0.2.2's args)."""
+        from torchtitan_seq.flavors import ModelShape
+
+        return ModelShape(DIM, n_layers, HEADS, KV_HEADS, VOCAB, MULTIPLE_OF, None)
+
+    def model_config(self, v):
+        """0.3's Llama 3 config of the tiny model, its inner attention torchtitan_seq's (as
+        :func:`~torchtitan_seq.titan03.model.seq_llama3` builds a flavor), block-causal with documents.
+        ``_build_llama3_layers`` and the initialisers are 0.3's private ones, its flavors'."""
+        from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+        from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
+
+        from torchtitan_seq.titan03.model import SeqInnerAttention, SeqLlama3Model
+
+        layers = _build_llama3_layers(
+            fuse_qkv=True,
+            n_layers=v.layers,
+            dim=DIM,
+            n_heads=HEADS,
+            n_kv_heads=KV_HEADS,
+            hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=MULTIPLE_OF),
+            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=v.seq_len, theta=ROPE_THETA, scaling="none"),
+            attn_backend="flex",  # replaced below, as seq_llama3 replaces a flavor's
+        )
+        for layer_id, layer in enumerate(layers):
+            layer.attention.inner_attention = SeqInnerAttention.Config(layer_id=layer_id)
+        return SeqLlama3Model.Config(
+            dim=DIM,
+            vocab_size=VOCAB,
+            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+            norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+            layers=layers,
+            block_causal=v.documents,
+        )
+
+    def configs(self, v) -> dict[str, Any]:
+        """The configs 0.3 hands a ``parallelize_fn`` (but ``parallel_dims``)."""
+        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+        mode, _, option = v.ac.partition(":")
+        if mode not in ("none", "full", "selective"):
+            raise ValueError(f"activation checkpointing {v.ac!r}: 0.3's harness runs none, full or selective")
+        return {
+            "training": TrainingConfig(seq_len=v.seq_len, mixed_precision_param="float32"),  # FSDP's default: bf16
+            "parallelism": ParallelismConfig(
+                pipeline_parallel_degree=v.pp,
+                data_parallel_shard_degree=v.dp_shard,
+                tensor_parallel_degree=v.tp,
+                context_parallel_degree=v.cp,
+            ),
+            "compile_config": CompileConfig(enable=v.compile is not None, backend=v.compile or "inductor"),
+            "ac_config": {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[mode],
+            "dump_folder": "",
+        }
+
+    def models(self, v) -> tuple[Any, torch.nn.Module, torch.nn.Module]:
+        """``(shape, whole, reference)``: as :meth:`Titan022.models`, 0.3's model."""
+        if v.cp > 1:
+            raise NotImplementedError("context parallelism: torchtitan_seq refuses it under torchtitan 0.3")
+        config = self.model_config(v)
+        config.update_from_config(config=_JobLike(self.configs(v)["parallelism"]))  # its TP sharding config
+        torch.manual_seed(0)
+        whole = config.build()
+        init_test_weights(whole)
+        reference = copy.deepcopy(whole)
+        for layer in reference.layers.values():
+            layer.attention.inner_attention = _DenseDocumentAttention03()
+        return self.model_args(v.seq_len, v.layers), whole, reference
+
+    def init_weights(self, model: torch.nn.Module) -> None:
+        model.init_weights(buffer_device=None)
+
+    def logits(self, model: torch.nn.Module, tokens: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        return model(tokens, attention_masks=documents)
+
+    def cross_entropy_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The token losses' sum (over TP ranks' vocabulary shards inside a step's SPMD context)."""
+        from torchtitan.components.loss import cross_entropy_loss
+
+        return cross_entropy_loss(pred, labels, global_vocab_size=VOCAB)
+
+    def pipeline_chunks(self, whole, args, v):
+        """As :meth:`Titan022.pipeline_chunks`: chunks cut and placed as
+        :func:`torchtitan_seq.titan03.pipeline.pipeline_sequence_llm` does, parallelised by the
+        model spec's ``parallelize_fn``."""
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import pipeline_parallel as titan_pp
+        from torchtitan.distributed import utils as dist_utils
+
+        from torchtitan_seq.cpu_compat import fsdp_for_gloo
+        from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+        from torchtitan_seq.titan03.model import seq_llama3
+        from torchtitan_seq.titan03.pipeline import pipeline_sequence_llm
+
+        configs = self.configs(v)
+        dist_utils.set_spmd_backend(configs["parallelism"].spmd_backend)  # as 0.3's trainer does
+        dims = ParallelDims.from_config(configs["parallelism"], v.world)
+        dims.build_mesh()
+        pp_mesh = dims.get_mesh("pp")
+        cls = SEQUENCE_SCHEDULES[v.schedule]
+        names = titan_pp._generate_llm_fqn_per_model_part(
+            v.pp * v.stages_per_rank // cls.parameter_copies, args.n_layers, 1, 1
+        )
+        held = cls.place_stages(pp_mesh.size(), len(names))[pp_mesh.get_local_rank()]
+        parallelize_fn = seq_llama3("debugmodel", pipeline_sequence_llm).parallelize_fn
+        split = [(stage, titan_pp._split_module(whole, names[chunk])) for stage, chunk in held]
+        chunks = [(stage, len(names), parallelize_fn(chunk, parallel_dims=dims, **configs)) for stage, chunk in split]
+        fsdp_for_gloo([chunk for _, _, chunk in chunks])
+        return chunks, dims
+
+    def step_context(self, dims) -> contextlib.AbstractContextManager:
+        """0.3's SPMD context (the current mesh of its ``spmd_types`` backend), as its trainer's
+        ``train_context`` runs a step."""
+        from torchtitan.distributed import utils as dist_utils
+
+        return dist_utils.get_spmd_context(parallel_dims=dims)()
+
+
+class _JobLike:
+    """What 0.3's ``Decoder.Config.update_from_config`` reads of a job besides a trainer's: its
+    ``parallelism``."""
+
+    def __init__(self, parallelism) -> None:
+        self.parallelism = parallelism
+
+
+TITAN: Titan022 | Titan03 = Titan03() if TITAN_03 else Titan022()
+"""The installed torchtitan's adapter."""
+
+
+@torch.no_grad()
+def init_test_weights(model: torch.nn.Module) -> None:
+    """Weights under which every parameter's gradient is far above fp32 round-off.
+
+    torchtitan's initialisation (std 0.02) leaves this small model's attention
+    nearly uniform: the largest gradient of some wq, wk and norm weights is
+    then under 1e-5, and a wholly wrong gradient hides in round-off. Matrices
+    drawn with std 0.1 make attention depend on the keys; every gradient is
+    then above ``harness.GRAD_FLOOR`` (sharper attention, std 0.3, would raise
+    round-off to 5e-6 of a gradient's scale). ``model``, the installed version's, is initialised first
+    as that version does it.
+    """
+    TITAN.init_weights(model)
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.normal_(0.0, 0.1)
