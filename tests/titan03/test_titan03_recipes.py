@@ -124,3 +124,20 @@ def test_the_planners_config_function_builds_the_plan():
     assert config.parallelism.pipeline_parallel_schedule == "BSIPipe"
     assert (config.sequence_pipeline.num_subsequences, config.sequence_pipeline.partition) == (2, "even")
     assert isinstance(config.activation_checkpoint, SelectiveAC.Config)
+
+
+@pytest.mark.parametrize("name", ["llama3_8b_32k_seq1f1b", "llama3_8b_32k_block_causal_seq1f1b"])
+def test_the_8b_jobs_pass_the_check_on_8_processes_and_build_an_8b_model(name):
+    """What a CPU can run of the 8B jobs: the job check for their 8 processes (pipeline 4 x FSDP 2,
+    compiled blocks) and the model, built on the meta device: Llama 3 8B's 8.03e9 parameters."""
+    import torch
+
+    from torchtitan_seq.titan03.job_check import check_job
+
+    config = _parse("--config", name)
+    check_job(config, 8)
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        model = model_config.build()
+    assert 8.0e9 < sum(p.numel() for p in model.parameters()) < 8.1e9
