@@ -56,6 +56,8 @@ from torchtitan_seq.kernels import (
 )
 from torchtitan_seq.kv_context import KVContext, Unit
 from torchtitan_seq.partition import partition_sequence
+from torchtitan_seq.plan import H200_UNIT_OVERHEAD_S
+from torchtitan_seq.simulate.costs import gpu_fixed_cost_per_layer
 
 FP32_TOL = 1e-5
 # Low precision: the kernel alone on the whole sequence must be this close to the
@@ -480,7 +482,19 @@ def measure_overhead(
                 flush=True,
             )
     at_goal = [r for r in runs if r["seq_len"] == GOAL_SEQ_LEN and r["path"] == "units" and r["k"] > 1]
+    try:  # what the planner's fixed cost per unit becomes once these files are committed
+        fixed = gpu_fixed_cost_per_layer(out)
+    except ValueError as e:  # too short a sweep (--tiny)
+        fixed = None
+        print(f"  no fixed cost per unit fitted: {e}", flush=True)
+    else:
+        print(
+            f"  fixed cost per unit and layer: {fixed * 1e3:.3f} ms (the planner's H200_UNIT_OVERHEAD_S: "
+            f"{H200_UNIT_OVERHEAD_S * 1e3:.3f} ms; refit it from these files when they are committed)",
+            flush=True,
+        )
     return {
+        "fixed_per_unit_layer_s": fixed,
         "model": {
             **sizes.model,
             "ffn_hidden": seq.layers["0"].feed_forward.w1.out_features,

@@ -16,6 +16,11 @@ torchtitan's Llama 3 on the whole batch (4 layers minus 2, halved), forward and 
   the one op it stands for);
 * host µs: the minimum over ``--repeats`` steps of the thread's CPU time (a GPU's host runs no
   faster than its best; CPU time, not wall time, so that a shared machine's load does not count).
+  On the CPU a step's time includes its compute (the plain layer's is mostly compute), so
+* the unit path's own host µs are measured apart: one attention layer of the model's shape bound to
+  a KV context, the K units of one sequence forward in order and backward last unit first, as a
+  stage runs them, minus torch's SDPA (what a plain layer calls) forward and backward on each unit's
+  own queries and keys, per unit; the two alternate, least of ``--repeats`` each.
 
 On a CUDA device (``--device cuda``, what ``benchmarks/gpu_check.sh`` runs after the GPU check) the
 model is in bf16 with the device's kernel (:func:`~torchtitan_seq.kernels.select_kernel`: cuDNN on an
@@ -172,9 +177,10 @@ def pipeline_step(k: int, kernel: str | None = None, device: torch.device = CPU)
     loss_fn = TokenNormalizedLoss(cross_entropy_loss)
     schedule = SEQUENCE_SCHEDULES["InterleavedSeq1F1B"](stages, MICROBATCHES, loss_fn)
     tokens, labels = (t.to(device) for t in _batch())
+    tokens_in_step = torch.tensor(float(labels.numel()), device=device)  # as the trainer's global_valid_tokens
 
     def step() -> None:
-        with loss_fn.normalized_by(labels.numel()):
+        with loss_fn.normalized_by(tokens_in_step):
             schedule.step(tokens, target=labels, losses=[])
 
     return step
@@ -197,6 +203,48 @@ def plain_step(n_layers: int, device: torch.device = CPU) -> Callable[[], None]:
     model = _to_device(model, device)
     tokens, labels = (t.to(device) for t in _batch())
     return lambda: cross_entropy_loss(model(tokens), labels).backward()
+
+
+def attention_steps(device: torch.device = CPU) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The unit path and torch's SDPA on the same units, as closures: one attention layer of the
+    model's shape (1 sequence of SEQ_LEN tokens, q (1, Hq, L, D) and k, v (1, Hkv, L, D) laid out as
+    the model hands them), K units forward in order and backward last unit first through a KV
+    context; and SDPA (causal, grouped heads) forward and backward on each unit's own tokens."""
+    from torchtitan_seq.attention import SequenceAttention
+    from torchtitan_seq.kernels import select_kernel
+    from torchtitan_seq.kv_context import KVContext, Unit
+    from torchtitan_seq.partition import partition_sequence
+
+    heads, kv_heads = MODEL["n_heads"], MODEL["n_kv_heads"]
+    dim, dtype = MODEL["dim"] // heads, torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, SEQ_LEN, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (t.to(device, dtype).transpose(1, 2).requires_grad_() for t in (q, k, v))
+    dout = torch.randn(1, heads, SEQ_LEN, dim, generator=g).to(device, dtype)
+    lengths = partition_sequence(SEQ_LEN, K, "even")
+    units = [Unit(0, j, sum(lengths[:j]), n, K) for j, n in enumerate(lengths)]
+    attention, kernel = SequenceAttention(0), select_kernel(device)
+
+    def units_path() -> None:
+        context = KVContext(lengths)
+        attention.bind(context, kernel)
+        outs = []
+        for u in units:
+            with context.running(u):
+                part = slice(u.offset, u.offset + u.length)
+                outs.append(attention(q[:, :, part], k[:, :, part], v[:, :, part]))
+        for u in reversed(units):
+            with context.backward(u):
+                outs[u.index].backward(dout[:, :, u.offset : u.offset + u.length])
+
+    def sdpa() -> None:
+        sdpa_attention = torch.nn.functional.scaled_dot_product_attention
+        for u in units:
+            part = slice(u.offset, u.offset + u.length)
+            out = sdpa_attention(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=True, enable_gqa=True)
+            out.backward(dout[:, :, part])
+
+    return units_path, sdpa
 
 
 def launches(fn: Callable[[], object], device: torch.device) -> int:
@@ -263,10 +311,16 @@ def measure(repeats: int, device: torch.device = CPU) -> dict:
         times = {name: _best_us(fn, repeats, device) for name, fn in runs.items()}
         for i, name in enumerate(("host", "device")):
             record[f"{name}_us_per_unit_layer"] = _per_unit_layer({run: t[i] for run, t in times.items()})
+        units_path, sdpa = attention_steps(device)
+        units_path(), sdpa()  # warm-up
+        best = {"units": float("inf"), "sdpa": float("inf")}
+        for _ in range(repeats):  # alternating, so that a slower spell of the machine meets both
+            for name, fn in (("units", units_path), ("sdpa", sdpa)):
+                best[name] = min(best[name], _best_us(fn, 1, device)[0])
+        record["attention_host_us_per_unit"] = {name: t / K for name, t in best.items()}
+        record["unit_path_host_us"] = (best["units"] - best["sdpa"]) / K
     finally:
         dist.destroy_process_group()
-    host = record["host_us_per_unit_layer"]
-    record["unit_path_host_us"] = host["unit"] - host["plain"]
     return record
 
 
@@ -280,20 +334,23 @@ def _run_tree(tree: Path, repeats: int) -> dict:
 
 def table(runs: list[dict], trees: list[Path]) -> str:
     """Per tree: leaf ops per unit-layer (CPU kernel, cuDNN and flash adapters) against a plain layer,
-    and the least host µs over the rounds."""
+    and the least host µs over the rounds: per unit-layer of the step (a plain layer's, compute
+    included), and the unit path's own (unit attention minus SDPA on the unit's tokens)."""
     lines = [
         "| tree | leaf ops / unit-layer: CPU, cuDNN, flash (plain layer) | host µs / unit-layer (plain layer) | "
-        "unit path's own µs |",
-        "|---|---|---|---|",
+        "unit attention, SDPA µs / unit | unit path's own µs |",
+        "|---|---|---|---|---|",
     ]
     for tree in trees:
         mine = [r for r in runs if r["tree"] == str(tree)]
         ops = mine[0]["launches_per_unit_layer"]
         unit = min(r["host_us_per_unit_layer"]["unit"] for r in mine)
         plain = min(r["host_us_per_unit_layer"]["plain"] for r in mine)
+        units, sdpa = (min(r["attention_host_us_per_unit"][name] for r in mine) for name in ("units", "sdpa"))
+        own = min(r["unit_path_host_us"] for r in mine)
         lines.append(
             f"| {tree} | {ops['unit']:.1f}, {ops['CudnnSdpaKernel']:.1f}, {ops['CudaSdpaKernel']:.1f} "
-            f"({ops['plain']:.1f}) | {unit:.0f} ({plain:.0f}) | {unit - plain:.0f} |"
+            f"({ops['plain']:.1f}) | {unit:.0f} ({plain:.0f}) | {units:.0f}, {sdpa:.0f} | {own:.0f} |"
         )
     loads = [r["load"] for r in runs]
     lines.append(f"\nLoad average (1 min) before each run: {min(loads):.2f} to {max(loads):.2f}.")

@@ -129,10 +129,10 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
     prefix (unmasked: torch's CPU kernel aligns causal masks top-left) are dropped."""
     import sys
 
-    from torchtitan_seq import attention
+    from torchtitan_seq.attention import unit_op
     from torchtitan_seq.kv_context import Phase
 
-    calls = attention._calls
+    calls = unit_op._calls
 
     def without_prefix(documents, segments, bottom_right):
         causal, prefix = calls(documents, segments, bottom_right)
@@ -140,7 +140,7 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
         recomputing = caller.f_code.co_name == "_unit_attention" and caller.f_locals.get("phase") is Phase.RECOMPUTE
         return causal, [] if recomputing else prefix
 
-    return [mock.patch.object(attention, "_calls", without_prefix)]
+    return [mock.patch.object(unit_op, "_calls", without_prefix)]
 
 
 def _split_w_without_kv_grad(ctx: MutationContext) -> list:

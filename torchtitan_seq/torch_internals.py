@@ -43,6 +43,7 @@ __all__ = [
     "stage_to_rank_mapping",
     "detach_tensors",
     "allow_recompiles",
+    "dispatch_mode_active",
     "DEVICE_TYPE_DETECTION",
     "SdpaOps",
 ]
@@ -70,6 +71,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "public pytree)",
     "torch._dynamo": "config.recompile_limit: a compiled block meets one shape per unit length, and the default "
     "limit is below the lengths a schedule may cut",
+    "torch._C": "_len_torch_dispatch_stack: whether a TorchDispatchMode (selective checkpointing's cache, fake "
+    "tensors) sees the ops that run; torch has no public query, and unit attention runs as one op under one",
     "torch._utils": "_get_available_device_type, through which torchtitan 0.2.2 detects the device, falling back "
     "to 'cuda'; the CPU compatibility makes it fall back to 'cpu'",
     _ATEN + "_scaled_dot_product_flash_attention_for_cpu": "SDPA's CPU flash kernel, returning the log-sum-exp "
@@ -136,6 +139,11 @@ def detach_tensors(tree: Any) -> Any:
 def allow_recompiles(graphs: int) -> None:
     """Let torch.compile keep at least ``graphs`` graphs per compiled function (one per unit length)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode (selective activation checkpointing's cache, fake tensors) is active."""
+    return torch._C._len_torch_dispatch_stack() > 0
 
 
 class _SdpaOps:

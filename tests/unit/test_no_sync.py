@@ -120,7 +120,7 @@ def test_the_instrument_sees_a_read():
 def test_document_starts_are_read_once_per_batch(monkeypatch):
     """The whole-sequence document path (torch's schedules) reads a batch's ids on the host once,
     however many layers and backward passes read its documents."""
-    from torchtitan_seq.attention import _whole_sequence_attention
+    from torchtitan_seq.attention.whole_sequence import _whole_sequence_attention
 
     tokens = torch.randint(4, VOCAB, (2, 16))
     tokens[:, 6] = EOS

@@ -360,15 +360,25 @@ def test_the_fit_recovers_a_fixed_cost_per_unit_and_costs_per_token_and_pair(doc
     assert fit_unit_costs(convex).fixed == 0.0
 
 
-def test_the_h200_fixed_cost_per_unit_is_the_fit_of_its_cost_files():
-    """plan.H200_UNIT_OVERHEAD_S: the fit of benchmarks/gpu/2026-11-30/cudnn at 16K-64K over its 4 layers."""
+def test_the_h200_fixed_cost_per_unit_is_the_fit_of_the_newest_gpu_check():
+    """plan.H200_UNIT_OVERHEAD_S is refitted when a GPU check's cost files are committed: it is the
+    fit of the newest benchmarks/gpu/DATE/cudnn (16K tokens and up, per layer), which plan/job.py names."""
     from torchtitan_seq.plan import H200_UNIT_OVERHEAD_S
-    from torchtitan_seq.simulate.costs import fit_cost_files
+    from torchtitan_seq.simulate.costs import fit_cost_files, gpu_fixed_cost_per_layer
 
-    folder = REPO / "benchmarks/gpu/2026-11-30/cudnn"
-    files = [p for p in sorted(folder.glob("cost_s*.json")) if "s8192" not in p.name]
+    checks = [p for p in sorted((REPO / "benchmarks/gpu").glob("*/cudnn")) if any(p.glob("cost_s*.json"))]
+    newest = checks[-1]
+    fitted = gpu_fixed_cost_per_layer(newest)
+    assert fitted == pytest.approx(H200_UNIT_OVERHEAD_S, rel=5e-3), (
+        f"{newest.relative_to(REPO)} fits {fitted * 1e3:.3f} ms per unit and layer: "
+        "set torchtitan_seq/plan/job.py's H200_UNIT_OVERHEAD_S (and its docstring) to it"
+    )
+    assert f"benchmarks/gpu/{newest.parent.name}/cudnn" in (REPO / "torchtitan_seq/plan/job.py").read_text()
+    # The rule on the 2026-11-30 check: its 15 files of 16K-64K tokens, 4 layers.
+    first = REPO / "benchmarks/gpu/2026-11-30/cudnn"
+    files = [p for p in sorted(first.glob("cost_s*.json")) if "s8192" not in p.name]
     assert len(files) == 15
-    assert fit_cost_files(files).fixed / 4 == pytest.approx(H200_UNIT_OVERHEAD_S, rel=5e-3)
+    assert gpu_fixed_cost_per_layer(first) == pytest.approx(fit_cost_files(files).fixed / 4, rel=1e-12)
 
 
 def test_a_unit_overhead_adds_its_time_to_every_units_passes():

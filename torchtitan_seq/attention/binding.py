@@ -10,45 +10,17 @@ binding by the tensor's address (:func:`_bound`), never reading the tensor.
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
 from ..kernels import AttentionKernel
 from ..kv_context import KVContext
+from ..torch_internals import dispatch_mode_active
+from .handles import _BINDINGS, _Binding
+from .unit_op import UnitAttention
 from .whole_sequence import _whole_sequence_attention
 
 __all__ = ["SequenceAttention", "bind_kv_context"]
-
-
-@dataclass(eq=False)
-class _Binding:
-    """What a bound attention layer's custom op reads at run time: the stage's context and kernel,
-    and the layer's id in the context."""
-
-    context: KVContext
-    kernel: AttentionKernel
-    layer_id: int
-
-
-# Custom ops take no Python objects: a bound layer passes a small host tensor of its own, ``ids``,
-# and its binding is found by that tensor's address, a Python int read without reading the tensor
-# (its values are never read on the unit path: a read of a tensor is a device sync where it lies on
-# one). The graphs that saved ``ids`` keep it alive, so its address names no other binding meanwhile.
-_BINDINGS: weakref.WeakValueDictionary[int, _Binding] = weakref.WeakValueDictionary()
-
-
-def _bound(ids: Tensor) -> _Binding:
-    """The binding behind a layer's ``ids``."""
-    binding = _BINDINGS.get(ids.data_ptr())
-    if binding is None:
-        raise RuntimeError(
-            "unit attention: its SequenceAttention module is gone or rebound; "
-            "keep the model alive (and bound) until its graphs have run backward"
-        )
-    return binding
 
 
 class SequenceAttention(nn.Module):
@@ -90,7 +62,9 @@ class SequenceAttention(nn.Module):
             raise ValueError("SequenceAttention runs units of causal attention only")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         compiled = torch.compiler.is_compiling()
-        return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, scale, compiled)[0]
+        if compiled or dispatch_mode_active():  # the custom op: see UnitAttention
+            return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, scale, compiled)[0]
+        return UnitAttention.apply(q, k, v, self.ids, scale, False)[0]
 
 
 def bind_kv_context(model: nn.Module, context: KVContext, kernel: AttentionKernel) -> None:

@@ -13,6 +13,7 @@ out as torch's kernels lay theirs out (:mod:`.layouts`), so none is copied.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +58,20 @@ class _Call:
         """The index of q, out and lse (B, H, L[, D]) this call reads and writes."""
         return self.rows, _EVERY, self.queries
 
+    @property
+    def whole(self) -> bool:
+        """Whether the call's queries are all of q's (every row)."""
+        return self.rows == _EVERY and self.queries == _EVERY
+
+    def of(self, t: Tensor) -> Tensor:
+        """The part of ``t`` (q, out, lse, dout: (B, H, L[, D])) this call reads or writes: ``t`` itself
+        where it is all of it (indexing makes a view, a few µs of host time, even of the whole)."""
+        return t if self.whole else t[self.index]
+
 
 def _calls(
     documents: Documents | None, segments: tuple[tuple[int, int], ...], bottom_right: bool
-) -> tuple[list[_Call], list[_Call]]:
+) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
     """The kernel calls of queries at the positions ``segments`` ([start, stop) ranges, laid out in
     q in that order: one for a whole unit, a CP rank's two chunks) under ``documents`` (None:
     causal): causal calls whose queries cover every segment once, and unmasked prefix calls over
@@ -69,6 +80,23 @@ def _calls(
     the piece of the document continuing into the segment reads that document's keys before the
     segment too: in the same call where the kernel aligns causal masks at the bottom right, else in
     one unmasked call of its own."""
+    if documents is None:  # the same few units every step
+        return _causal_calls(segments, bottom_right)
+    return _document_calls(documents, segments, bottom_right)
+
+
+@functools.cache
+def _causal_calls(
+    segments: tuple[tuple[int, int], ...], bottom_right: bool
+) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
+    """:func:`_calls` without documents, built once per unit shape."""
+    return _document_calls(None, segments, bottom_right)
+
+
+def _document_calls(
+    documents: Documents | None, segments: tuple[tuple[int, int], ...], bottom_right: bool
+) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
+    """:func:`_calls`, built."""
     one = documents is None and len(segments) == 1  # one call covers all of q
     rows = [_EVERY] if documents is None else [slice(b, b + 1) for b in range(len(documents.starts))]
     causal: list[_Call] = []
@@ -90,7 +118,7 @@ def _calls(
                     prefix.append(_Call(row, head.queries, slice(first, start), False))
             causal += calls
         local += stop - start
-    return causal, prefix
+    return tuple(causal), tuple(prefix)
 
 
 @dataclass(frozen=True)
@@ -113,18 +141,17 @@ class _Keys:
 
 
 def _attention_forward(
-    kernel: AttentionKernel, q: Tensor, keys: _Keys, causal: list[_Call], prefix: list[_Call], scale: float
+    kernel: AttentionKernel, q: Tensor, keys: _Keys, causal: tuple[_Call, ...], prefix: tuple[_Call, ...], scale: float
 ) -> tuple[Tensor, Tensor]:
     """out (B, Hq, L, D) and lse (B, Hq, L) float32 of the ``causal`` and ``prefix`` calls."""
-    whole = (_EVERY, _EVERY, _EVERY)
-    if len(causal) == 1 and causal[0].index == whole:
+    if len(causal) == 1 and causal[0].whole:
         out, lse = kernel.forward(q, *keys(causal[0]), True, scale)
     else:
         out, lse = torch.empty_like(q), _new_lse(q)
         for c in causal:
             out[c.index], lse[c.index] = kernel.forward(q[c.index], *keys(c), True, scale)
     for c in prefix:  # merged into the views of out and lse the call's queries lie in
-        _merge_into(out[c.index], lse[c.index], *kernel.forward(q[c.index], *keys(c), False, scale))
+        _merge_into(c.of(out), c.of(lse), *kernel.forward(c.of(q), *keys(c), False, scale))
     return out, lse
 
 
@@ -135,15 +162,15 @@ def _attention_backward(
     keys: _Keys,
     out: Tensor,
     lse: Tensor,
-    causal: list[_Call],
-    prefix: list[_Call],
+    causal: tuple[_Call, ...],
+    prefix: tuple[_Call, ...],
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, and dk, dv of the unit's own keys, of :func:`_attention_forward` given its merged
     ``out`` and ``lse``; the gradient of earlier keys goes to the slab."""
     offset, slab = keys.offset, keys.slab
     length = keys.own[0].shape[2]  # the unit's keys (under CP more than its queries here)
-    whole = len(causal) == 1 and causal[0].index == (_EVERY, _EVERY, _EVERY)
+    whole = len(causal) == 1 and causal[0].whole
     if not whole:
         dq = torch.empty_like(q)
         # As many queries as own keys (no CP): the causal calls cover each own key once, and write its
@@ -154,7 +181,7 @@ def _attention_backward(
         put = Tensor.copy_ if once else Tensor.add_
     # Every add below is in place into a view (``x[i] += y`` would copy the sum back onto itself).
     for c in causal:
-        dq_i, dk_i, dv_i = kernel.backward(dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], True, scale)
+        dq_i, dk_i, dv_i = kernel.backward(c.of(dout), c.of(q), *keys(c), c.of(out), c.of(lse), True, scale)
         cut = max(offset - c.keys.start, 0)  # keys before the unit: a bottom-right call's prefix
         if cut:
             slab.accumulate(dk_i[:, :, :cut], dv_i[:, :, :cut], c.rows, c.keys.start)
@@ -166,10 +193,8 @@ def _attention_backward(
             put(dk[c.rows, :, own], dk_i[:, :, cut:])
             put(dv[c.rows, :, own], dv_i[:, :, cut:])
     for c in prefix:
-        dq_i, dk_i, dv_i = kernel.backward(
-            dout[c.index], q[c.index], *keys(c), out[c.index], lse[c.index], False, scale
-        )
-        dq[c.index].add_(dq_i)
+        dq_i, dk_i, dv_i = kernel.backward(c.of(dout), c.of(q), *keys(c), c.of(out), c.of(lse), False, scale)
+        c.of(dq).add_(dq_i)
         if c.keys.start >= offset:  # keys within the unit, read from its own (a CP rank's later chunk)
             own = slice(c.keys.start - offset, c.keys.stop - offset)
             dk[c.rows, :, own].add_(dk_i)

@@ -18,11 +18,14 @@ H200_UNIT_OVERHEAD_S = 2.11e-3
 """Seconds a unit's forward + backward costs per layer beyond its share of the FLOPs, measured on
 an H200 (``benchmarks/gpu/2026-11-30/cudnn``: torch 2.11, cuDNN 9.19, a 4-layer Llama 3 stack of
 dim 2048, 16 heads, 8 KV heads, bf16, batch 1, units through the KV context). Derivation:
-:func:`~torchtitan_seq.simulate.costs.fit_cost_files` over its cost files at 16K, 32K and 64K
-tokens (the whole sequence and every cut, k = 1, 2, 4, 8: 48 units) fits fixed = 8.45 ms per
-unit, per-token 2.0 us and per-pair 0.24 ns, for the 4 layers: 2.11 ms per layer. The 8K files
-are left out: there the fit's per-token cost turns negative (units of 1-2K tokens are not
-linear in their tokens on this GPU). Fitted at one length each: 9.3 ms (16K), 6.3 ms (32K), 9.1 ms
+:func:`~torchtitan_seq.simulate.costs.gpu_fixed_cost_per_layer` of that folder: its cost files at
+16K, 32K and 64K tokens (the whole sequence and every cut, k = 1, 2, 4, 8: 48 units) fit fixed =
+8.45 ms per unit, per-token 2.0 us and per-pair 0.24 ns, for the 4 layers: 2.11 ms per layer. The
+8K files are left out: there the fit's per-token cost turns negative (units of 1-2K tokens are not
+linear in their tokens on this GPU). Measured on the code before the K/V slab (which halved the
+unit path's host time on the CPU): when a GPU check's cost files are committed, this is refitted
+from the newest (``benchmarks/gpu_check.sh`` prints the fit; ``tests/unit/test_simulate.py`` fails
+until it is set here). Fitted at one length each: 9.3 ms (16K), 6.3 ms (32K), 9.1 ms
 (64K); at 32K the fixed cost is 19.5% of the F + B of a cut into 8 units (measured overhead
 against the whole sequence: +29%) and 10.8% at k = 4. Taken as the GPU's and the code's, whatever
 the model's width: kernel launches, host work and the per-call merges of unit attention do not

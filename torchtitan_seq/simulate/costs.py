@@ -255,6 +255,27 @@ def fit_cost_files(paths: Iterable[Path], document_length: float | None = None) 
     return fit_unit_costs(units, document_length)
 
 
+GPU_FIT_MIN_SEQ_LEN = 16384
+"""The shortest sequence whose GPU-check cost files :func:`gpu_fixed_cost_per_layer` fits: at 8K on an
+H200 units of 1-2K tokens are not linear in their tokens, and the fit's per-token cost turns negative."""
+
+
+def gpu_fixed_cost_per_layer(folder: Path) -> float:
+    """Seconds a unit's forward + backward costs per layer beyond its share of the FLOPs, from the cost
+    files a GPU check writes (``benchmarks/gpu_check.sh`` into ``benchmarks/gpu/DATE/KERNEL``): the
+    fixed cost of :func:`fit_cost_files` over those of sequences of at least
+    :data:`GPU_FIT_MIN_SEQ_LEN` tokens, over their model's layers. The planner's
+    ``H200_UNIT_OVERHEAD_S`` is this of the newest committed check's cuDNN files."""
+    files = [p for p in sorted(Path(folder).glob("cost_s*.json")) if _read(p)["seq_len"] >= GPU_FIT_MIN_SEQ_LEN]
+    if not files:
+        raise ValueError(f"{folder}: no cost files of {GPU_FIT_MIN_SEQ_LEN} tokens or more")
+    models = {_read(p)["model"] for p in files}
+    if len(models) != 1:
+        raise ValueError(f"{folder}: cost files of {len(models)} models; a fit needs one")
+    layers = json.loads(models.pop().removeprefix("llama3 "))["n_layers"]
+    return fit_cost_files(files).fixed / layers
+
+
 def _read(path: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"--cost {path}: not 'uniform', 'transformer' or an existing JSON file")

@@ -1,0 +1,40 @@
+"""A bound attention layer's handle: what its op reads at run time (:class:`_Binding`), found by the
+address of a small host tensor the layer passes (custom ops take no Python objects)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..kernels import AttentionKernel
+from ..kv_context import KVContext
+
+
+@dataclass(eq=False)
+class _Binding:
+    """What a bound attention layer's custom op reads at run time: the stage's context and kernel,
+    and the layer's id in the context."""
+
+    context: KVContext
+    kernel: AttentionKernel
+    layer_id: int
+
+
+# Custom ops take no Python objects: a bound layer passes a small host tensor of its own, ``ids``,
+# and its binding is found by that tensor's address, a Python int read without reading the tensor
+# (its values are never read on the unit path: a read of a tensor is a device sync where it lies on
+# one). The graphs that saved ``ids`` keep it alive, so its address names no other binding meanwhile.
+_BINDINGS: weakref.WeakValueDictionary[int, _Binding] = weakref.WeakValueDictionary()
+
+
+def _bound(ids: Tensor) -> _Binding:
+    """The binding behind a layer's ``ids``."""
+    binding = _BINDINGS.get(ids.data_ptr())
+    if binding is None:
+        raise RuntimeError(
+            "unit attention: its SequenceAttention module is gone or rebound; "
+            "keep the model alive (and bound) until its graphs have run backward"
+        )
+    return binding
