@@ -19,8 +19,9 @@ torchtitan's Llama 3 on the whole batch (4 layers minus 2, halved), forward and 
   On the CPU a step's time includes its compute (the plain layer's is mostly compute), so
 * the unit path's own host µs are measured apart: one attention layer of the model's shape bound to
   a KV context, the K units of one sequence forward in order and backward last unit first, as a
-  stage runs them, minus torch's SDPA (what a plain layer calls) forward and backward on each unit's
-  own queries and keys, per unit; the two alternate, least of ``--repeats`` each.
+  stage runs them, minus torch's SDPA (what a plain layer calls) forward and backward on the whole
+  sequence (the same pairs of queries and keys, so the same compute), over the K - 1 units added;
+  the two alternate, least of ``--repeats`` each.
 
 On a CUDA device (``--device cuda``, what ``benchmarks/gpu_check.sh`` runs after the GPU check) the
 model is in bf16 with the device's kernel (:func:`~torchtitan_seq.kernels.select_kernel`: cuDNN on an
@@ -206,10 +207,11 @@ def plain_step(n_layers: int, device: torch.device = CPU) -> Callable[[], None]:
 
 
 def attention_steps(device: torch.device = CPU) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The unit path and torch's SDPA on the same units, as closures: one attention layer of the
-    model's shape (1 sequence of SEQ_LEN tokens, q (1, Hq, L, D) and k, v (1, Hkv, L, D) laid out as
+    """The unit path and torch's SDPA on the same sequence, as closures: one attention layer of the
+    model's shape (1 sequence of SEQ_LEN tokens, q (1, Hq, S, D) and k, v (1, Hkv, S, D) laid out as
     the model hands them), K units forward in order and backward last unit first through a KV
-    context; and SDPA (causal, grouped heads) forward and backward on each unit's own tokens."""
+    context; and SDPA (causal, grouped heads: what a plain layer calls) forward and backward on the
+    whole sequence, the same (query, key) pairs in one call."""
     from torchtitan_seq.attention import SequenceAttention
     from torchtitan_seq.kernels import select_kernel
     from torchtitan_seq.kv_context import KVContext, Unit
@@ -239,10 +241,7 @@ def attention_steps(device: torch.device = CPU) -> tuple[Callable[[], None], Cal
 
     def sdpa() -> None:
         sdpa_attention = torch.nn.functional.scaled_dot_product_attention
-        for u in units:
-            part = slice(u.offset, u.offset + u.length)
-            out = sdpa_attention(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=True, enable_gqa=True)
-            out.backward(dout[:, :, part])
+        sdpa_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
 
     return units_path, sdpa
 
@@ -317,8 +316,8 @@ def measure(repeats: int, device: torch.device = CPU) -> dict:
         for _ in range(repeats):  # alternating, so that a slower spell of the machine meets both
             for name, fn in (("units", units_path), ("sdpa", sdpa)):
                 best[name] = min(best[name], _best_us(fn, 1, device)[0])
-        record["attention_host_us_per_unit"] = {name: t / K for name, t in best.items()}
-        record["unit_path_host_us"] = (best["units"] - best["sdpa"]) / K
+        record["attention_host_us"] = {f"units_k{K}": best["units"], "sdpa_whole": best["sdpa"]}
+        record["unit_path_host_us"] = (best["units"] - best["sdpa"]) / (K - 1)  # per unit added, as above
     finally:
         dist.destroy_process_group()
     return record
@@ -335,10 +334,10 @@ def _run_tree(tree: Path, repeats: int) -> dict:
 def table(runs: list[dict], trees: list[Path]) -> str:
     """Per tree: leaf ops per unit-layer (CPU kernel, cuDNN and flash adapters) against a plain layer,
     and the least host µs over the rounds: per unit-layer of the step (a plain layer's, compute
-    included), and the unit path's own (unit attention minus SDPA on the unit's tokens)."""
+    included), and the unit path's own (K units' attention minus SDPA's on the whole sequence)."""
     lines = [
         "| tree | leaf ops / unit-layer: CPU, cuDNN, flash (plain layer) | host µs / unit-layer (plain layer) | "
-        "unit attention, SDPA µs / unit | unit path's own µs |",
+        f"attention µs: {K} units, SDPA whole | unit path's own µs / unit added |",
         "|---|---|---|---|---|",
     ]
     for tree in trees:
@@ -346,7 +345,7 @@ def table(runs: list[dict], trees: list[Path]) -> str:
         ops = mine[0]["launches_per_unit_layer"]
         unit = min(r["host_us_per_unit_layer"]["unit"] for r in mine)
         plain = min(r["host_us_per_unit_layer"]["plain"] for r in mine)
-        units, sdpa = (min(r["attention_host_us_per_unit"][name] for r in mine) for name in ("units", "sdpa"))
+        units, sdpa = (min(r["attention_host_us"][name] for r in mine) for name in (f"units_k{K}", "sdpa_whole"))
         own = min(r["unit_path_host_us"] for r in mine)
         lines.append(
             f"| {tree} | {ops['unit']:.1f}, {ops['CudnnSdpaKernel']:.1f}, {ops['CudaSdpaKernel']:.1f} "
