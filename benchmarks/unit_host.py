@@ -21,7 +21,10 @@ torchtitan's Llama 3 on the whole batch (4 layers minus 2, halved), forward and 
   a KV context, the K units of one sequence forward in order and backward last unit first, as a
   stage runs them, minus torch's SDPA (what a plain layer calls) forward and backward on the whole
   sequence (the same pairs of queries and keys, so the same compute), over the K - 1 units added;
-  the two alternate, least of ``--repeats`` each.
+  the two alternate, least of ``--repeats`` each. On the CPU the kernels' compute is host time, so
+  the same is measured as a GPU's host meets it: the CUDA adapters' op sequences against fakes of
+  their aten ops that compute nothing (zeros of the outputs' shapes, about what a launch costs the
+  host), K units against one unit (the whole sequence through the same op), over the K - 1 added.
 
 On a CUDA device (``--device cuda``, what ``benchmarks/gpu_check.sh`` runs after the GPU check) the
 model is in bf16 with the device's kernel (:func:`~torchtitan_seq.kernels.select_kernel`: cuDNN on an
@@ -100,10 +103,12 @@ def leaf_ops(fn: Callable[[], object]) -> int:
     return sum(count(e) for e in prof.events() if e.cpu_parent is None)
 
 
-def _fake_op(name: str) -> Callable:
+def _fake_op(name: str, compute: bool = True) -> Callable:
     """``torch.ops.aten.<name>`` computed by the CPU kernel (grouped heads native, as in the CUDA ops),
-    in a profiler range ``fake::<name>`` that :func:`leaf_ops` counts as one op. Positional arguments
-    as the aten schemas list them: q, k, v first; dout, q, k, v, out, lse first backward."""
+    in a profiler range ``fake::<name>`` that :func:`leaf_ops` counts as one op; without ``compute``
+    its outputs are zeros of their shapes and layouts (what the host pays for a launch, about: one
+    allocation and fill per output). Positional arguments as the aten schemas list them: q, k, v
+    first; dout, q, k, v, out, lse first backward."""
     from torchtitan_seq.kernels import CpuSdpaKernel
 
     cpu, cudnn = CpuSdpaKernel(), "cudnn" in name
@@ -114,20 +119,26 @@ def _fake_op(name: str) -> Callable:
         causal, scale = args[causal_at[kind]], kwargs["scale"]
         with torch.profiler.record_function(f"fake::{name}"):
             if not name.endswith("_backward"):
-                out, lse = cpu.forward(*args[:3], causal, scale)
+                q = args[0]
+                if compute:
+                    out, lse = cpu.forward(*args[:3], causal, scale)
+                else:  # out laid out as q (the kernels' (B, L, H, D)), lse (B, H, L) as the CUDA kernels'
+                    out, lse = torch.zeros_like(q), q.new_zeros(q.shape[:-1], dtype=torch.float32)
                 return out, lse.unsqueeze(-1) if cudnn else lse
             dout, q, k, v, out, lse = args[:6]
+            if not compute:
+                return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             return cpu.backward(dout, q, k, v, out, lse.squeeze(-1) if cudnn else lse, causal, scale)
 
     return fake
 
 
 @contextlib.contextmanager
-def _fake_cuda_ops() -> Iterator[None]:
+def _fake_cuda_ops(compute: bool = True) -> Iterator[None]:
     saved = {name: getattr(torch.ops.aten, name) for name in _FAKED}
     try:
         for name in _FAKED:
-            setattr(torch.ops.aten, name, _fake_op(name))
+            setattr(torch.ops.aten, name, _fake_op(name, compute))
         yield
     finally:
         for name, op in saved.items():
@@ -206,12 +217,16 @@ def plain_step(n_layers: int, device: torch.device = CPU) -> Callable[[], None]:
     return lambda: cross_entropy_loss(model(tokens), labels).backward()
 
 
-def attention_steps(device: torch.device = CPU) -> tuple[Callable[[], None], Callable[[], None]]:
+def attention_steps(
+    device: torch.device = CPU, k: int = K, kernel: str | None = None
+) -> tuple[Callable[[], None], Callable[[], None]]:
     """The unit path and torch's SDPA on the same sequence, as closures: one attention layer of the
-    model's shape (1 sequence of SEQ_LEN tokens, q (1, Hq, S, D) and k, v (1, Hkv, S, D) laid out as
-    the model hands them), K units forward in order and backward last unit first through a KV
-    context; and SDPA (causal, grouped heads: what a plain layer calls) forward and backward on the
-    whole sequence, the same (query, key) pairs in one call."""
+    model's shape (1 sequence of SEQ_LEN tokens; q (1, Hq, L, D) and k, v (1, Hkv, L, D) laid out as
+    the model's projections hand them, (1, L, H, D) in memory), ``k`` units forward in order and
+    backward last unit first through a KV context with ``kernel`` (None: the device's); and SDPA
+    (causal, grouped heads: what a plain layer calls) forward and backward on the whole sequence,
+    the same (query, key) pairs in one call. Each unit's q, k, v are tensors of its own, as a
+    unit's projections make them, and gradients are taken, not accumulated."""
     from torchtitan_seq.attention import SequenceAttention
     from torchtitan_seq.kernels import select_kernel
     from torchtitan_seq.kv_context import KVContext, Unit
@@ -220,28 +235,36 @@ def attention_steps(device: torch.device = CPU) -> tuple[Callable[[], None], Cal
     heads, kv_heads = MODEL["n_heads"], MODEL["n_kv_heads"]
     dim, dtype = MODEL["dim"] // heads, torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(1, SEQ_LEN, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
-    q, k, v = (t.to(device, dtype).transpose(1, 2).requires_grad_() for t in (q, k, v))
-    dout = torch.randn(1, heads, SEQ_LEN, dim, generator=g).to(device, dtype)
-    lengths = partition_sequence(SEQ_LEN, K, "even")
-    units = [Unit(0, j, sum(lengths[:j]), n, K) for j, n in enumerate(lengths)]
-    attention, kernel = SequenceAttention(0), select_kernel(device)
+    lengths = partition_sequence(SEQ_LEN, k, "even")
+    units = [Unit(0, j, sum(lengths[:j]), n, k) for j, n in enumerate(lengths)]
+
+    def projected(n: int) -> list[torch.Tensor]:
+        """q, k, v of n tokens, (1, H, n, D) views of (1, n, H, D) tensors, and dout (1, Hq, n, D)."""
+        qkv = [
+            torch.randn(1, n, h, dim, generator=g).to(device, dtype).requires_grad_()
+            for h in (heads, kv_heads, kv_heads)
+        ]
+        return [*qkv, torch.randn(1, heads, n, dim, generator=g).to(device, dtype)]
+
+    per_unit, whole = [projected(u.length) for u in units], projected(SEQ_LEN)
+    attention, context = SequenceAttention(0), KVContext(lengths)  # a microbatch's slab goes with its last backward
+    attention.bind(context, _kernel(kernel) if kernel else select_kernel(device))
 
     def units_path() -> None:
-        context = KVContext(lengths)
-        attention.bind(context, kernel)
         outs = []
-        for u in units:
+        for u, (q, k_, v, _) in zip(units, per_unit):
             with context.running(u):
-                part = slice(u.offset, u.offset + u.length)
-                outs.append(attention(q[:, :, part], k[:, :, part], v[:, :, part]))
+                outs.append(attention(q.transpose(1, 2), k_.transpose(1, 2), v.transpose(1, 2)))
         for u in reversed(units):
             with context.backward(u):
-                outs[u.index].backward(dout[:, :, u.offset : u.offset + u.length])
+                torch.autograd.grad(outs[u.index], per_unit[u.index][:3], per_unit[u.index][3])
 
     def sdpa() -> None:
-        sdpa_attention = torch.nn.functional.scaled_dot_product_attention
-        sdpa_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+        q, k_, v, dout = whole
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k_.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        torch.autograd.grad(out, (q, k_, v), dout)
 
     return units_path, sdpa
 
@@ -282,6 +305,18 @@ def _best_us(step: Callable[[], None], repeats: int, device: torch.device) -> tu
     return host * 1e6, gpu * 1e6
 
 
+def _alternating(runs: dict, repeats: int, device: torch.device) -> dict:
+    """The least host µs of each of ``runs`` (closures) over ``repeats``, after a warm-up, taking turns
+    so that a slower spell of the machine meets them all."""
+    best = {name: float("inf") for name in runs}
+    for fn in runs.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            best[name] = min(best[name], _best_us(fn, 1, device)[0])
+    return best
+
+
 def _per_unit_layer(figures: dict[str, float]) -> dict[str, float]:
     """Figures of the steps at k = 1 and K and of the plain models of 2 and 4 layers -> per unit-layer (k = K
     minus k = 1, over the unit-layers added) and per plain layer."""
@@ -311,13 +346,15 @@ def measure(repeats: int, device: torch.device = CPU) -> dict:
         for i, name in enumerate(("host", "device")):
             record[f"{name}_us_per_unit_layer"] = _per_unit_layer({run: t[i] for run, t in times.items()})
         units_path, sdpa = attention_steps(device)
-        units_path(), sdpa()  # warm-up
-        best = {"units": float("inf"), "sdpa": float("inf")}
-        for _ in range(repeats):  # alternating, so that a slower spell of the machine meets both
-            for name, fn in (("units", units_path), ("sdpa", sdpa)):
-                best[name] = min(best[name], _best_us(fn, 1, device)[0])
+        best = _alternating({"units": units_path, "sdpa": sdpa}, repeats, device)
         record["attention_host_us"] = {f"units_k{K}": best["units"], "sdpa_whole": best["sdpa"]}
         record["unit_path_host_us"] = (best["units"] - best["sdpa"]) / (K - 1)  # per unit added, as above
+        if device.type != "cuda":  # the CUDA adapters' op sequences, their kernels costing the host a launch
+            record["unit_path_host_us_launch_fakes"] = {}
+            with _fake_cuda_ops(compute=False):
+                for kernel in ("CudnnSdpaKernel", "CudaSdpaKernel"):
+                    best = _alternating({k: attention_steps(device, k, kernel)[0] for k in (1, K)}, repeats, device)
+                    record["unit_path_host_us_launch_fakes"][kernel] = (best[K] - best[1]) / (K - 1)
     finally:
         dist.destroy_process_group()
     return record
@@ -334,10 +371,11 @@ def _run_tree(tree: Path, repeats: int) -> dict:
 def table(runs: list[dict], trees: list[Path]) -> str:
     """Per tree: leaf ops per unit-layer (CPU kernel, cuDNN and flash adapters) against a plain layer,
     and the least host µs over the rounds: per unit-layer of the step (a plain layer's, compute
-    included), and the unit path's own (K units' attention minus SDPA's on the whole sequence)."""
+    included), and the unit path's own (K units' attention minus SDPA's on the whole sequence; with the
+    CUDA adapters against fakes that compute nothing, K units' minus one's)."""
     lines = [
         "| tree | leaf ops / unit-layer: CPU, cuDNN, flash (plain layer) | host µs / unit-layer (plain layer) | "
-        f"attention µs: {K} units, SDPA whole | unit path's own µs / unit added |",
+        f"attention µs: {K} units, SDPA whole | unit path's own µs / unit added: CPU; cuDNN, flash (launch fakes) |",
         "|---|---|---|---|---|",
     ]
     for tree in trees:
@@ -347,9 +385,13 @@ def table(runs: list[dict], trees: list[Path]) -> str:
         plain = min(r["host_us_per_unit_layer"]["plain"] for r in mine)
         units, sdpa = (min(r["attention_host_us"][name] for r in mine) for name in (f"units_k{K}", "sdpa_whole"))
         own = min(r["unit_path_host_us"] for r in mine)
+        fakes = [
+            min(r["unit_path_host_us_launch_fakes"][k] for r in mine) for k in ("CudnnSdpaKernel", "CudaSdpaKernel")
+        ]
         lines.append(
             f"| {tree} | {ops['unit']:.1f}, {ops['CudnnSdpaKernel']:.1f}, {ops['CudaSdpaKernel']:.1f} "
-            f"({ops['plain']:.1f}) | {unit:.0f} ({plain:.0f}) | {units:.0f}, {sdpa:.0f} | {own:.0f} |"
+            f"({ops['plain']:.1f}) | {unit:.0f} ({plain:.0f}) | {units:.0f}, {sdpa:.0f} | {own:.0f}; "
+            f"{fakes[0]:.0f}, {fakes[1]:.0f} |"
         )
     loads = [r["load"] for r in runs]
     lines.append(f"\nLoad average (1 min) before each run: {min(loads):.2f} to {max(loads):.2f}.")

@@ -34,6 +34,11 @@ __all__ = [
 AttentionBackend = Literal["auto", "flash", "sdpa"]
 
 
+def _float32(lse: Tensor) -> Tensor:
+    """A kernel's log-sum-exp in float32, as the kernels return it (no op then)."""
+    return lse if lse.dtype == torch.float32 else lse.float()
+
+
 class AttentionKernel(Protocol):
     """Block attention with log-sum-exp in torch's SDPA layout: q (B, Hq, Lq, D); k, v
     (B, Hkv, Lk, D) with Hq a multiple of Hkv. ``forward`` returns out (B, Hq, Lq, D) and
@@ -60,7 +65,7 @@ class CpuSdpaKernel:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse = SdpaOps.cpu_flash(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
+        return out, _float32(lse)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
@@ -83,7 +88,7 @@ class CudaSdpaKernel:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse, *_ = SdpaOps.flash(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
+        return out, _float32(lse)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
@@ -111,7 +116,7 @@ class CudnnSdpaKernel:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse, *_ = SdpaOps.cudnn(q, k, v, None, True, 0.0, causal, False, scale=scale)
-        return out, lse.view(q.shape[:-1]).float()  # cuDNN's lse is (B, H, L, 1)
+        return out, _float32(lse.view(q.shape[:-1]))  # cuDNN's lse is (B, H, L, 1)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
@@ -153,7 +158,7 @@ class FlashAttnKernel:
             return_softmax=False,
             **_FLASH_ATTN_PLAIN,
         )
-        return out.transpose(1, 2), lse.float()
+        return out.transpose(1, 2), _float32(lse)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,17 @@ def test_launches_per_unit_layer_stay_low():
     assert ops["unit"] - ops["plain"] <= 36, ops
     assert ops["CudnnSdpaKernel"] - ops["plain"] <= 18, ops
     assert ops["CudaSdpaKernel"] - ops["plain"] <= 18, ops
+
+
+def test_attention_steps_run_the_unit_path_and_sdpa_on_the_same_sequence():
+    """The unit path's own host time: k units through the op and SDPA on the whole sequence run (twice:
+    a microbatch's slab goes with its last backward), and with the CUDA adapters against fakes that
+    compute nothing, whose outputs have the kernels' shapes."""
+    for kernel in (None, "CudnnSdpaKernel", "CudaSdpaKernel"):
+        with unit_host._fake_cuda_ops(compute=False) if kernel else contextlib.nullcontext():
+            units, sdpa = unit_host.attention_steps(torch.device("cpu"), 2, kernel)
+            for _ in range(2):
+                units(), sdpa()
 
 
 def test_cuda_timing_reads_host_and_device_time(monkeypatch):
