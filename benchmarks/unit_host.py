@@ -106,8 +106,8 @@ def leaf_ops(fn: Callable[[], object]) -> int:
 def _fake_op(name: str, compute: bool = True) -> Callable:
     """``torch.ops.aten.<name>`` computed by the CPU kernel (grouped heads native, as in the CUDA ops),
     in a profiler range ``fake::<name>`` that :func:`leaf_ops` counts as one op; without ``compute``
-    its outputs are zeros of their shapes and layouts (what the host pays for a launch, about: one
-    allocation and fill per output). Positional arguments as the aten schemas list them: q, k, v
+    its outputs are zeros of their shapes and layouts, nothing else (what the host pays for a launch,
+    about: an allocation and fill per output). Positional arguments as the aten schemas list them: q, k, v
     first; dout, q, k, v, out, lse first backward."""
     from torchtitan_seq.kernels import CpuSdpaKernel
 
@@ -119,18 +119,18 @@ def _fake_op(name: str, compute: bool = True) -> Callable:
         causal, scale = args[causal_at[kind]], kwargs["scale"]
         with torch.profiler.record_function(f"fake::{name}"):
             if not name.endswith("_backward"):
-                q = args[0]
-                if compute:
-                    out, lse = cpu.forward(*args[:3], causal, scale)
-                else:  # out laid out as q (the kernels' (B, L, H, D)), lse (B, H, L) as the CUDA kernels'
-                    out, lse = torch.zeros_like(q), q.new_zeros(q.shape[:-1], dtype=torch.float32)
+                out, lse = cpu.forward(*args[:3], causal, scale)
                 return out, lse.unsqueeze(-1) if cudnn else lse
             dout, q, k, v, out, lse = args[:6]
-            if not compute:
-                return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             return cpu.backward(dout, q, k, v, out, lse.squeeze(-1) if cudnn else lse, causal, scale)
 
-    return fake
+    def launch(*args, **kwargs):  # out laid out as q (the kernels' (B, L, H, D)), lse (B, H, L[, 1])
+        if not name.endswith("_backward"):
+            q = args[0]
+            return torch.zeros_like(q), q.new_zeros((*q.shape[:-1], 1) if cudnn else q.shape[:-1])
+        return tuple(torch.zeros_like(t) for t in args[1:4])
+
+    return fake if compute else launch
 
 
 @contextlib.contextmanager
@@ -218,15 +218,16 @@ def plain_step(n_layers: int, device: torch.device = CPU) -> Callable[[], None]:
 
 
 def attention_steps(
-    device: torch.device = CPU, k: int = K, kernel: str | None = None
+    device: torch.device = CPU, k: int = K, kernel: str | None = None, layers: int = 1
 ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The unit path and torch's SDPA on the same sequence, as closures: one attention layer of the
-    model's shape (1 sequence of SEQ_LEN tokens; q (1, Hq, L, D) and k, v (1, Hkv, L, D) laid out as
-    the model's projections hand them, (1, L, H, D) in memory), ``k`` units forward in order and
-    backward last unit first through a KV context with ``kernel`` (None: the device's); and SDPA
-    (causal, grouped heads: what a plain layer calls) forward and backward on the whole sequence,
-    the same (query, key) pairs in one call. Each unit's q, k, v are tensors of its own, as a
-    unit's projections make them, and gradients are taken, not accumulated."""
+    """The unit path and torch's SDPA on the same sequence, as closures: ``layers`` attention layers of
+    the model's shape (1 sequence of SEQ_LEN tokens; q (1, Hq, L, D) and each layer's k, v
+    (1, Hkv, L, D) laid out as the model's projections hand them, (1, L, H, D) in memory; a layer's
+    output is the next one's q), ``k`` units forward in order and backward last unit first through a
+    KV context with ``kernel`` (None: the device's); and SDPA (causal, grouped heads: what a plain
+    layer calls) forward and backward on the whole sequence, the same (query, key) pairs in one call
+    a layer. A unit's tensors are its own, as a unit's projections make them; gradients are taken
+    (one autograd call per unit, as a stage makes), not accumulated."""
     from torchtitan_seq.attention import SequenceAttention
     from torchtitan_seq.kernels import select_kernel
     from torchtitan_seq.kv_context import KVContext, Unit
@@ -238,33 +239,37 @@ def attention_steps(
     lengths = partition_sequence(SEQ_LEN, k, "even")
     units = [Unit(0, j, sum(lengths[:j]), n, k) for j, n in enumerate(lengths)]
 
-    def projected(n: int) -> list[torch.Tensor]:
-        """q, k, v of n tokens, (1, H, n, D) views of (1, n, H, D) tensors, and dout (1, Hq, n, D)."""
-        qkv = [
-            torch.randn(1, n, h, dim, generator=g).to(device, dtype).requires_grad_()
-            for h in (heads, kv_heads, kv_heads)
-        ]
-        return [*qkv, torch.randn(1, heads, n, dim, generator=g).to(device, dtype)]
+    def projected(n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """q and every layer's k, v of n tokens, (1, n, H, D), and dout (1, Hq, n, D)."""
+        shapes = [heads] + [kv_heads, kv_heads] * layers
+        leaves = [torch.randn(1, n, h, dim, generator=g).to(device, dtype).requires_grad_() for h in shapes]
+        return leaves, torch.randn(1, heads, n, dim, generator=g).to(device, dtype)
+
+    def chain(attend: Callable, leaves: list[torch.Tensor]) -> torch.Tensor:
+        x = leaves[0].transpose(1, 2)
+        for i in range(layers):
+            x = attend(i, x, leaves[1 + 2 * i].transpose(1, 2), leaves[2 + 2 * i].transpose(1, 2))
+        return x
 
     per_unit, whole = [projected(u.length) for u in units], projected(SEQ_LEN)
-    attention, context = SequenceAttention(0), KVContext(lengths)  # a microbatch's slab goes with its last backward
-    attention.bind(context, _kernel(kernel) if kernel else select_kernel(device))
+    context = KVContext(lengths)  # a microbatch's slabs go with its last backward
+    attention = [SequenceAttention(i) for i in range(layers)]
+    for layer in attention:
+        layer.bind(context, _kernel(kernel) if kernel else select_kernel(device))
 
     def units_path() -> None:
         outs = []
-        for u, (q, k_, v, _) in zip(units, per_unit):
+        for u, (leaves, _) in zip(units, per_unit):
             with context.running(u):
-                outs.append(attention(q.transpose(1, 2), k_.transpose(1, 2), v.transpose(1, 2)))
+                outs.append(chain(lambda i, q, k_, v: attention[i](q, k_, v), leaves))
         for u in reversed(units):
             with context.backward(u):
-                torch.autograd.grad(outs[u.index], per_unit[u.index][:3], per_unit[u.index][3])
+                torch.autograd.grad(outs[u.index], per_unit[u.index][0], per_unit[u.index][1])
 
     def sdpa() -> None:
-        q, k_, v, dout = whole
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k_.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
-        torch.autograd.grad(out, (q, k_, v), dout)
+        sdpa_attention = torch.nn.functional.scaled_dot_product_attention
+        out = chain(lambda i, q, k_, v: sdpa_attention(q, k_, v, is_causal=True, enable_gqa=True), whole[0])
+        torch.autograd.grad(out, whole[0], whole[1])
 
     return units_path, sdpa
 
@@ -303,6 +308,18 @@ def _best_us(step: Callable[[], None], repeats: int, device: torch.device) -> tu
         else:
             gpu = host
     return host * 1e6, gpu * 1e6
+
+
+ATTENTION_LAYERS = (2, 4)
+"""Attention layers chained per unit in the unit path's own measure: the difference between them is
+per layer (what a unit pays once, its autograd call, cancels)."""
+
+
+def _own(best: dict[str, float], units: str, whole: str) -> float:
+    """Per unit and layer added: (units minus whole) at 4 layers minus at 2, over 2 layers and K - 1 units."""
+    a, b = ATTENTION_LAYERS
+    added = (best[f"{units}_{b}"] - best[f"{whole}_{b}"]) - (best[f"{units}_{a}"] - best[f"{whole}_{a}"])
+    return added / (b - a) / (K - 1)
 
 
 def _alternating(runs: dict, repeats: int, device: torch.device) -> dict:
@@ -345,16 +362,22 @@ def measure(repeats: int, device: torch.device = CPU) -> dict:
         times = {name: _best_us(fn, repeats, device) for name, fn in runs.items()}
         for i, name in enumerate(("host", "device")):
             record[f"{name}_us_per_unit_layer"] = _per_unit_layer({run: t[i] for run, t in times.items()})
-        units_path, sdpa = attention_steps(device)
-        best = _alternating({"units": units_path, "sdpa": sdpa}, repeats, device)
-        record["attention_host_us"] = {f"units_k{K}": best["units"], "sdpa_whole": best["sdpa"]}
-        record["unit_path_host_us"] = (best["units"] - best["sdpa"]) / (K - 1)  # per unit added, as above
+        runs = {}
+        for n in ATTENTION_LAYERS:
+            runs[f"units_{n}"], runs[f"sdpa_{n}"] = attention_steps(device, layers=n)
+        best = _alternating(runs, repeats, device)
+        record["attention_host_us"] = best
+        record["unit_path_host_us"] = _own(best, "units", "sdpa")
         if device.type != "cuda":  # the CUDA adapters' op sequences, their kernels costing the host a launch
             record["unit_path_host_us_launch_fakes"] = {}
             with _fake_cuda_ops(compute=False):
                 for kernel in ("CudnnSdpaKernel", "CudaSdpaKernel"):
-                    best = _alternating({k: attention_steps(device, k, kernel)[0] for k in (1, K)}, repeats, device)
-                    record["unit_path_host_us_launch_fakes"][kernel] = (best[K] - best[1]) / (K - 1)
+                    runs = {
+                        f"k{k}_{n}": attention_steps(device, k, kernel, n)[0] for k in (1, K) for n in ATTENTION_LAYERS
+                    }
+                    record["unit_path_host_us_launch_fakes"][kernel] = _own(
+                        _alternating(runs, repeats, device), f"k{K}", "k1"
+                    )
     finally:
         dist.destroy_process_group()
     return record
@@ -375,7 +398,8 @@ def table(runs: list[dict], trees: list[Path]) -> str:
     CUDA adapters against fakes that compute nothing, K units' minus one's)."""
     lines = [
         "| tree | leaf ops / unit-layer: CPU, cuDNN, flash (plain layer) | host µs / unit-layer (plain layer) | "
-        f"attention µs: {K} units, SDPA whole | unit path's own µs / unit added: CPU; cuDNN, flash (launch fakes) |",
+        f"attention µs, 4 layers: {K} units, SDPA whole | "
+        "unit path's own µs / unit-layer added: CPU; cuDNN, flash (launch fakes) |",
         "|---|---|---|---|---|",
     ]
     for tree in trees:
@@ -383,7 +407,7 @@ def table(runs: list[dict], trees: list[Path]) -> str:
         ops = mine[0]["launches_per_unit_layer"]
         unit = min(r["host_us_per_unit_layer"]["unit"] for r in mine)
         plain = min(r["host_us_per_unit_layer"]["plain"] for r in mine)
-        units, sdpa = (min(r["attention_host_us"][name] for r in mine) for name in (f"units_k{K}", "sdpa_whole"))
+        units, sdpa = (min(r["attention_host_us"][f"{name}_4"] for r in mine) for name in ("units", "sdpa"))
         own = min(r["unit_path_host_us"] for r in mine)
         fakes = [
             min(r["unit_path_host_us_launch_fakes"][k] for r in mine) for k in ("CudnnSdpaKernel", "CudaSdpaKernel")

@@ -55,7 +55,7 @@ def test_attention_steps_run_the_unit_path_and_sdpa_on_the_same_sequence():
     compute nothing, whose outputs have the kernels' shapes."""
     for kernel in (None, "CudnnSdpaKernel", "CudaSdpaKernel"):
         with unit_host._fake_cuda_ops(compute=False) if kernel else contextlib.nullcontext():
-            units, sdpa = unit_host.attention_steps(torch.device("cpu"), 2, kernel)
+            units, sdpa = unit_host.attention_steps(torch.device("cpu"), 2, kernel, layers=2)
             for _ in range(2):
                 units(), sdpa()
 
