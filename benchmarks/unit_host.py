@@ -17,14 +17,16 @@ torchtitan's Llama 3 on the whole batch (4 layers minus 2, halved), forward and 
 * host µs: the minimum over ``--repeats`` steps of the thread's CPU time (a GPU's host runs no
   faster than its best; CPU time, not wall time, so that a shared machine's load does not count).
   On the CPU a step's time includes its compute (the plain layer's is mostly compute), so
-* the unit path's own host µs are measured apart: one attention layer of the model's shape bound to
-  a KV context, the K units of one sequence forward in order and backward last unit first, as a
-  stage runs them, minus torch's SDPA (what a plain layer calls) forward and backward on the whole
-  sequence (the same pairs of queries and keys, so the same compute), over the K - 1 units added;
-  the two alternate, least of ``--repeats`` each. On the CPU the kernels' compute is host time, so
-  the same is measured as a GPU's host meets it: the CUDA adapters' op sequences against fakes of
-  their aten ops that compute nothing (zeros of the outputs' shapes, about what a launch costs the
-  host), K units against one unit (the whole sequence through the same op), over the K - 1 added.
+* the unit path's own host µs are measured apart, per unit-layer added: attention layers of the
+  model's shape bound to a KV context, chained (a layer's output the next one's queries), the K units
+  of one sequence forward in order and backward last unit first, as a stage runs them, minus torch's
+  SDPA (what a plain layer calls) forward and backward on the whole sequence (the same pairs of
+  queries and keys, so the same compute); 4 layers minus 2 (what a unit pays once, its autograd
+  call, cancels), halved, over the K - 1 units added; every run alternating, least of ``--repeats``
+  each. On the CPU the kernels' compute is host time, so the same is measured as a GPU's host meets
+  it: the CUDA adapters' op sequences against fakes of their aten ops that compute nothing (zeros of
+  the outputs' shapes, about what a launch costs the host), K units against one unit (the whole
+  sequence through the same op).
 
 On a CUDA device (``--device cuda``, what ``benchmarks/gpu_check.sh`` runs after the GPU check) the
 model is in bf16 with the device's kernel (:func:`~torchtitan_seq.kernels.select_kernel`: cuDNN on an
