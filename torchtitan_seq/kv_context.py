@@ -183,7 +183,8 @@ class KVSlab:
         if readable <= offset:
             return None, None
         where = self._span(offset, min(offset + length, readable))
-        return self._in_order(self.grad_k[:, :, where]), self._in_order(self.grad_v[:, :, where])
+        taken = (t.narrow(2, where.start, where.stop - where.start) for t in (self.grad_k, self.grad_v))
+        return tuple(self._in_order(t) for t in taken)
 
 
 class KVContext:

@@ -13,6 +13,7 @@ out as torch's kernels lay theirs out (:mod:`.layouts`), so none is copied.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -58,10 +59,11 @@ class _Call:
         """The index of q, out and lse (B, H, L[, D]) this call reads and writes."""
         return self.rows, _EVERY, self.queries
 
-    @property
-    def whole(self) -> bool:
-        """Whether the call's queries are all of q's (every row)."""
-        return self.rows == _EVERY and self.queries == _EVERY
+    whole: bool = dataclasses.field(init=False)
+    """Whether the call's queries are all of q's (every row)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "whole", self.rows == _EVERY and self.queries == _EVERY)
 
     def of(self, t: Tensor) -> Tensor:
         """The part of ``t`` (q, out, lse, dout: (B, H, L[, D])) this call reads or writes: ``t`` itself
@@ -121,7 +123,7 @@ def _document_calls(
     return tuple(causal), tuple(prefix)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per unit and layer, and a frozen one's __init__ costs µs
 class _Keys:
     """Where a unit's keys lie: the unit's own, ``own`` (B, Hkv, L, D) from ``offset`` on, in
     position order; those before ``offset`` in ``slab``."""
@@ -136,6 +138,8 @@ class _Keys:
         prefix call in the slab's order, or a bottom-right causal call over an ascending slab)."""
         if c.keys.start >= self.offset:
             start, stop = c.keys.start - self.offset, c.keys.stop - self.offset
+            if start == 0 and stop == self.own[0].shape[2] and c.rows == _EVERY:
+                return self.own  # all of them (an index would make views, a few µs of host time each)
             return self.own[0][c.rows, :, start:stop], self.own[1][c.rows, :, start:stop]
         return self.slab.keys(c.keys.start, c.keys.stop, c.rows)
 
@@ -187,7 +191,7 @@ def _attention_backward(
             slab.accumulate(dk_i[:, :, :cut], dv_i[:, :, :cut], c.rows, c.keys.start)
         own = slice(c.keys.start + cut - offset, c.keys.stop - offset)
         if whole:
-            dq, dk, dv = dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:]
+            dq, dk, dv = (dq_i, dk_i, dv_i) if not cut else (dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:])
         else:
             dq[c.index].copy_(dq_i)
             put(dk[c.rows, :, own], dk_i[:, :, cut:])
@@ -204,6 +208,10 @@ def _attention_backward(
     later_k, later_v = slab.take(offset, length) if slab is not None else (None, None)
     if later_k is not None:  # dk, dv are the kernels' own (or written above): added to in place
         n = later_k.shape[2]
-        dk[:, :, :n].add_(later_k)
-        dv[:, :, :n].add_(later_v)
+        if n == dk.shape[2]:  # every own key was read later (the usual case): no index views
+            dk.add_(later_k)
+            dv.add_(later_v)
+        else:
+            dk[:, :, :n].add_(later_k)
+            dv[:, :, :n].add_(later_v)
     return dq, dk, dv
