@@ -1,5 +1,6 @@
 """Chunk-aware attention in one process: units through a KV context equal the full sequence."""
 
+import contextlib
 import weakref
 
 import pytest
@@ -313,3 +314,28 @@ def test_a_slab_is_the_one_copy_of_kv_and_lives_until_the_first_units_backward()
         with context.backward(u):
             outs.pop().sum().backward()
     assert len(context) == 0 and kept() is None
+
+
+def test_eager_units_run_the_autograd_function_and_dispatch_modes_the_custom_op():
+    """In eager mode a bound layer runs UnitAttention (no custom-op dispatch on the host, #40); under a
+    dispatch mode (selective checkpointing's cache) the custom op, which such a mode sees as one op;
+    the same output either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtitan_seq.attention import SequenceAttention
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, 8, 4, requires_grad=True) for h in (4, 2, 2))
+    outs = {}
+    for mode in ("eager", "dispatch mode"):
+        layer, context = SequenceAttention(0), KVContext([8])
+        layer.bind(context, select_kernel(torch.device("cpu")))
+        with context.running(Unit(0, 0, 0, 8, 1)), PassThrough() if mode != "eager" else contextlib.nullcontext():
+            outs[mode] = layer(q, k, v)
+    assert type(outs["eager"].grad_fn).__name__ == "UnitAttentionBackward"
+    assert "unit_attention" in type(outs["dispatch mode"].grad_fn).__name__
+    assert torch.equal(outs["eager"], outs["dispatch mode"])
