@@ -59,6 +59,7 @@ CPU = torch.device("cpu")
 MODEL = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=16, rope_theta=10000, vocab_size=128)
 SEQ_LEN, MICROBATCHES, K = 128, 2, 8
 UNIT_LAYERS = MICROBATCHES * (K - 1) * MODEL["n_layers"]  # unit-layers added from k = 1 to k = K
+ADAPTERS = ("CudnnSdpaKernel", "CudaSdpaKernel")  # torch's CUDA kernels' adapters (torchtitan_seq.kernels)
 # The CUDA-only aten ops the adapters call, each faked on the CPU and counted as one launch.
 _FAKED = (
     "_scaled_dot_product_flash_attention",
@@ -318,7 +319,8 @@ per layer (what a unit pays once, its autograd call, cancels)."""
 
 
 def _own(best: dict[str, float], units: str, whole: str) -> float:
-    """Per unit and layer added: (units minus whole) at 4 layers minus at 2, over 2 layers and K - 1 units."""
+    """Per unit and layer added: (units minus whole) at the most layers minus at the fewest, over the layers
+    between and K - 1 units."""
     a, b = ATTENTION_LAYERS
     added = (best[f"{units}_{b}"] - best[f"{whole}_{b}"]) - (best[f"{units}_{a}"] - best[f"{whole}_{a}"])
     return added / (b - a) / (K - 1)
@@ -355,7 +357,7 @@ def measure(repeats: int, device: torch.device = CPU) -> dict:
         record = {"device": str(device), "launches_per_unit_layer": count}
         if device.type != "cuda":  # the CUDA adapters' op sequences, against fakes of their aten ops
             with _fake_cuda_ops():
-                for kernel in ("CudnnSdpaKernel", "CudaSdpaKernel"):
+                for kernel in ADAPTERS:
                     fake = {"k1": pipeline_step(1, kernel), "k": pipeline_step(K, kernel), "2": 0.0, "4": 0.0}
                     for name in ("k1", "k"):
                         fake[name]()
@@ -373,7 +375,7 @@ def measure(repeats: int, device: torch.device = CPU) -> dict:
         if device.type != "cuda":  # the CUDA adapters' op sequences, their kernels costing the host a launch
             record["unit_path_host_us_launch_fakes"] = {}
             with _fake_cuda_ops(compute=False):
-                for kernel in ("CudnnSdpaKernel", "CudaSdpaKernel"):
+                for kernel in ADAPTERS:
                     runs = {
                         f"k{k}_{n}": attention_steps(device, k, kernel, n)[0] for k in (1, K) for n in ATTENTION_LAYERS
                     }
@@ -400,7 +402,7 @@ def table(runs: list[dict], trees: list[Path]) -> str:
     CUDA adapters against fakes that compute nothing, K units' minus one's)."""
     lines = [
         "| tree | leaf ops / unit-layer: CPU, cuDNN, flash (plain layer) | host µs / unit-layer (plain layer) | "
-        f"attention µs, 4 layers: {K} units, SDPA whole | "
+        f"attention µs, {ATTENTION_LAYERS[-1]} layers: {K} units, SDPA whole | "
         "unit path's own µs / unit-layer added: CPU; cuDNN, flash (launch fakes) |",
         "|---|---|---|---|---|",
     ]
@@ -409,11 +411,10 @@ def table(runs: list[dict], trees: list[Path]) -> str:
         ops = mine[0]["launches_per_unit_layer"]
         unit = min(r["host_us_per_unit_layer"]["unit"] for r in mine)
         plain = min(r["host_us_per_unit_layer"]["plain"] for r in mine)
-        units, sdpa = (min(r["attention_host_us"][f"{name}_4"] for r in mine) for name in ("units", "sdpa"))
+        most = ATTENTION_LAYERS[-1]
+        units, sdpa = (min(r["attention_host_us"][f"{name}_{most}"] for r in mine) for name in ("units", "sdpa"))
         own = min(r["unit_path_host_us"] for r in mine)
-        fakes = [
-            min(r["unit_path_host_us_launch_fakes"][k] for r in mine) for k in ("CudnnSdpaKernel", "CudaSdpaKernel")
-        ]
+        fakes = [min(r["unit_path_host_us_launch_fakes"][k] for r in mine) for k in ADAPTERS]
         lines.append(
             f"| {tree} | {ops['unit']:.1f}, {ops['CudnnSdpaKernel']:.1f}, {ops['CudaSdpaKernel']:.1f} "
             f"({ops['plain']:.1f}) | {unit:.0f} ({plain:.0f}) | {units:.0f}, {sdpa:.0f} | {own:.0f}; "

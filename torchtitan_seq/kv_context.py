@@ -98,6 +98,13 @@ class Phase(enum.Enum):
 
 
 _EVERY = slice(None)
+"""Every batch row (an index of dim 0)."""
+
+
+def _positions(t: torch.Tensor, where: slice) -> torch.Tensor:
+    """``t`` (B, H, S, D) at positions ``where`` of dim 2, a view: ``narrow``, which costs the host one op
+    where an index is parsed first (a few µs each)."""
+    return t.narrow(2, where.start, where.stop - where.start)
 
 
 def _whole(t: torch.Tensor) -> bool:
@@ -141,10 +148,9 @@ class KVSlab:
             grown = [t.new_empty(*t.shape[:2], stop, t.shape[3]) for t in (self.k, self.v)]
             grown[0][:, :, : self.filled], grown[1][:, :, : self.filled] = self.keys(0, self.filled)
             self.k, self.v = grown
-        where = self._span(offset, stop)
-        # narrow, not an index: one op's host time instead of an index's parsing (a few µs each)
-        self.k.narrow(2, where.start, where.stop - where.start).copy_(self._in_order(k.detach()))
-        self.v.narrow(2, where.start, where.stop - where.start).copy_(self._in_order(v.detach()))
+        into_k, into_v = self.keys(offset, stop)
+        into_k.copy_(self._in_order(k.detach()))
+        into_v.copy_(self._in_order(v.detach()))
         self.filled = stop
 
     def holds(self, stop: int) -> bool:
@@ -156,7 +162,7 @@ class KVSlab:
         (a descending slab's last position first: right for an unmasked kernel call)."""
         where = self._span(start, stop)
         if rows == _EVERY:
-            return self.k.narrow(2, where.start, stop - start), self.v.narrow(2, where.start, stop - start)
+            return _positions(self.k, where), _positions(self.v, where)
         return self.k[rows, :, where], self.v[rows, :, where]
 
     def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, rows: slice, start: int) -> None:
@@ -183,8 +189,7 @@ class KVSlab:
         if readable <= offset:
             return None, None
         where = self._span(offset, min(offset + length, readable))
-        taken = (t.narrow(2, where.start, where.stop - where.start) for t in (self.grad_k, self.grad_v))
-        return tuple(self._in_order(t) for t in taken)
+        return self._in_order(_positions(self.grad_k, where)), self._in_order(_positions(self.grad_v, where))
 
 
 class KVContext:

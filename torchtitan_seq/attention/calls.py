@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..documents import Documents
 from ..kernels import AttentionKernel
-from ..kv_context import KVSlab
+from ..kv_context import _EVERY, KVSlab
 from .layouts import _new_lse
 
 
@@ -38,9 +38,6 @@ def _merge_into(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> None:
         out.lerp_(out_i, weight)
     else:
         out.copy_(out.float().lerp_(out_i.float(), weight))
-
-
-_EVERY = slice(None)
 
 
 @dataclass(frozen=True)
@@ -84,7 +81,7 @@ def _calls(
     one unmasked call of its own."""
     if documents is None:  # the same few units every step
         return _causal_calls(segments, bottom_right)
-    return _document_calls(documents, segments, bottom_right)
+    return _build_calls(documents, segments, bottom_right)
 
 
 @functools.cache
@@ -92,10 +89,10 @@ def _causal_calls(
     segments: tuple[tuple[int, int], ...], bottom_right: bool
 ) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
     """:func:`_calls` without documents, built once per unit shape."""
-    return _document_calls(None, segments, bottom_right)
+    return _build_calls(None, segments, bottom_right)
 
 
-def _document_calls(
+def _build_calls(
     documents: Documents | None, segments: tuple[tuple[int, int], ...], bottom_right: bool
 ) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
     """:func:`_calls`, built."""

@@ -266,10 +266,11 @@ def gpu_fixed_cost_per_layer(folder: Path) -> float:
     fixed cost of :func:`fit_cost_files` over those of sequences of at least
     :data:`GPU_FIT_MIN_SEQ_LEN` tokens, over their model's layers. The planner's
     ``H200_UNIT_OVERHEAD_S`` is this of the newest committed check's cuDNN files."""
-    files = [p for p in sorted(Path(folder).glob("cost_s*.json")) if _read(p)["seq_len"] >= GPU_FIT_MIN_SEQ_LEN]
+    data = {p: _read(p) for p in sorted(Path(folder).glob("cost_s*.json"))}
+    files = [p for p, d in data.items() if d["seq_len"] >= GPU_FIT_MIN_SEQ_LEN]
     if not files:
         raise ValueError(f"{folder}: no cost files of {GPU_FIT_MIN_SEQ_LEN} tokens or more")
-    models = {_read(p)["model"] for p in files}
+    models = {data[p]["model"] for p in files}
     if len(models) != 1:
         raise ValueError(f"{folder}: cost files of {len(models)} models; a fit needs one")
     layers = json.loads(models.pop().removeprefix("llama3 "))["n_layers"]
