@@ -174,7 +174,7 @@ def _tp_wrong_shard(ctx: MutationContext) -> list:
             gathered = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(gathered, t, group=group)
             shards.append(gathered[(me + 1) % size])
-        write(self, offset, *shards)
+        return write(self, offset, *shards)
 
     return [mock.patch.object(KVSlab, "write", neighbours)]
 
@@ -190,6 +190,7 @@ def _slab_offset(ctx: MutationContext) -> list:
         write(self, max(offset - 1, 0), k, v)
         if offset:
             write(self, offset + k.shape[2] - 1, k[:, :, -1:], v[:, :, -1:])
+        return self.keys(offset, offset + k.shape[2])
 
     return [mock.patch.object(KVSlab, "write", one_early)]
 

@@ -107,18 +107,36 @@ def _positions(t: torch.Tensor, where: slice) -> torch.Tensor:
     return t.narrow(2, where.start, where.stop - where.start)
 
 
+def _new_keys(like: torch.Tensor, n: int, zeros: bool = False) -> torch.Tensor:
+    """Room for K/V (or their gradient) of ``n`` positions shaped like ``like`` (B, H, _, D), laid out as
+    (B, n, H, D) in memory, as a model's projections lay out K/V and torch's kernels their gradients:
+    a unit's K/V are then copied into the slab as they lie, and a kernel's dK/dV of slab keys come
+    back laid out as the model takes them (cuDNN's follow the keys' layout: a copy each, else)."""
+    b, h, _, d = like.shape
+    return (like.new_zeros if zeros else like.new_empty)(b, n, h, d).transpose(1, 2)
+
+
 def _whole(t: torch.Tensor) -> bool:
     """Whether ``t`` spans its storage (a kernel's output, not a part of one)."""
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _saved(slab: KVSlab, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Views ``k``, ``v`` of ``slab`` as a unit's attention saves them, and whether they run last position
+    first: aliases with a version counter of their own, since later units (and other microbatches in
+    the arena) write other positions, which autograd would otherwise take for a change of what the unit
+    saved."""
+    return k.data, v.data, slab.descending
 
 
 class KVSlab:
     """K/V of one microbatch in one layer, and the gradient later units send earlier positions.
 
     ``k`` and ``v``: (batch, kv_heads, size, head_dim) views of a range of an arena
-    (:mod:`torchtitan_seq.kv_placement`), positions [0, ``filled``) written so far (units 0..j in
-    order). Ascending, position p lies at p; ``descending``, at size - 1 - p, so that the slab
-    fills from the range's end: any positions [a, b) are still one range, last position first.
+    (:mod:`torchtitan_seq.kv_placement`), laid out (batch, size, kv_heads, head_dim) in memory
+    (:func:`_new_keys`), positions [0, ``filled``) written so far (units 0..j in order). Ascending,
+    position p lies at p; ``descending``, at size - 1 - p, so that the slab fills from the range's
+    end: any positions [a, b) are still one range, last position first.
     ``grad_k`` and ``grad_v``: dL/dK and dL/dV of the positions later units read, laid out alike,
     sent by their backward; None until the first is sent.
     """
@@ -141,17 +159,19 @@ class KVSlab:
         """``t``, (B, H, n, D) laid out as the slab lays positions out, in position order, or back."""
         return t.flip(2) if self.descending else t
 
-    def write(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K/V (B, Hkv, L, D) of positions [offset, offset + L)."""
+    def write(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write K/V (B, Hkv, L, D) of positions [offset, offset + L); returns the views written, as
+        :meth:`keys` gives them."""
         stop = offset + k.shape[2]
         if stop > self.k.shape[2]:  # a context told no lengths grows the slab (copies the prefix)
-            grown = [t.new_empty(*t.shape[:2], stop, t.shape[3]) for t in (self.k, self.v)]
+            grown = [_new_keys(t, stop) for t in (self.k, self.v)]
             grown[0][:, :, : self.filled], grown[1][:, :, : self.filled] = self.keys(0, self.filled)
             self.k, self.v = grown
         into_k, into_v = self.keys(offset, stop)
         into_k.copy_(self._in_order(k.detach()))
         into_v.copy_(self._in_order(v.detach()))
         self.filled = stop
+        return into_k, into_v
 
     def holds(self, stop: int) -> bool:
         """Whether the slab holds the keys before position ``stop``."""
@@ -177,7 +197,7 @@ class KVSlab:
                 # becomes the gradient slab itself (no zeros, no add).
                 self.grad_k, self.grad_v = grad_k, grad_v
                 return
-            self.grad_k, self.grad_v = (t.new_zeros(*t.shape[:2], readable, t.shape[3]) for t in (self.k, self.v))
+            self.grad_k, self.grad_v = (_new_keys(t, readable, zeros=True) for t in (self.k, self.v))
         where = self._span(start, start + grad_k.shape[2])
         self.grad_k[rows, :, where].add_(grad_k)  # into the view: ``+=`` on an index copies the sum back
         self.grad_v[rows, :, where].add_(grad_v)
@@ -299,21 +319,18 @@ class KVContext:
         slab = self._slabs[unit.microbatch][layer_id] if unit is not None else None
         if slab is None or not slab.holds(unit.offset + unit.length):
             return None
-        # Aliases with a version counter of their own: later units (and other microbatches in the
-        # arena) write other positions, which autograd would otherwise take for a change of what the
-        # unit saved.
-        k, v = slab.keys(unit.offset, unit.offset + unit.length)
-        return k.data, v.data, slab.descending
+        return _saved(slab, *slab.keys(unit.offset, unit.offset + unit.length))
 
     def append(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False, ascending: bool = False
-    ) -> KVSlab:
+    ) -> tuple[KVSlab, tuple[torch.Tensor, torch.Tensor, bool] | None]:
         """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
         unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
         kernel reads them apart from the prefix; under CP other ranks' queries read them as their
         prefix). The first unit places the slab: room for the keys later units read, the last unit's
         too if ``with_own``; ``ascending``: in position order whatever its arena (a kernel that reads
-        prefix and own keys in one causal call). Returns the slab."""
+        prefix and own keys in one causal call). Returns the slab, and the unit's K/V in it as
+        :meth:`own` gives them (None: not written)."""
         unit = self.unit
         if unit is None or self._backward:
             raise RuntimeError("KVContext.append called outside a unit's forward")
@@ -330,15 +347,14 @@ class KVContext:
             slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, with_own, ascending)
         if not unit.is_last or with_own:
             self._check_room(unit, slab)
-            slab.write(unit.offset, k, v)
-        return slab
+            return slab, _saved(slab, *slab.write(unit.offset, k, v))
+        return slab, None
 
     def _place(self, layer_id: int, m: int, k: torch.Tensor, with_own: bool, ascending: bool) -> KVSlab:
         """Microbatch ``m``'s slab for ``layer_id``, in the arena its plan names (allocated by its
         first slab), or in one of its own."""
-        b, h, _, d = k.shape
         if self.lengths is None:  # nothing to plan with: a slab of its own that grows
-            return KVSlab(k.new_empty(b, h, 0, d), k.new_empty(b, h, 0, d))
+            return KVSlab(_new_keys(k, 0), _new_keys(k, 0))
         size = sum(self.lengths[: None if with_own else -1])
         if m not in self._placed:
             alternate = not ascending  # a descending slab serves unmasked reads only (see kv_placement)
@@ -348,7 +364,7 @@ class KVContext:
         capacity, placed = self._placed[m]
         key = (layer_id, placed.arena)
         if key not in self._arenas:
-            self._arenas[key] = (k.new_empty(b, h, capacity, d), k.new_empty(b, h, capacity, d))
+            self._arenas[key] = (_new_keys(k, capacity), _new_keys(k, capacity))
         region = slice(capacity - size, capacity) if placed.descending else slice(0, size)
         arena_k, arena_v = self._arenas[key]
         return KVSlab(arena_k[:, :, region], arena_v[:, :, region], placed.descending)

@@ -64,7 +64,7 @@ class SequenceAttention(nn.Module):
         compiled = torch.compiler.is_compiling()
         if compiled or dispatch_mode_active():  # the custom op: see UnitAttention
             return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, scale, compiled)[0]
-        return UnitAttention.apply(q, k, v, self.ids, scale, False)[0]
+        return UnitAttention.apply(q, k, v, self._binding, scale)[0]
 
 
 def bind_kv_context(model: nn.Module, context: KVContext, kernel: AttentionKernel) -> None:

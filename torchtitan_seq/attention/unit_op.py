@@ -1,5 +1,5 @@
 """The unit attention op: a bound layer's attention in the KV context's phase, forward and backward,
-as custom ops (torch.compile, dispatch modes) and as an autograd function (eager mode)."""
+as an autograd function (eager mode) and as custom ops (torch.compile, dispatch modes)."""
 
 from __future__ import annotations
 
@@ -7,137 +7,178 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from ..kernels import AttentionKernel
+from ..context_parallel import ContextShard
 from ..kv_context import KVContext, KVSlab, Phase
 from .calls import _attention_backward, _attention_forward, _calls, _Keys
-from .handles import _bound
+from .handles import _Binding, _bound
 from .layouts import _fake_attention, _fake_gradients, _heads_inner, _lse_layout
 from .whole_sequence import _whole_sequence_backward, _whole_sequence_forward
 
 __all__ = ["UnitAttention"]
 
+_Stored = tuple[Tensor, Tensor, bool]
+"""Views of a slab where a unit's K/V (B, Hkv, L, D) lie, and whether they run last position first
+(:meth:`~torchtitan_seq.kv_context.KVContext.own`)."""
+
 
 def _own_keys(
-    context: KVContext, kernel: AttentionKernel, layer_id: int, phase: Phase, k: Tensor, v: Tensor
-) -> tuple[tuple[Tensor, Tensor], KVSlab]:
-    """The running unit's own K and V (B, Hkv, L, D) in position order, and its microbatch's slab:
-    FORWARD writes them into the slab (gathered over the CP group, each rank's ``k``, ``v`` being its
-    share); RECOMPUTE reads the slab its forward wrote, where under CP the whole unit's K/V lie."""
-    shard = context.shard
+    context: KVContext, binding: _Binding, phase: Phase, k: Tensor, v: Tensor
+) -> tuple[tuple[Tensor, Tensor], KVSlab, _Stored | None]:
+    """The running unit's own K and V (B, Hkv, L, D) in position order, its microbatch's slab, and
+    where the slab holds the unit's K/V (None: nowhere): FORWARD writes them into the slab (gathered
+    over the CP group, each rank's ``k``, ``v`` being its share); RECOMPUTE reads the slab its forward
+    wrote, where under CP the whole unit's K/V lie."""
+    shard, kernel = context.shard, binding.kernel
     if phase is Phase.FORWARD:
         k, v = shard.gather(k), shard.gather(v)
         cp = shard.size > 1  # other ranks' chunks of the unit read keys of the last unit too
-        return (k, v), context.append(layer_id, k, v, with_own=kernel.bottom_right or cp, ascending=kernel.bottom_right)
-    slab = context.recorded(layer_id)
+        with_own = kernel.bottom_right or cp
+        slab, stored = context.append(binding.layer_id, k, v, with_own=with_own, ascending=kernel.bottom_right)
+        return (k, v), slab, stored
+    stored = context.own(binding.layer_id)
     if shard.size > 1:
-        own_k, own_v, flipped = context.own(layer_id)
+        own_k, own_v, flipped = stored
         k, v = (own_k.flip(2), own_v.flip(2)) if flipped else (own_k, own_v)
-    return (k, v), slab
+    return (k, v), context.recorded(binding.layer_id), stored
 
 
 def _unit_attention(
-    q: Tensor, k: Tensor, v: Tensor, ids: Tensor, scale: float, compiled: bool
-) -> tuple[Tensor, Tensor]:
-    """A bound layer's attention (``ids``: its binding), in the KV context's phase: FORWARD, the
-    unit's K/V (B, Hkv, L, D) written into its microbatch's slab first, its queries q (B, Hq, L, D)
-    attend to the prefix and their own keys; RECOMPUTE, the same from the slab the unit's forward
-    wrote, nothing written; outside a unit, causal attention over ``q``'s sequence. Under context
-    parallelism q, k and v are the CP rank's share of the unit (L / c tokens), and the unit's K/V
-    are gathered over the CP group. ``compiled``: called from a compiled graph (see
-    :func:`_save_unit`). Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
-    binding = _bound(ids)
-    context, kernel, layer_id = binding.context, binding.kernel, binding.layer_id
+    binding: _Binding, q: Tensor, k: Tensor, v: Tensor, scale: float
+) -> tuple[Tensor, Tensor, _Stored | None]:
+    """A bound layer's attention, in its KV context's phase: FORWARD, the unit's K/V (B, Hkv, L, D)
+    written into its microbatch's slab first, its queries q (B, Hq, L, D) attend to the prefix and
+    their own keys; RECOMPUTE, the same from the slab the unit's forward wrote, nothing written;
+    outside a unit, causal attention over ``q``'s sequence. Under context parallelism q, k and v are
+    the CP rank's share of the unit (L / c tokens), and the unit's K/V are gathered over the CP group.
+    Returns out (B, Hq, L, D) and lse (B, Hq, L) float32 as the kernels lay them out, and where the
+    slab holds the unit's K/V (None: nowhere, or outside a unit)."""
+    context, kernel = binding.context, binding.kernel
     phase = context.phase(forward=True)
     if phase is None:
-        out, lse = _whole_sequence_forward(kernel, q, k, v, None, scale)
-    else:
-        unit = context.unit
-        own, slab = _own_keys(context, kernel, layer_id, phase, k, v)
-        causal, prefix = _calls(context.documents_of(unit), unit.segments, kernel.bottom_right)
-        out, lse = _attention_forward(kernel, q, _Keys(own, unit.offset, slab), causal, prefix, scale)
-    return _heads_inner(out), _lse_layout(lse)
+        return *_whole_sequence_forward(kernel, q, k, v, None, scale), None
+    unit = context.unit
+    own, slab, stored = _own_keys(context, binding, phase, k, v)
+    causal, prefix = _calls(context.documents_of(unit), unit.segments, kernel.bottom_right)
+    return *_attention_forward(kernel, q, _Keys(own, unit.offset, slab), causal, prefix, scale), stored
 
 
 def _unit_attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ids: Tensor, scale: float, kv_flipped: bool
+    binding: _Binding,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    kv_flipped: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (shaped like q, k, v) of :func:`_unit_attention`, given dout, its out and lse
     (``kv_flipped``: k and v as a descending slab holds them, last position first). In phase
     BACKWARD it sends the dK/dV of the prefix the unit read to its slab's gradient, and adds what
     the later units (run backward first) sent the unit's own keys; outside a unit, the gradients
     of causal attention over the whole sequence. Under context parallelism k and v are the whole
-    unit's, as saved, and so are dk and dv: this rank's part of them (:func:`_unit_backward`
-    reduce-scatters them). The gradients are laid out as :func:`_heads_inner` lays them out."""
-    binding = _bound(ids)
-    context, kernel, layer_id = binding.context, binding.kernel, binding.layer_id
+    unit's, as saved, and so are dk and dv: this rank's part of them (:func:`_reduce_scattered`)."""
+    context, kernel = binding.context, binding.kernel
     if kv_flipped:  # a copy of the unit's own K/V for its causal calls, not of the prefix
         k, v = k.flip(2), v.flip(2)
     if context.phase(forward=False) is None:
-        dq, dk, dv = _whole_sequence_backward(kernel, dout, q, k, v, out, lse, None, scale)
-    else:
-        unit = context.unit
-        keys = _Keys((k, v), unit.offset, context.recorded(layer_id))
-        causal, prefix = _calls(context.documents_of(unit), unit.segments, kernel.bottom_right)
-        dq, dk, dv = _attention_backward(kernel, dout, q, keys, out, lse, causal, prefix, scale)
-    # A custom op's outputs must have the strides of its fake implementation.
+        return _whole_sequence_backward(kernel, dout, q, k, v, out, lse, None, scale)
+    unit = context.unit
+    keys = _Keys((k, v), unit.offset, context.recorded(binding.layer_id))
+    causal, prefix = _calls(context.documents_of(unit), unit.segments, kernel.bottom_right)
+    return _attention_backward(kernel, dout, q, keys, out, lse, causal, prefix, scale)
+
+
+def _cp_shard(context: KVContext) -> ContextShard | None:
+    """The CP group over which the unit's dK/dV are reduce-scattered (None: no unit, or no CP)."""
+    return context.shard if context.unit is not None and context.shard.size > 1 else None
+
+
+def _save(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, stored: _Stored | None, *rest: Tensor) -> None:
+    """Save q, the unit's K/V and ``rest`` (the output, log-sum-exp, ...): the K/V as ``stored`` in the
+    slab where it holds them (the slab is then the one copy of K/V, and the saved-tensor count sees it;
+    under context parallelism the whole unit's, gathered), else ``k``, ``v``."""
+    k, v, ctx.kv_flipped = stored or (k, v, False)
+    ctx.save_for_backward(q, k, v, *rest)
+    ctx.set_materialize_grads(False)  # no zeros for the log-sum-exp's gradient, which backward ignores
+
+
+def _reduce_scattered(ctx: FunctionCtx, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Under context parallelism dk and dv of this rank's share of the unit, summed over the CP ranks'
+    queries; as they are without."""
+    if ctx.shard is not None:
+        dk, dv = ctx.shard.reduce_scatter(dk), ctx.shard.reduce_scatter(dv)
+    return dq, dk, dv
+
+
+class UnitAttention(torch.autograd.Function):
+    """Unit attention in eager mode: the op's Python functions as an autograd function, without the
+    dispatcher's round trips of a custom op (its autograd wrapper, redispatch and dynamo guards) and
+    with the layer's binding passed as it is (``benchmarks/unit_host.py`` measures the host time).
+    ``apply(q, k, v, binding, scale)`` -> (out, lse), laid out as the kernels lay them out."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, binding: _Binding, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        # ctx as forward's first argument: with a separate setup_context, Function.apply binds every
+        # call's arguments to forward's signature (inspect, about 16 µs a call)
+        out, lse, stored = _unit_attention(binding, q, k, v, scale)
+        ctx.binding, ctx.scale, ctx.shard = binding, scale, _cp_shard(binding.context)
+        _save(ctx, q, k, v, stored, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _unit_attention_backward(ctx.binding, dout, q, k, v, out, lse, ctx.scale, ctx.kv_flipped)
+        return *_reduce_scattered(ctx, dq, dk, dv), None, None
+
+
+# The custom ops, for torch.compile (which keeps them out of its graphs) and dispatch modes (under which
+# the whole op is one op: selective checkpointing saves or recomputes it as one). A custom op takes no
+# Python objects: the layer's binding is named by ``ids`` (:mod:`.handles`), and what it returns must
+# have the strides of its fake implementation (:mod:`.layouts`).
+
+
+@torch.library.custom_op("torchtitan_seq::unit_attention", mutates_args=())
+def _unit_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, ids: Tensor, scale: float, compiled: bool
+) -> tuple[Tensor, Tensor]:
+    """:func:`_unit_attention` of the layer ``ids`` names; ``compiled``: called from a compiled graph
+    (see :func:`_save_unit`)."""
+    out, lse, _ = _unit_attention(_bound(ids), q, k, v, scale)
+    return _heads_inner(out), _lse_layout(lse)
+
+
+@torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())
+def _unit_attention_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ids: Tensor, scale: float, kv_flipped: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_unit_attention_backward` of the layer ``ids`` names."""
+    dq, dk, dv = _unit_attention_backward(_bound(ids), dout, q, k, v, out, lse, scale, kv_flipped)
     return _heads_inner(dq), _heads_inner(dk), _heads_inner(dv)
 
 
 def _save_unit(ctx, inputs, output) -> None:
-    """Saves q, the output and log-sum-exp, and the unit's K/V: in eager mode the slab's views
-    where they lie (the slab is then the one copy of K/V, and the saved-tensor count sees it; under
-    context parallelism the whole unit's, gathered); a compiled graph saves its own k, v (the op's
-    Python state is not traced)."""
+    """The custom op's autograd context: in eager mode (under a dispatch mode) the unit's K/V saved
+    where the slab holds them, as :class:`UnitAttention` saves them; a compiled graph saves its own k, v
+    (the op's Python state is not traced). ``ids`` too, for the backward op."""
     q, k, v, ids, ctx.scale, compiled = inputs
-    ctx.kv_flipped, ctx.shard = False, None
+    stored, ctx.shard = None, None
     if not compiled:
         binding = _bound(ids)
-        context = binding.context
-        k, v, ctx.kv_flipped = context.own(binding.layer_id) or (k, v, False)
-        ctx.shard = context.shard if context.unit is not None and context.shard.size > 1 else None
-    ctx.save_for_backward(q, k, v, *output, ids)
-    ctx.set_materialize_grads(False)  # no zeros for the log-sum-exp's gradient, which backward ignores
+        stored, ctx.shard = binding.context.own(binding.layer_id), _cp_shard(binding.context)
+    _save(ctx, q, k, v, stored, *output, ids)
 
 
-def _gradients(backward, ctx, dout: Tensor):
-    """dq, dk, dv by ``backward`` (the backward op or its Python function), under context parallelism
-    dk and dv of this rank's share of the unit, summed over the CP ranks' queries; no gradient for ids,
-    scale and compiled."""
-    dq, dk, dv = backward(dout, *ctx.saved_tensors, ctx.scale, ctx.kv_flipped)
-    if ctx.shard is not None:
-        dk, dv = ctx.shard.reduce_scatter(dk), ctx.shard.reduce_scatter(dv)
-    return dq, dk, dv, None, None, None
+def _op_gradients(ctx, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The custom op's backward: its backward op; no gradient for ids, scale and compiled."""
+    dq, dk, dv = _unit_attention_backward_op(dout, *ctx.saved_tensors, ctx.scale, ctx.kv_flipped)
+    return *_reduce_scattered(ctx, dq, dk, dv), None, None, None
 
 
-# The custom ops, for torch.compile (which keeps them out of its graphs) and dispatch modes (under
-# which the whole op is one op: selective checkpointing saves or recomputes it as one).
-_unit_attention_op = torch.library.custom_op("torchtitan_seq::unit_attention", mutates_args=())(_unit_attention)
-_unit_attention_backward_op = torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())(
-    _unit_attention_backward
-)
 _unit_attention_op.register_fake(_fake_attention)
 _unit_attention_backward_op.register_fake(_fake_gradients)
-_unit_attention_op.register_autograd(
-    lambda ctx, dout, _dlse: _gradients(_unit_attention_backward_op, ctx, dout), setup_context=_save_unit
-)
-
-
-class UnitAttention(torch.autograd.Function):
-    """The op's autograd in eager mode: the same Python functions and saved tensors without the
-    dispatcher's round trips of a custom op (its autograd wrapper, redispatch and dynamo guards:
-    about 100 of the unit path's host µs per unit and layer, ``benchmarks/unit_host.py``).
-    ``apply(q, k, v, ids, scale, compiled)`` -> (out, lse), as the op."""
-
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, ids: Tensor, scale: float, compiled: bool
-    ) -> tuple[Tensor, Tensor]:
-        # ctx as forward's first argument: with a separate setup_context, Function.apply binds every
-        # call's arguments to forward's signature (inspect, about 16 µs a call)
-        output = _unit_attention(q, k, v, ids, scale, compiled)
-        _save_unit(ctx, (q, k, v, ids, scale, compiled), output)
-        return output
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-        return _gradients(_unit_attention_backward, ctx, dout)
+_unit_attention_op.register_autograd(_op_gradients, setup_context=_save_unit)
