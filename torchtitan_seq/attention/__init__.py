@@ -33,9 +33,10 @@ A bound layer's attention is the custom op ``torchtitan_seq::unit_attention`` wi
 backward op of its own: torch.compile keeps it out of the compiled graph, so the KV
 context (Python state) is read and changed when the op runs, never traced; under a dispatch
 mode (selective checkpointing) it is one op. In eager mode the same functions run as an
-autograd function (:class:`UnitAttention`), without the custom op's dispatch on the host. A layer
-names its context by a small host tensor, a graph input, so one compiled graph serves every
-layer of a model; the op finds the binding by the tensor's address, never reading the tensor.
+autograd function (:class:`UnitAttention`), without the custom op's dispatch on the host, given the
+layer's binding itself. To the custom op a layer names its context by a small host tensor, a graph
+input, so one compiled graph serves every layer of a model; the op finds the binding by the tensor's
+address, never reading the tensor.
 
 Nothing on a unit's path reads a tensor on the host (``item``, ``tolist``, a tensor-valued ``if``):
 handles, offsets and document starts are Python values, the starts read once per step by the

@@ -5,7 +5,8 @@ model chunk.
 Custom ops take no Python objects: a bound layer names its binding (the stage's context, its kernel and
 the layer's id) by a small host tensor of its own, ``ids``, a graph input, so one compiled graph serves
 every layer of a model; the op (``torchtitan_seq::unit_attention``, registered by the package) finds the
-binding by the tensor's address (:func:`.handles._bound`), never reading the tensor.
+binding by the tensor's address (:func:`.handles._bound`), never reading the tensor. In eager mode the
+layer passes its binding itself to :class:`~.unit_op.UnitAttention`.
 """
 
 from __future__ import annotations
