@@ -63,16 +63,9 @@ def _unit_attention(
 
 
 def _unit_attention_backward(
-    binding: _Binding,
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
+    binding: _Binding, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
     kv_flipped: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dq, dk, dv (shaped like q, k, v) of :func:`_unit_attention`, given dout, its out and lse
     (``kv_flipped``: k and v as a descending slab holds them, last position first). In phase
     BACKWARD it sends the dK/dV of the prefix the unit read to its slab's gradient, and adds what
