@@ -121,7 +121,12 @@ def _whole(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
-def _saved(slab: KVSlab, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+_Stored = tuple[torch.Tensor, torch.Tensor, bool]
+"""Views of a slab where a unit's K/V (B, Hkv, L, D) lie, and whether they run last position first: what
+the unit's attention saves for its backward (:func:`_saved`)."""
+
+
+def _saved(slab: KVSlab, k: torch.Tensor, v: torch.Tensor) -> _Stored:
     """Views ``k``, ``v`` of ``slab`` as a unit's attention saves them, and whether they run last position
     first: aliases with a version counter of their own, since later units (and other microbatches in
     the arena) write other positions, which autograd would otherwise take for a change of what the unit
@@ -311,7 +316,7 @@ class KVContext:
             raise RuntimeError(f"layer {layer_id} recomputed outside the backward of a unit it ran forward")
         return slab
 
-    def own(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    def own(self, layer_id: int) -> _Stored | None:
         """Views of ``layer_id``'s slab at the positions of the unit running forward (or
         recomputed), where its K/V lie, and whether they run last position first (a descending
         slab); None outside a unit or where the slab holds none of them."""
@@ -323,7 +328,7 @@ class KVContext:
 
     def append(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False, ascending: bool = False
-    ) -> tuple[KVSlab, tuple[torch.Tensor, torch.Tensor, bool] | None]:
+    ) -> tuple[KVSlab, _Stored | None]:
         """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
         unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
         kernel reads them apart from the prefix; under CP other ranks' queries read them as their

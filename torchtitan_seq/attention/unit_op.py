@@ -8,17 +8,13 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from ..context_parallel import ContextShard
-from ..kv_context import KVContext, KVSlab, Phase
+from ..kv_context import KVContext, KVSlab, Phase, _Stored
 from .calls import _attention_backward, _attention_forward, _calls, _Keys
 from .handles import _Binding, _bound
 from .layouts import _fake_attention, _fake_gradients, _heads_inner, _lse_layout
 from .whole_sequence import _whole_sequence_backward, _whole_sequence_forward
 
 __all__ = ["UnitAttention"]
-
-_Stored = tuple[Tensor, Tensor, bool]
-"""Views of a slab where a unit's K/V (B, Hkv, L, D) lie, and whether they run last position first
-(:meth:`~torchtitan_seq.kv_context.KVContext.own`)."""
 
 
 def _own_keys(
