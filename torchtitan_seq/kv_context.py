@@ -101,12 +101,6 @@ _EVERY = slice(None)
 """Every batch row (an index of dim 0)."""
 
 
-def _positions(t: torch.Tensor, where: slice) -> torch.Tensor:
-    """``t`` (B, H, S, D) at positions ``where`` of dim 2, a view: ``narrow``, which costs the host one op
-    where an index is parsed first (a few µs each)."""
-    return t.narrow(2, where.start, where.stop - where.start)
-
-
 def _new_keys(like: torch.Tensor, n: int, zeros: bool = False) -> torch.Tensor:
     """Room for K/V (or their gradient) of ``n`` positions shaped like ``like`` (B, H, _, D), laid out as
     (B, n, H, D) in memory, as a model's projections lay out K/V and torch's kernels their gradients:
@@ -155,14 +149,19 @@ class KVSlab:
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
 
-    def _span(self, start: int, stop: int) -> slice:
-        """Where the keys of positions [start, stop) lie."""
-        size = self.k.shape[2]
-        return slice(size - stop, size - start) if self.descending else slice(start, stop)
-
-    def _in_order(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``, (B, H, n, D) laid out as the slab lays positions out, in position order, or back."""
-        return t.flip(2) if self.descending else t
+    def _pair(
+        self, k: torch.Tensor, v: torch.Tensor, start: int, stop: int, rows: slice = _EVERY
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k``, ``v`` (the slab's keys, or their gradients: (B, H, _, D)) at positions [start, stop) of batch
+        rows ``rows``, views where the slab lays those positions out. One call for the pair, and ``narrow``
+        for all rows, where an index is parsed first: each call and view costs the host a µs or more, a
+        few times per unit and layer."""
+        if self.descending:
+            size = self.k.shape[2]
+            start, stop = size - stop, size - start
+        if rows == _EVERY:
+            return k.narrow(2, start, stop - start), v.narrow(2, start, stop - start)
+        return k[rows, :, start:stop], v[rows, :, start:stop]
 
     def write(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write K/V (B, Hkv, L, D) of positions [offset, offset + L); returns the views written, as
@@ -172,9 +171,12 @@ class KVSlab:
             grown = [_new_keys(t, stop) for t in (self.k, self.v)]
             grown[0][:, :, : self.filled], grown[1][:, :, : self.filled] = self.keys(0, self.filled)
             self.k, self.v = grown
-        into_k, into_v = self.keys(offset, stop)
-        into_k.copy_(self._in_order(k.detach()))
-        into_v.copy_(self._in_order(v.detach()))
+        into_k, into_v = self._pair(self.k, self.v, offset, stop)
+        k, v = k.data, v.data  # read, not differentiated through: the slab holds K/V detached
+        if self.descending:
+            k, v = k.flip(2), v.flip(2)
+        into_k.copy_(k)
+        into_v.copy_(v)
         self.filled = stop
         return into_k, into_v
 
@@ -185,10 +187,7 @@ class KVSlab:
     def keys(self, start: int, stop: int, rows: slice = _EVERY) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, stop) of batch rows ``rows``, views as the slab lays them out
         (a descending slab's last position first: right for an unmasked kernel call)."""
-        where = self._span(start, stop)
-        if rows == _EVERY:
-            return _positions(self.k, where), _positions(self.v, where)
-        return self.k[rows, :, where], self.v[rows, :, where]
+        return self._pair(self.k, self.v, start, stop, rows)
 
     def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, rows: slice, start: int) -> None:
         """Add the gradient a later unit's attention sends the keys [start, start + n) of batch
@@ -203,9 +202,9 @@ class KVSlab:
                 self.grad_k, self.grad_v = grad_k, grad_v
                 return
             self.grad_k, self.grad_v = (_new_keys(t, readable, zeros=True) for t in (self.k, self.v))
-        where = self._span(start, start + grad_k.shape[2])
-        self.grad_k[rows, :, where].add_(grad_k)  # into the view: ``+=`` on an index copies the sum back
-        self.grad_v[rows, :, where].add_(grad_v)
+        into_k, into_v = self._pair(self.grad_k, self.grad_v, start, start + grad_k.shape[2], rows)
+        into_k.add_(grad_k)  # into the view: ``+=`` on an index copies the sum back
+        into_v.add_(grad_v)
 
     def take(self, offset: int, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """What later units sent positions [offset, offset + length), in position order (views of an
@@ -213,8 +212,8 @@ class KVSlab:
         readable = self.grad_k.shape[2] if self.grad_k is not None else 0
         if readable <= offset:
             return None, None
-        where = self._span(offset, min(offset + length, readable))
-        return self._in_order(_positions(self.grad_k, where)), self._in_order(_positions(self.grad_v, where))
+        grad_k, grad_v = self._pair(self.grad_k, self.grad_v, offset, min(offset + length, readable))
+        return (grad_k.flip(2), grad_v.flip(2)) if self.descending else (grad_k, grad_v)
 
 
 class KVContext:
@@ -278,6 +277,7 @@ class KVContext:
 
     def running(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
         """Run the forward of ``unit`` inside this context (phase FORWARD)."""
+        self._live.setdefault(unit.microbatch, set()).add(unit.index)  # once per unit, not per layer
         return self._running(unit, backward=False)
 
     @contextlib.contextmanager
@@ -347,7 +347,6 @@ class KVContext:
                 f"ran forward after {slab.filled if slab is not None else 0} positions; forwards must run in "
                 "subsequence order, each once"
             )
-        self._live.setdefault(unit.microbatch, set()).add(unit.index)
         if slab is None:
             slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, with_own, ascending)
         if not unit.is_last or with_own:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,22 +148,32 @@ def dispatch_mode_active() -> bool:
 class _SdpaOps:
     """The aten kernels behind SDPA that return the log-sum-exp, and their backwards, as attributes
     (``SdpaOps.cpu_flash(q, k, v, ...)``), looked up at each use so that a test can stand a fake in for
-    a CUDA-only op."""
+    a CUDA-only op. Properties: a ``__getattr__`` would be reached only after a failed lookup has built
+    its AttributeError, host time four times per unit and layer."""
 
-    _ops: dict[str, Callable[[], Any]] = {
-        "cpu_flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-        "cpu_flash_backward": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
-        "flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention,
-        "flash_backward": lambda: torch.ops.aten._scaled_dot_product_flash_attention_backward,
-        "cudnn": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention,
-        "cudnn_backward": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention_backward,
-    }
+    @property
+    def cpu_flash(self) -> Any:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self._ops[name]()
-        except KeyError:
-            raise AttributeError(name) from None
+    @property
+    def cpu_flash_backward(self) -> Any:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    @property
+    def flash(self) -> Any:
+        return torch.ops.aten._scaled_dot_product_flash_attention
+
+    @property
+    def flash_backward(self) -> Any:
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward
+
+    @property
+    def cudnn(self) -> Any:
+        return torch.ops.aten._scaled_dot_product_cudnn_attention
+
+    @property
+    def cudnn_backward(self) -> Any:
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward
 
 
 SdpaOps = _SdpaOps()

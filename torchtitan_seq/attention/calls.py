@@ -32,7 +32,7 @@ def _merge_into(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> None:
     exp(lse_i - logaddexp(lse, lse_i)) = sigmoid(lse_i - lse), so the merge is four kernels (no
     exp of each side, no product per side and sum); low-precision outputs are merged in float32
     and rounded once, as the kernels round their own."""
-    weight = (lse_i - lse).sigmoid_().unsqueeze(-1)
+    weight = (lse_i - lse).sigmoid_().unsqueeze_(-1)
     torch.logaddexp(lse, lse_i, out=lse)
     if out.dtype == torch.float32:
         out.lerp_(out_i, weight)
@@ -62,10 +62,11 @@ class _Call:
     def __post_init__(self) -> None:
         object.__setattr__(self, "whole", self.rows == _EVERY and self.queries == _EVERY)
 
-    def of(self, t: Tensor) -> Tensor:
-        """The part of ``t`` (q, out, lse, dout: (B, H, L[, D])) this call reads or writes: ``t`` itself
-        where it is all of it (indexing makes a view, a few µs of host time, even of the whole)."""
-        return t if self.whole else t[self.index]
+    def of(self, *ts: Tensor) -> tuple[Tensor, ...]:
+        """The parts of ``ts`` (q, out, lse, dout: (B, H, L[, D])) this call reads or writes: the tensors
+        themselves where the call's queries are all of them (indexing makes a view, a few µs of host time,
+        even of the whole); one call for them all."""
+        return ts if self.whole else tuple(t[self.index] for t in ts)
 
 
 def _calls(
@@ -152,7 +153,8 @@ def _attention_forward(
         for c in causal:
             out[c.index], lse[c.index] = kernel.forward(q[c.index], *keys(c), True, scale)
     for c in prefix:  # merged into the views of out and lse the call's queries lie in
-        _merge_into(c.of(out), c.of(lse), *kernel.forward(c.of(q), *keys(c), False, scale))
+        q_i, out_i, lse_i = c.of(q, out, lse)
+        _merge_into(out_i, lse_i, *kernel.forward(q_i, *keys(c), False, scale))
     return out, lse
 
 
@@ -182,7 +184,8 @@ def _attention_backward(
         put = Tensor.copy_ if once else Tensor.add_
     # Every add below is in place into a view (``x[i] += y`` would copy the sum back onto itself).
     for c in causal:
-        dq_i, dk_i, dv_i = kernel.backward(c.of(dout), c.of(q), *keys(c), c.of(out), c.of(lse), True, scale)
+        dout_i, q_i, out_i, lse_i = c.of(dout, q, out, lse)
+        dq_i, dk_i, dv_i = kernel.backward(dout_i, q_i, *keys(c), out_i, lse_i, True, scale)
         cut = max(offset - c.keys.start, 0)  # keys before the unit: a bottom-right call's prefix
         if cut:
             slab.accumulate(dk_i[:, :, :cut], dv_i[:, :, :cut], c.rows, c.keys.start)
@@ -194,8 +197,9 @@ def _attention_backward(
             put(dk[c.rows, :, own], dk_i[:, :, cut:])
             put(dv[c.rows, :, own], dv_i[:, :, cut:])
     for c in prefix:
-        dq_i, dk_i, dv_i = kernel.backward(c.of(dout), c.of(q), *keys(c), c.of(out), c.of(lse), False, scale)
-        c.of(dq).add_(dq_i)
+        dout_i, q_i, out_i, lse_i, into = c.of(dout, q, out, lse, dq)
+        dq_i, dk_i, dv_i = kernel.backward(dout_i, q_i, *keys(c), out_i, lse_i, False, scale)
+        into.add_(dq_i)
         if c.keys.start >= offset:  # keys within the unit, read from its own (a CP rank's later chunk)
             own = slice(c.keys.start - offset, c.keys.stop - offset)
             dk[c.rows, :, own].add_(dk_i)

@@ -26,8 +26,9 @@ def _own_keys(
     wrote, where under CP the whole unit's K/V lie."""
     shard, kernel = context.shard, binding.kernel
     if phase is Phase.FORWARD:
-        k, v = shard.gather(k), shard.gather(v)
         cp = shard.size > 1  # other ranks' chunks of the unit read keys of the last unit too
+        if cp:
+            k, v = shard.gather(k), shard.gather(v)
         with_own = kernel.bottom_right or cp
         slab, stored = context.append(binding.layer_id, k, v, with_own=with_own, ascending=kernel.bottom_right)
         return (k, v), slab, stored
