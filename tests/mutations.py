@@ -126,7 +126,8 @@ def _unit_mean_loss(ctx: MutationContext) -> list:
 
 def _recompute_without_prefix(ctx: MutationContext) -> list:
     """Recomputation under activation checkpointing attends to no prefix: its calls over the
-    prefix (unmasked: torch's CPU kernel aligns causal masks top-left) are dropped."""
+    prefix (unmasked: torch's CPU kernel aligns causal masks top-left) are dropped (and so, the unit's
+    calls being built once for it, from the backward that follows)."""
     import sys
 
     from torchtitan_seq.attention import unit_op
@@ -136,7 +137,7 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
 
     def without_prefix(documents, segments, bottom_right):
         causal, prefix = calls(documents, segments, bottom_right)
-        caller = sys._getframe(1)  # the forward op, in the phase the KV context gave it
+        caller = sys._getframe(2)  # the forward op (through _unit_calls), in the phase the KV context gave it
         recomputing = caller.f_code.co_name == "_unit_attention" and caller.f_locals.get("phase") is Phase.RECOMPUTE
         return causal, [] if recomputing else prefix
 

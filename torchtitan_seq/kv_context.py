@@ -234,6 +234,9 @@ class KVContext:
         """The unit being run, forward (:meth:`running`) or backward (:meth:`backward`), or None."""
         self.documents: list[Documents] | None = None
         """Per microbatch, its packed documents (block-causal attention); None: causal."""
+        self.per_unit: dict[object, object] = {}
+        """What the attention layers derive from the running unit once for all of them (their kernel calls),
+        dropped when the unit ends."""
         self._backward = False  # whether ``unit`` runs backward
         self._slabs: dict[int, dict[int, KVSlab]] = {}  # microbatch -> layer id -> slab
         self._backwards: dict[int, int] = {}  # microbatch -> units whose backward has ended
@@ -274,6 +277,7 @@ class KVContext:
             yield
         finally:
             self.unit, self._backward = None, False
+            self.per_unit.clear()
 
     def running(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
         """Run the forward of ``unit`` inside this context (phase FORWARD)."""
@@ -402,6 +406,7 @@ class KVContext:
     def clear(self) -> None:
         """Forget every microbatch (end of step)."""
         self.unit, self._backward = None, False
+        self.per_unit.clear()
         self._slabs.clear()
         self._backwards.clear()
         self._live.clear()

@@ -189,10 +189,10 @@ def _attention_backward(
         cut = max(offset - c.keys.start, 0)  # keys before the unit: a bottom-right call's prefix
         if cut:
             slab.accumulate(dk_i[:, :, :cut], dv_i[:, :, :cut], c.rows, c.keys.start)
-        own = slice(c.keys.start + cut - offset, c.keys.stop - offset)
         if whole:
             dq, dk, dv = (dq_i, dk_i, dv_i) if not cut else (dq_i, dk_i[:, :, cut:], dv_i[:, :, cut:])
         else:
+            own = slice(c.keys.start + cut - offset, c.keys.stop - offset)
             dq[c.index].copy_(dq_i)
             put(dk[c.rows, :, own], dk_i[:, :, cut:])
             put(dv[c.rows, :, own], dv_i[:, :, cut:])

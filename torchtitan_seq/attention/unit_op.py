@@ -9,7 +9,7 @@ from torch.autograd.function import FunctionCtx
 
 from ..context_parallel import ContextShard
 from ..kv_context import KVContext, KVSlab, Phase, _Stored
-from .calls import _attention_backward, _attention_forward, _calls, _Keys
+from .calls import _attention_backward, _attention_forward, _Call, _calls, _Keys
 from .handles import _Binding, _bound
 from .layouts import _fake_attention, _fake_gradients, _heads_inner, _lse_layout
 from .whole_sequence import _whole_sequence_backward, _whole_sequence_forward
@@ -39,6 +39,17 @@ def _own_keys(
     return (k, v), context.recorded(binding.layer_id), stored
 
 
+def _unit_calls(context: KVContext, bottom_right: bool) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
+    """The kernel calls of the running unit (:func:`.calls._calls`), built by the first of its attention
+    layers to ask and kept by the context for the others while the unit runs (each layer asking costs the
+    host a few calls; packed documents' calls would be built again by each)."""
+    calls = context.per_unit.get(bottom_right)
+    if calls is None:
+        unit = context.unit
+        calls = context.per_unit[bottom_right] = _calls(context.documents_of(unit), unit.segments, bottom_right)
+    return calls
+
+
 def _unit_attention(
     binding: _Binding, q: Tensor, k: Tensor, v: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, _Stored | None]:
@@ -55,7 +66,7 @@ def _unit_attention(
         return *_whole_sequence_forward(kernel, q, k, v, None, scale), None
     unit = context.unit
     own, slab, stored = _own_keys(context, binding, phase, k, v)
-    causal, prefix = _calls(context.documents_of(unit), unit.segments, kernel.bottom_right)
+    causal, prefix = _unit_calls(context, kernel.bottom_right)
     return *_attention_forward(kernel, q, _Keys(own, unit.offset, slab), causal, prefix, scale), stored
 
 
@@ -76,7 +87,7 @@ def _unit_attention_backward(
         return _whole_sequence_backward(kernel, dout, q, k, v, out, lse, None, scale)
     unit = context.unit
     keys = _Keys((k, v), unit.offset, context.recorded(binding.layer_id))
-    causal, prefix = _calls(context.documents_of(unit), unit.segments, kernel.bottom_right)
+    causal, prefix = _unit_calls(context, kernel.bottom_right)
     return _attention_backward(kernel, dout, q, keys, out, lse, causal, prefix, scale)
 
 
