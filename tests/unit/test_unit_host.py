@@ -5,6 +5,7 @@
   the CPU kernel and with the CUDA adapters against fakes of their aten ops: the unit path's own
   stays within what #40 brought it to (a regression of the launches per unit-layer fails here).
 * The CUDA timing branch on fake CUDA events.
+* host_instructions.py: the instructions per unit-layer added, from callgrind's dumps (valgrind faked).
 * gpu_check.sh: after the check, the benchmark on the same device into the same folder; the
   check's exit status kept; nothing more when the check cannot start.
 """
@@ -103,3 +104,36 @@ def test_gpu_check_runs_the_unit_benchmark_after_the_check(tmp_path, status):
         assert len(calls) == 1
     else:
         assert calls[1:] == ["--count --device cpu --repeats 25 --out OUT"]
+
+
+def _fake_callgrind(per_unit_layer: float, dumps_before: int = 0, regions: int | None = None):
+    """A stand-in for valgrind's run: callgrind dumps whose counts make ``per_unit_layer`` instructions per
+    unit-layer added, after ``dumps_before`` dumps of other regions."""
+    import host_instructions
+
+    def run(command, **kwargs):
+        out = Path(next(a for a in command if a.startswith("--callgrind-out-file=")).split("=", 1)[1])
+        counts = [7.0] * dumps_before  # other regions: ignored
+        for units, n in host_instructions._regions()[:regions]:
+            # per step: a fixed cost, a cost per layer, and per unit-layer beyond the first unit
+            counts.append(host_instructions.STEPS * (1000 + 300 * n + per_unit_layer * n * (units - 1)))
+        for i, c in enumerate(counts, 1):
+            (out.parent / f"{out.name}.{i}").write_text(f"events: Ir\nsummary: {int(c)}\n")
+        return subprocess.CompletedProcess(command, 0)
+
+    return run
+
+
+def test_host_instructions_are_per_unit_layer_added(monkeypatch):
+    import host_instructions
+
+    monkeypatch.setattr(subprocess, "run", _fake_callgrind(12_345, dumps_before=3))
+    assert host_instructions.count(REPO, "cpu") == pytest.approx(12_345)
+
+
+def test_host_instructions_refuse_missing_dumps(monkeypatch):
+    import host_instructions
+
+    monkeypatch.setattr(subprocess, "run", _fake_callgrind(1.0, regions=2))
+    with pytest.raises(RuntimeError, match="_operator_call"):
+        host_instructions.count(REPO, "cpu")

@@ -32,7 +32,7 @@ def _merge_into(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> None:
     exp(lse_i - logaddexp(lse, lse_i)) = sigmoid(lse_i - lse), so the merge is four kernels (no
     exp of each side, no product per side and sum); low-precision outputs are merged in float32
     and rounded once, as the kernels round their own."""
-    weight = (lse_i - lse).sigmoid_().unsqueeze_(-1)
+    weight = (lse_i - lse).sigmoid_().unsqueeze(-1)
     torch.logaddexp(lse, lse_i, out=lse)
     if out.dtype == torch.float32:
         out.lerp_(out_i, weight)
