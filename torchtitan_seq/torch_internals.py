@@ -151,29 +151,12 @@ class _SdpaOps:
     a CUDA-only op. Properties: a ``__getattr__`` would be reached only after a failed lookup has built
     its AttributeError, host time four times per unit and layer."""
 
-    @property
-    def cpu_flash(self) -> Any:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-    @property
-    def cpu_flash_backward(self) -> Any:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-    @property
-    def flash(self) -> Any:
-        return torch.ops.aten._scaled_dot_product_flash_attention
-
-    @property
-    def flash_backward(self) -> Any:
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward
-
-    @property
-    def cudnn(self) -> Any:
-        return torch.ops.aten._scaled_dot_product_cudnn_attention
-
-    @property
-    def cudnn_backward(self) -> Any:
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+    cpu_flash = property(lambda self: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+    cpu_flash_backward = property(lambda self: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    flash = property(lambda self: torch.ops.aten._scaled_dot_product_flash_attention)
+    flash_backward = property(lambda self: torch.ops.aten._scaled_dot_product_flash_attention_backward)
+    cudnn = property(lambda self: torch.ops.aten._scaled_dot_product_cudnn_attention)
+    cudnn_backward = property(lambda self: torch.ops.aten._scaled_dot_product_cudnn_attention_backward)
 
 
 SdpaOps = _SdpaOps()
