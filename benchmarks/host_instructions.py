@@ -79,13 +79,11 @@ def count(tree: Path, kernel: str) -> float:
         regions = _regions()
         if len(dumps) < len(regions):
             raise RuntimeError(f"callgrind wrote {len(dumps)} dumps, not {len(regions)}: no _operator_call symbol?")
-        counts = {}
-        for region, dump in zip(regions, dumps[-len(regions) :]):
+        counts = {}  # named as unit_host names its runs: k<units>_<layers>
+        for (units, layers), dump in zip(regions, dumps[-len(regions) :]):
             summary = next(line for line in dump.read_text().splitlines() if line.startswith("summary:"))
-            counts[region] = int(summary.split()[1]) / STEPS
-    (a, b), k = uh.ATTENTION_LAYERS, uh.K
-    added = (counts[k, b] - counts[1, b]) - (counts[k, a] - counts[1, a])
-    return added / (b - a) / (k - 1)
+            counts[f"k{units}_{layers}"] = int(summary.split()[1]) / STEPS
+    return uh._own(counts, f"k{uh.K}", "k1")
 
 
 def main() -> None:
