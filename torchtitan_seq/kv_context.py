@@ -172,7 +172,10 @@ class KVSlab:
             grown[0][:, :, : self.filled], grown[1][:, :, : self.filled] = self.keys(0, self.filled)
             self.k, self.v = grown
         into_k, into_v = self._pair(self.k, self.v, offset, stop)
-        k, v = k.data, v.data  # read, not differentiated through: the slab holds K/V detached
+        # Read, not differentiated through: the slab holds K/V detached. Inside the attention's forward
+        # grad mode is off and the copy records nothing; an alias through .data would cost a tensor each.
+        if torch.is_grad_enabled():
+            k, v = k.data, v.data
         if self.descending:
             k, v = k.flip(2), v.flip(2)
         into_k.copy_(k)

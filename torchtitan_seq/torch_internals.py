@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "detach_tensors",
     "allow_recompiles",
     "dispatch_mode_active",
+    "function_apply",
     "DEVICE_TYPE_DETECTION",
     "SdpaOps",
 ]
@@ -71,7 +73,9 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch._dynamo": "config.recompile_limit: a compiled block meets one shape per unit length, and the default "
     "limit is below the lengths a schedule may cut",
     "torch._C": "_len_torch_dispatch_stack: whether a TorchDispatchMode (selective checkpointing's cache, fake "
-    "tensors) sees the ops that run; torch has no public query, and unit attention runs as one op under one",
+    "tensors) sees the ops that run; torch has no public query, and unit attention runs as one op under one. "
+    "_FunctionBase.apply, _functorch.unwrap_if_dead, _are_functorch_transforms_active: Function.apply as torch "
+    "2.15 runs it in C, before 2.15 (function_apply)",
     "torch._utils": "_get_available_device_type, through which torchtitan 0.2.2 detects the device, falling back "
     "to 'cuda'; the CPU compatibility makes it fall back to 'cpu'",
     _ATEN + "_scaled_dot_product_flash_attention_for_cpu": "SDPA's CPU flash kernel, returning the log-sum-exp "
@@ -143,6 +147,29 @@ def allow_recompiles(graphs: int) -> None:
 def dispatch_mode_active() -> bool:
     """Whether a TorchDispatchMode (selective activation checkpointing's cache, fake tensors) is active."""
     return torch._C._len_torch_dispatch_stack() > 0
+
+
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
+def function_apply(fn: type[torch.autograd.Function], tensors: int) -> Callable[..., Any]:
+    """``fn.apply`` (``fn`` defines no ``setup_context``; its first ``tensors`` arguments are tensors) as
+    torch 2.15 runs it, in C. Before 2.15 ``Function.apply`` was Python: it binds every call's arguments
+    for a ``setup_context`` and unwraps functorch's dead wrappers in a generator, some 30 interpreted lines
+    a call, once per unit and layer here; without a functorch transform active that is the C apply of the
+    arguments unwrapped, and under one it is torch's own."""
+    in_c = torch.autograd.Function.__dict__["apply"] is _FUNCTION_APPLY
+    if in_c or fn.setup_context is not torch.autograd.Function.setup_context:
+        return fn.apply
+    run = _FUNCTION_APPLY.__get__(None, fn)
+    unwrap, transforms_active = torch._C._functorch.unwrap_if_dead, torch._C._are_functorch_transforms_active
+
+    def apply(*args: Any) -> Any:
+        if transforms_active():
+            return fn.apply(*args)
+        return run(*map(unwrap, args[:tensors]), *args[tensors:])
+
+    return apply
 
 
 class _SdpaOps:

@@ -163,3 +163,32 @@ def test_feature_flags_match_the_installed_torch():
 @pytest.mark.parametrize("name", sorted(torch_internals.__all__))
 def test_every_exported_name_exists(name):
     assert getattr(torch_internals, name) is not None
+
+
+class _Scale(torch.autograd.Function):
+    """x * factor, with ctx as forward's first argument (no setup_context), as UnitAttention."""
+
+    @staticmethod
+    def forward(ctx, x, y, factor):
+        ctx.factor = factor
+        return x * factor + y
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout * ctx.factor, dout, None
+
+
+def test_function_apply_is_torchs_apply():
+    """The same output and gradients as Function.apply (torch's own object from torch 2.15, which runs it in
+    C); under a functorch transform torch's own path, which refuses a Function without setup_context."""
+    apply = torch_internals.function_apply(_Scale, tensors=2)
+    in_python = isinstance(torch.autograd.Function.__dict__["apply"], classmethod)  # before torch 2.15
+    assert (apply == _Scale.apply) != in_python
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    out = apply(x, y, 2.0)
+    assert type(out.grad_fn).__name__ == "_ScaleBackward"
+    out.sum().backward()
+    assert torch.equal(out, x * 2.0 + y)
+    assert torch.equal(x.grad, torch.full((3,), 2.0)) and torch.equal(y.grad, torch.ones(3))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: apply(t, t, 2.0).sum())(torch.randn(3))

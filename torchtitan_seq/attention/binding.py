@@ -18,7 +18,7 @@ from ..kernels import AttentionKernel
 from ..kv_context import KVContext
 from ..torch_internals import dispatch_mode_active
 from .handles import _BINDINGS, _Binding
-from .unit_op import UnitAttention
+from .unit_op import apply_unit_attention
 from .whole_sequence import _whole_sequence_attention
 
 __all__ = ["SequenceAttention", "bind_kv_context"]
@@ -65,7 +65,7 @@ class SequenceAttention(nn.Module):
         compiled = torch.compiler.is_compiling()
         if compiled or dispatch_mode_active():  # the custom op: see UnitAttention
             return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, scale, compiled)[0]
-        return UnitAttention.apply(q, k, v, self._binding, scale)[0]
+        return apply_unit_attention(q, k, v, self._binding, scale)
 
 
 def bind_kv_context(model: nn.Module, context: KVContext, kernel: AttentionKernel) -> None:

@@ -9,12 +9,13 @@ from torch.autograd.function import FunctionCtx
 
 from ..context_parallel import ContextShard
 from ..kv_context import KVContext, KVSlab, Phase, _Stored
+from ..torch_internals import function_apply
 from .calls import _attention_backward, _attention_forward, _Call, _calls, _Keys
 from .handles import _Binding, _bound
 from .layouts import _fake_attention, _fake_gradients, _heads_inner, _lse_layout
 from .whole_sequence import _whole_sequence_backward, _whole_sequence_forward
 
-__all__ = ["UnitAttention"]
+__all__ = ["UnitAttention", "apply_unit_attention"]
 
 
 def _own_keys(
@@ -117,24 +118,28 @@ class UnitAttention(torch.autograd.Function):
     """Unit attention in eager mode: the op's Python functions as an autograd function, without the
     dispatcher's round trips of a custom op (its autograd wrapper, redispatch and dynamo guards) and
     with the layer's binding passed as it is (``benchmarks/unit_host.py`` measures the host time).
-    ``apply(q, k, v, binding, scale)`` -> (out, lse), laid out as the kernels lay them out."""
+    ``apply(q, k, v, binding, scale)`` -> out, laid out as the kernels lay it out; the log-sum-exp is saved
+    for backward, not returned (each output of a Function costs autograd's bookkeeping per call)."""
 
     @staticmethod
-    def forward(
-        ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, binding: _Binding, scale: float
-    ) -> tuple[Tensor, Tensor]:
+    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, binding: _Binding, scale: float) -> Tensor:
         # ctx as forward's first argument: with a separate setup_context, Function.apply binds every
         # call's arguments to forward's signature (inspect, about 16 µs a call)
         out, lse, stored = _unit_attention(binding, q, k, v, scale)
         ctx.binding, ctx.scale, ctx.shard = binding, scale, _cp_shard(binding.context)
         _save(ctx, q, k, v, stored, out, lse)
-        return out, lse
+        return out
 
     @staticmethod
-    def backward(ctx: FunctionCtx, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _unit_attention_backward(ctx.binding, dout, q, k, v, out, lse, ctx.scale, ctx.kv_flipped)
         return *_reduce_scattered(ctx, dq, dk, dv), None, None
+
+
+apply_unit_attention = function_apply(UnitAttention, tensors=3)
+"""``UnitAttention.apply``, without the Python wrapper torch had around it before 2.15
+(:func:`~torchtitan_seq.torch_internals.function_apply`)."""
 
 
 # The custom ops, for torch.compile (which keeps them out of its graphs) and dispatch modes (under which

@@ -213,7 +213,8 @@ class SequenceSchedule(UnitScheduleRuntime):
             for stage in self.stages:
                 stage.kv_context.clear()
         if unit_losses:
-            losses[:] = [sum(unit_losses[m * k : (m + 1) * k]) for m in range(mbs)]
+            # two ops a microbatch, not an add per unit (a launch each on a GPU)
+            losses[:] = [torch.stack(unit_losses[m * k : (m + 1) * k]).sum() for m in range(mbs)]
         outs = next((stage.unit_outputs for stage in self.stages if stage.is_last), None)
         if return_outputs and outs:
             ran = sorted({u // k for u in outs})
