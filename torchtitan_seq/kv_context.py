@@ -140,7 +140,7 @@ class KVSlab:
     sent by their backward; None until the first is sent.
     """
 
-    __slots__ = ("k", "v", "descending", "filled", "grad_k", "grad_v")
+    __slots__ = ("k", "v", "descending", "filled", "grad_k", "grad_v", "_views")
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, descending: bool = False) -> None:
         self.k, self.v = k, v
@@ -148,6 +148,7 @@ class KVSlab:
         self.filled = 0
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (start, stop) -> K, V
 
     def _pair(
         self, k: torch.Tensor, v: torch.Tensor, start: int, stop: int, rows: slice = _EVERY
@@ -171,6 +172,7 @@ class KVSlab:
             grown = [_new_keys(t, stop) for t in (self.k, self.v)]
             grown[0][:, :, : self.filled], grown[1][:, :, : self.filled] = self.keys(0, self.filled)
             self.k, self.v = grown
+            self._views.clear()
         into_k, into_v = self._pair(self.k, self.v, offset, stop)
         # Read, not differentiated through: the slab holds K/V detached. Inside the attention's forward
         # grad mode is off and the copy records nothing; an alias through .data would cost a tensor each.
@@ -189,8 +191,14 @@ class KVSlab:
 
     def keys(self, start: int, stop: int, rows: slice = _EVERY) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, stop) of batch rows ``rows``, views as the slab lays them out
-        (a descending slab's last position first: right for an unmasked kernel call)."""
-        return self._pair(self.k, self.v, start, stop, rows)
+        (a descending slab's last position first: right for an unmasked kernel call). Those of every row
+        are kept: a unit reads its prefix forward and again backward (a view costs the host ~2 µs)."""
+        if rows != _EVERY:
+            return self._pair(self.k, self.v, start, stop, rows)
+        views = self._views.get((start, stop))
+        if views is None:
+            views = self._views[start, stop] = self._pair(self.k, self.v, start, stop)
+        return views
 
     def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, rows: slice, start: int) -> None:
         """Add the gradient a later unit's attention sends the keys [start, start + n) of batch
