@@ -138,14 +138,22 @@ def _fake_op(name: str, compute: bool = True) -> Callable:
 
 @contextlib.contextmanager
 def _fake_cuda_ops(compute: bool = True) -> Iterator[None]:
-    saved = {name: getattr(torch.ops.aten, name) for name in _FAKED}
+    """The CUDA-only ops faked where the adapters find them: ``SdpaOps``' attributes, or in
+    ``torch.ops.aten`` for older checkouts, whose ``SdpaOps`` looked them up there at each call."""
+    from torchtitan_seq import torch_internals
+
+    names = getattr(torch_internals, "SDPA_OPS", None)
+    owner, attributes = torch_internals.SdpaOps, {a: n for a, n in (names or {}).items() if n in _FAKED}
+    if names is None:
+        owner, attributes = torch.ops.aten, {n: n for n in _FAKED}
+    saved = {attr: getattr(owner, attr) for attr in attributes}
     try:
-        for name in _FAKED:
-            setattr(torch.ops.aten, name, _fake_op(name, compute))
+        for attr, name in attributes.items():
+            setattr(owner, attr, _fake_op(name, compute))
         yield
     finally:
-        for name, op in saved.items():
-            setattr(torch.ops.aten, name, op)
+        for attr, op in saved.items():
+            setattr(owner, attr, op)
 
 
 def _kernel(name: str):

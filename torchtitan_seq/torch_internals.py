@@ -47,6 +47,7 @@ __all__ = [
     "function_apply",
     "DEVICE_TYPE_DETECTION",
     "SdpaOps",
+    "SDPA_OPS",
 ]
 
 _SCHEDULES = "torch.distributed.pipelining.schedules."
@@ -78,13 +79,13 @@ PRIVATE_NAMES: dict[str, str] = {
     "2.15 runs it in C, before 2.15 (function_apply)",
     "torch._utils": "_get_available_device_type, through which torchtitan 0.2.2 detects the device, falling back "
     "to 'cuda'; the CPU compatibility makes it fall back to 'cpu'",
-    _ATEN + "_scaled_dot_product_flash_attention_for_cpu": "SDPA's CPU flash kernel, returning the log-sum-exp "
+    "torch._scaled_dot_product_flash_attention_for_cpu": "SDPA's CPU flash kernel, returning the log-sum-exp "
     "that the public SDPA hides and unit attention merges blocks by",
     _ATEN + "_scaled_dot_product_flash_attention_for_cpu_backward": "its backward, which takes the merged output "
     "and log-sum-exp",
-    _ATEN + "_scaled_dot_product_flash_attention": "SDPA's CUDA flash kernel, with the log-sum-exp (same reason)",
+    "torch._scaled_dot_product_flash_attention": "SDPA's CUDA flash kernel, with the log-sum-exp (same reason)",
     _ATEN + "_scaled_dot_product_flash_attention_backward": "its backward (same reason)",
-    _ATEN + "_scaled_dot_product_cudnn_attention": "SDPA's cuDNN kernel, with the log-sum-exp (same reason)",
+    "torch._scaled_dot_product_cudnn_attention": "SDPA's cuDNN kernel, with the log-sum-exp (same reason)",
     _ATEN + "_scaled_dot_product_cudnn_attention_backward": "its backward (same reason)",
     "_prepare_schedule_with_comms": "torch's lowering of compute-only lists (FSDP, gradient reduction, send/recv, "
     "2.15's send waits), public only through _load_csv, from a file",
@@ -174,16 +175,29 @@ def function_apply(fn: type[torch.autograd.Function], tensors: int) -> Callable[
 
 class _SdpaOps:
     """The aten kernels behind SDPA that return the log-sum-exp, and their backwards, as attributes
-    (``SdpaOps.cpu_flash(q, k, v, ...)``), looked up at each use so that a test can stand a fake in for
-    a CUDA-only op. Properties: a ``__getattr__`` would be reached only after a failed lookup has built
-    its AttributeError, host time four times per unit and layer."""
+    (``SdpaOps.cpu_flash(q, k, v, ...)``), bound once: the forwards as torch's C functions, the backwards
+    as their ``default`` overloads. Called through its op packet (``torch.ops.aten.<op>(...)``) an op has
+    its overload resolved at each call, some 10K host instructions, at each of four calls per unit and
+    layer. A test stands a fake in for a CUDA-only op by setting the instance's attribute
+    (:data:`SDPA_OPS` names each attribute's aten op)."""
 
-    cpu_flash = property(lambda self: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
-    cpu_flash_backward = property(lambda self: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
-    flash = property(lambda self: torch.ops.aten._scaled_dot_product_flash_attention)
-    flash_backward = property(lambda self: torch.ops.aten._scaled_dot_product_flash_attention_backward)
-    cudnn = property(lambda self: torch.ops.aten._scaled_dot_product_cudnn_attention)
-    cudnn_backward = property(lambda self: torch.ops.aten._scaled_dot_product_cudnn_attention_backward)
+    cpu_flash = torch._scaled_dot_product_flash_attention_for_cpu  # builtins: not bound as methods
+    cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    flash = torch._scaled_dot_product_flash_attention
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    cudnn = torch._scaled_dot_product_cudnn_attention
+    cudnn_backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+
+
+SDPA_OPS: dict[str, str] = {
+    "cpu_flash": "_scaled_dot_product_flash_attention_for_cpu",
+    "cpu_flash_backward": "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "flash": "_scaled_dot_product_flash_attention",
+    "flash_backward": "_scaled_dot_product_flash_attention_backward",
+    "cudnn": "_scaled_dot_product_cudnn_attention",
+    "cudnn_backward": "_scaled_dot_product_cudnn_attention_backward",
+}
+"""Each attribute of :data:`SdpaOps` -> its aten op's name."""
 
 
 SdpaOps = _SdpaOps()

@@ -34,6 +34,7 @@ from torchtitan_seq.ordering import B
 from torchtitan_seq.ordering import F as FWD
 from torchtitan_seq.render import busy_and_end
 from torchtitan_seq.timeline import StepTimeline
+from torchtitan_seq.torch_internals import SDPA_OPS, SdpaOps
 
 CUDA = torch.device("cuda", 0)  # a device object needs no GPU; nothing is allocated on it
 
@@ -235,15 +236,11 @@ def _cudnn_backward(a):
 
 @pytest.fixture
 def fake_aten(monkeypatch) -> dict[str, FakeAtenOp]:
-    ops = {
-        "_scaled_dot_product_flash_attention": _flash_forward,
-        "_scaled_dot_product_flash_attention_backward": _flash_backward,
-        "_scaled_dot_product_cudnn_attention": _cudnn_forward,
-        "_scaled_dot_product_cudnn_attention_backward": _cudnn_backward,
-    }
-    fakes = {name: FakeAtenOp(name, compute) for name, compute in ops.items()}
-    for name, fake in fakes.items():
-        monkeypatch.setattr(torch.ops.aten, name, fake)
+    ops = {"flash": _flash_forward, "flash_backward": _flash_backward}
+    ops |= {"cudnn": _cudnn_forward, "cudnn_backward": _cudnn_backward}
+    fakes = {SDPA_OPS[attr]: FakeAtenOp(SDPA_OPS[attr], compute) for attr, compute in ops.items()}
+    for attr in ops:
+        monkeypatch.setattr(SdpaOps, attr, fakes[SDPA_OPS[attr]])
     return fakes
 
 
