@@ -140,11 +140,12 @@ class KVSlab:
     sent by their backward; None until the first is sent.
     """
 
-    __slots__ = ("k", "v", "descending", "filled", "grad_k", "grad_v", "_views")
+    __slots__ = ("k", "v", "descending", "filled", "grad_k", "grad_v", "_views", "_rows")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, descending: bool = False) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         self.k, self.v = k, v
-        self.descending = descending
+        self.descending = rows is not None
+        self._rows = rows  # descending: position p's row, size - 1 - p (int64 (size,), for indexed copies and adds)
         self.filled = 0
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
@@ -178,10 +179,13 @@ class KVSlab:
         # grad mode is off and the copy records nothing; an alias through .data would cost a tensor each.
         if torch.is_grad_enabled():
             k, v = k.data, v.data
-        if self.descending:
-            k, v = k.flip(2), v.flip(2)
-        into_k.copy_(k)
-        into_v.copy_(v)
+        if self.descending:  # one indexed copy each: a flipped copy would be a kernel and a tensor more
+            rows = self._rows.narrow(0, offset, stop - offset)
+            self.k.index_copy_(2, rows, k)
+            self.v.index_copy_(2, rows, v)
+        else:
+            into_k.copy_(k)
+            into_v.copy_(v)
         self.filled = stop
         return into_k, into_v
 
@@ -217,14 +221,25 @@ class KVSlab:
         into_k.add_(grad_k)  # into the view: ``+=`` on an index copies the sum back
         into_v.add_(grad_v)
 
-    def take(self, offset: int, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """What later units sent positions [offset, offset + length), in position order (views of an
-        ascending slab's gradient); ``(None, None)`` if nothing."""
+    def add_sent(self, dk: torch.Tensor, dv: torch.Tensor, offset: int) -> None:
+        """Add what later units sent positions [offset, offset + L) to ``dk``, ``dv`` (B, Hkv, L, D, in
+        position order: the unit's own gradients), in place; from a descending slab by an indexed add
+        (its positions run the other way), not a flipped copy and an add."""
         readable = self.grad_k.shape[2] if self.grad_k is not None else 0
-        if readable <= offset:
-            return None, None
-        grad_k, grad_v = self._pair(self.grad_k, self.grad_v, offset, min(offset + length, readable))
-        return (grad_k.flip(2), grad_v.flip(2)) if self.descending else (grad_k, grad_v)
+        n = min(readable - offset, dk.shape[2])
+        if n <= 0:
+            return
+        grad_k, grad_v = self._pair(self.grad_k, self.grad_v, offset, offset + n)
+        if n < dk.shape[2]:
+            dk, dv = dk.narrow(2, 0, n), dv.narrow(2, 0, n)
+        if self.descending:
+            size = self._rows.shape[0]
+            rows = self._rows.narrow(0, size - n, n)  # n - 1, ..., 0: where each sent row's position lies in dk
+            dk.index_add_(2, rows, grad_k)
+            dv.index_add_(2, rows, grad_v)
+        else:
+            dk.add_(grad_k)
+            dv.add_(grad_v)
 
 
 class KVContext:
@@ -256,6 +271,7 @@ class KVContext:
         self._plans: dict[bool, ArenaPlan] = {}  # alternate -> the placement of every microbatch
         self._placed: dict[int, tuple[int, SlabPlacement]] = {}  # microbatch -> (arena capacity, placement)
         self._arenas: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer id, arena) -> K, V
+        self._rows: dict[tuple[int, torch.device], torch.Tensor] = {}  # descending slabs' rows, kept across steps
 
     def expect(self, passes: list[Pass]) -> None:
         """The order in which the stage runs its units' passes each step (see
@@ -386,7 +402,15 @@ class KVContext:
             self._arenas[key] = (_new_keys(k, capacity), _new_keys(k, capacity))
         region = slice(capacity - size, capacity) if placed.descending else slice(0, size)
         arena_k, arena_v = self._arenas[key]
-        return KVSlab(arena_k[:, :, region], arena_v[:, :, region], placed.descending)
+        rows = self._descending_rows(size, k.device) if placed.descending else None
+        return KVSlab(arena_k[:, :, region], arena_v[:, :, region], rows)
+
+    def _descending_rows(self, size: int, device: torch.device) -> torch.Tensor:
+        """size - 1, ..., 0 on ``device``: a descending slab's row of each position, made once per size."""
+        rows = self._rows.get((size, device))
+        if rows is None:
+            rows = self._rows[size, device] = torch.arange(size - 1, -1, -1, device=device)
+        return rows
 
     def _plan(self, alternate: bool, size: int) -> ArenaPlan:
         if alternate not in self._plans:

@@ -206,13 +206,6 @@ def _attention_backward(
             dv[c.rows, :, own].add_(dv_i)
         else:  # read from the slab, laid out as it lays positions out
             slab.accumulate(dk_i, dv_i, c.rows, c.keys.start)
-    later_k, later_v = slab.take(offset, length) if slab is not None else (None, None)
-    if later_k is not None:  # dk, dv are the kernels' own (or written above): added to in place
-        n = later_k.shape[2]
-        if n == dk.shape[2]:  # every own key was read later (the usual case): no index views
-            dk.add_(later_k)
-            dv.add_(later_v)
-        else:
-            dk[:, :, :n].add_(later_k)
-            dv[:, :, :n].add_(later_v)
+    if slab is not None:  # dk, dv are the kernels' own (or written above): added to in place
+        slab.add_sent(dk, dv, offset)
     return dq, dk, dv
