@@ -26,7 +26,12 @@ torchtitan's Llama 3 on the whole batch (4 layers minus 2, halved), forward and 
   each. On the CPU the kernels' compute is host time, so the same is measured as a GPU's host meets
   it: the CUDA adapters' op sequences against fakes of their aten ops that compute nothing (zeros of
   the outputs' shapes, about what a launch costs the host), K units against one unit (the whole
-  sequence through the same op).
+  sequence through the same op);
+* a descending slab's kernels: one attention layer run as Seq1F1B's first stage of 2 runs 4 microbatches,
+  the KV context told the stage's passes (microbatches share arenas from opposite ends, so every other
+  one's slab runs last position first) minus not told (ascending slabs of their own), over the
+  descending unit-layers; leaf ops with views beneath them counted too (``through_views``), as torch's
+  CPU indexed copies and adds make views inside.
 
 On a CUDA device (``--device cuda``, what ``benchmarks/gpu_check.sh`` runs after the GPU check) the
 model is in bf16 with the device's kernel (:func:`~torchtitan_seq.kernels.select_kernel`: cuDNN on an
@@ -50,6 +55,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -86,8 +92,10 @@ def _is_view(name: str) -> bool:
     return True
 
 
-def leaf_ops(fn: Callable[[], object]) -> int:
-    """The aten ops ``fn`` runs with no aten op beneath them, views left out; a fake CUDA op counts once."""
+def leaf_ops(fn: Callable[[], object], through_views: bool = False) -> int:
+    """The aten ops ``fn`` runs with no aten op beneath them, views left out; a fake CUDA op counts once.
+    ``through_views``: with no aten op but views beneath them (torch's CPU ``mm``, ``index_copy_`` and
+    ``index_add_`` make views inside: one kernel each on a GPU, which the plain count misses)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     views: dict[str, bool] = {}
@@ -97,7 +105,7 @@ def leaf_ops(fn: Callable[[], object]) -> int:
             return 1
         below = sum(count(c) for c in event.cpu_children)
         aten = [c for c in event.cpu_children if c.name.startswith(("aten::", "fake::"))]
-        if below or aten or not event.name.startswith("aten::"):
+        if below or (aten and not through_views) or not event.name.startswith("aten::"):
             return below
         if event.name not in views:
             views[event.name] = _is_view(event.name)
@@ -285,6 +293,79 @@ def attention_steps(
     return units_path, sdpa
 
 
+ARENA_MICROBATCHES = 4
+"""Microbatches of the shared-arena measure (Seq1F1B's first stage of 2): enough for a microbatch in
+backward to share an arena with the next in forward, from its other end (positions descending)."""
+
+
+def arena_steps(
+    device: torch.device = CPU, kernel: str | None = None
+) -> tuple[Callable[[], None], Callable[[], None], int]:
+    """One attention layer of the model's shape run as Seq1F1B's first stage runs its units (p 2,
+    ARENA_MICROBATCHES microbatches of one sequence, K units), as closures: the KV context told the
+    stage's passes (microbatches share arenas, every other one from the top: its slab descending) and
+    not told (a slab of its own each, ascending); and the unit-layers whose slab is descending."""
+    from torchtitan_seq.attention import SequenceAttention
+    from torchtitan_seq.kernels import select_kernel
+    from torchtitan_seq.kv_context import KVContext, Unit
+    from torchtitan_seq.ordering import stage_passes
+    from torchtitan_seq.partition import partition_sequence
+    from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+
+    heads, kv_heads = MODEL["n_heads"], MODEL["n_kv_heads"]
+    dim, dtype = MODEL["dim"] // heads, torch.bfloat16 if device.type == "cuda" else torch.float32
+    lengths = partition_sequence(SEQ_LEN, K, "even")
+    offsets = [sum(lengths[:j]) for j in range(K)]
+    order = SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(2, ARENA_MICROBATCHES, K))
+    passes = stage_passes(order[0], 0, K)[1]
+    g = torch.Generator().manual_seed(3)
+    # Per microbatch and unit: q, k, v (1, H, L, D) laid out (1, L, H, D), as a unit's projections make them.
+    qkv = {
+        (m, j): [
+            torch.randn(1, n, h, dim, generator=g).to(device, dtype).transpose(1, 2)
+            for h in (heads, kv_heads, kv_heads)
+        ]
+        for m in range(ARENA_MICROBATCHES)
+        for j, n in enumerate(lengths)
+    }
+
+    def run(told: bool) -> tuple[Callable[[], None], KVContext]:
+        context, layer = KVContext(lengths), SequenceAttention(0)
+        if told:
+            context.expect(passes)
+        layer.bind(context, _kernel(kernel) if kernel else select_kernel(device))
+
+        def step() -> None:
+            outs, leaves = {}, {}
+            for forward, m, j in passes:
+                unit = Unit(m, j, offsets[j], lengths[j], K)
+                if forward:
+                    leaves[m, j] = [t.detach().requires_grad_() for t in qkv[m, j]]
+                    with context.running(unit):
+                        outs[m, j] = layer(*leaves[m, j], enable_gqa=True)
+                else:
+                    with context.backward(unit):
+                        torch.autograd.grad(outs.pop((m, j)), leaves.pop((m, j)), qkv[m, j][0])
+            context.clear()  # as a stage ends its step
+
+        return step, context
+
+    (told, context), (untold, _) = run(True), run(False)
+    descending: set[int] = set()
+    append = context.append
+
+    def noting(layer_id, k, v, *args, **kwargs):
+        slab, stored = append(layer_id, k, v, *args, **kwargs)
+        if slab.descending:
+            descending.add(context.unit.microbatch)
+        return slab, stored
+
+    context.append = noting
+    told()
+    del context.append
+    return told, untold, len(descending) * K
+
+
 def launches(fn: Callable[[], object], device: torch.device) -> int:
     """Kernel launches of ``fn``: on a GPU the profiler's device events (kernels, memcpy, memset), on
     the CPU its leaf aten ops (:func:`leaf_ops`)."""
@@ -363,6 +444,12 @@ def measure(repeats: int, device: torch.device = CPU) -> dict:
             fn()  # warm-up: shape inference, first allocations
         count = _per_unit_layer({name: launches(fn, device) for name, fn in runs.items()})
         record = {"device": str(device), "launches_per_unit_layer": count}
+        kernels = (lambda fn: launches(fn, device)) if device.type == "cuda" else partial(leaf_ops, through_views=True)
+        if device.type != "cuda":
+            record["leaf_ops_through_views"] = _per_unit_layer({name: kernels(fn) for name, fn in runs.items()})
+        told, untold, descending = arena_steps(device)
+        untold()
+        record["descending_slab_launches_per_unit_layer"] = (kernels(told) - kernels(untold)) / descending
         if device.type != "cuda":  # the CUDA adapters' op sequences, against fakes of their aten ops
             with _fake_cuda_ops():
                 for kernel in ADAPTERS:
@@ -403,6 +490,12 @@ def _run_tree(tree: Path, repeats: int) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _descending(run: dict) -> str:
+    """A run's kernels per descending unit-layer over ascending, or "-" (a checkout from before it was measured)."""
+    figure = run.get("descending_slab_launches_per_unit_layer")
+    return "-" if figure is None else f"{figure:.1f}"
+
+
 def table(runs: list[dict], trees: list[Path]) -> str:
     """Per tree: leaf ops per unit-layer (CPU kernel, cuDNN and flash adapters) against a plain layer,
     and the least host µs over the rounds: per unit-layer of the step (a plain layer's, compute
@@ -411,8 +504,9 @@ def table(runs: list[dict], trees: list[Path]) -> str:
     lines = [
         "| tree | leaf ops / unit-layer: CPU, cuDNN, flash (plain layer) | host µs / unit-layer (plain layer) | "
         f"attention µs, {ATTENTION_LAYERS[-1]} layers: {K} units, SDPA whole | "
-        "unit path's own µs / unit-layer added: CPU; cuDNN, flash (launch fakes) |",
-        "|---|---|---|---|---|",
+        "unit path's own µs / unit-layer added: CPU; cuDNN, flash (launch fakes) | "
+        "kernels / descending unit-layer, over ascending |",
+        "|---|---|---|---|---|---|",
     ]
     for tree in trees:
         mine = [r for r in runs if r["tree"] == str(tree)]
@@ -426,7 +520,7 @@ def table(runs: list[dict], trees: list[Path]) -> str:
         lines.append(
             f"| {tree} | {ops['unit']:.1f}, {ops['CudnnSdpaKernel']:.1f}, {ops['CudaSdpaKernel']:.1f} "
             f"({ops['plain']:.1f}) | {unit:.0f} ({plain:.0f}) | {units:.0f}, {sdpa:.0f} | {own:.0f}; "
-            f"{fakes[0]:.0f}, {fakes[1]:.0f} |"
+            f"{fakes[0]:.0f}, {fakes[1]:.0f} | {_descending(mine[0])} |"
         )
     loads = [r["load"] for r in runs]
     lines.append(f"\nLoad average (1 min) before each run: {min(loads):.2f} to {max(loads):.2f}.")
