@@ -128,6 +128,25 @@ def _saved(slab: KVSlab, k: torch.Tensor, v: torch.Tensor) -> _Stored:
     return k.data, v.data, slab.descending
 
 
+class _DescendingRows:
+    """The rows of a descending slab of ``size`` positions (position p at row size - 1 - p), an int64
+    (size,) index on the slab's device, and views of it by position range, kept: the same few units
+    run every step, and a view costs the host a few µs."""
+
+    __slots__ = ("rows", "_views")
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.rows = torch.arange(size - 1, -1, -1, device=device)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
+
+    def of(self, start: int, n: int) -> torch.Tensor:
+        """The rows of positions [start, start + n): size - 1 - start, ..., size - start - n."""
+        view = self._views.get((start, n))
+        if view is None:
+            view = self._views[start, n] = self.rows.narrow(0, start, n)
+        return view
+
+
 class KVSlab:
     """K/V of one microbatch in one layer, and the gradient later units send earlier positions.
 
@@ -142,10 +161,10 @@ class KVSlab:
 
     __slots__ = ("k", "v", "descending", "filled", "grad_k", "grad_v", "_views", "_rows")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: _DescendingRows | None = None) -> None:
         self.k, self.v = k, v
         self.descending = rows is not None
-        self._rows = rows  # descending: position p's row, size - 1 - p (int64 (size,), for indexed copies and adds)
+        self._rows = rows  # descending: each position's row, for indexed copies and adds
         self.filled = 0
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
@@ -180,7 +199,7 @@ class KVSlab:
         if torch.is_grad_enabled():
             k, v = k.data, v.data
         if self.descending:  # one indexed copy each: a flipped copy would be a kernel and a tensor more
-            rows = self._rows.narrow(0, offset, stop - offset)
+            rows = self._rows.of(offset, stop - offset)
             self.k.index_copy_(2, rows, k)
             self.v.index_copy_(2, rows, v)
         else:
@@ -233,8 +252,8 @@ class KVSlab:
         if n < dk.shape[2]:
             dk, dv = dk.narrow(2, 0, n), dv.narrow(2, 0, n)
         if self.descending:
-            size = self._rows.shape[0]
-            rows = self._rows.narrow(0, size - n, n)  # n - 1, ..., 0: where each sent row's position lies in dk
+            # n - 1, ..., 0 (the rows of the last n positions): where each sent row's position lies in dk
+            rows = self._rows.of(self.k.shape[2] - n, n)
             dk.index_add_(2, rows, grad_k)
             dv.index_add_(2, rows, grad_v)
         else:
@@ -271,7 +290,7 @@ class KVContext:
         self._plans: dict[bool, ArenaPlan] = {}  # alternate -> the placement of every microbatch
         self._placed: dict[int, tuple[int, SlabPlacement]] = {}  # microbatch -> (arena capacity, placement)
         self._arenas: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer id, arena) -> K, V
-        self._rows: dict[tuple[int, torch.device], torch.Tensor] = {}  # descending slabs' rows, kept across steps
+        self._rows: dict[tuple[int, torch.device], _DescendingRows] = {}  # kept across steps
 
     def expect(self, passes: list[Pass]) -> None:
         """The order in which the stage runs its units' passes each step (see
@@ -405,11 +424,11 @@ class KVContext:
         rows = self._descending_rows(size, k.device) if placed.descending else None
         return KVSlab(arena_k[:, :, region], arena_v[:, :, region], rows)
 
-    def _descending_rows(self, size: int, device: torch.device) -> torch.Tensor:
-        """size - 1, ..., 0 on ``device``: a descending slab's row of each position, made once per size."""
+    def _descending_rows(self, size: int, device: torch.device) -> _DescendingRows:
+        """A descending slab's rows, made once per size."""
         rows = self._rows.get((size, device))
         if rows is None:
-            rows = self._rows[size, device] = torch.arange(size - 1, -1, -1, device=device)
+            rows = self._rows[size, device] = _DescendingRows(size, device)
         return rows
 
     def _plan(self, alternate: bool, size: int) -> ArenaPlan:
