@@ -1,6 +1,7 @@
 """The unit path's own host cost per unit and layer in instructions, counted by valgrind: a measure without a clock.
 
-    python benchmarks/host_instructions.py --trees OLD NEW [--kernels cpu CudnnSdpaKernel CudaSdpaKernel] [--out DIR]
+    python benchmarks/host_instructions.py --trees OLD NEW [--kernels cpu CudnnSdpaKernel CudaSdpaKernel descending]
+                                            [--out DIR]
 
 ``unit_host.py``'s own measure (attention layers of the tiny Llama 3's shape bound to a KV context, K units
 of one sequence forward and backward against one unit through the same op, 4 layers minus 2, over the
@@ -11,7 +12,9 @@ counted too, as on the CPU it is host work); the CUDA adapters' names: their op 
 of their aten ops that compute nothing (``unit_host._fake_cuda_ops(compute=False)``), the host's work
 where a GPU computes. Each (tree, kernel) runs in its own process under valgrind, about 2 minutes, two
 at a time; callgrind counts only inside ``operator.call``, through which the measured steps run (a C
-function it can name; Python's own functions it cannot). Needs valgrind.
+function it can name; Python's own functions it cannot). ``descending`` (not a kernel, not run unless
+asked for): what a descending slab costs per unit-layer over an ascending one, from ``unit_host``'s
+shared-arena steps (the KV context told the stage's passes, minus not told; the CPU kernel). Needs valgrind.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 STEPS = 2  # steps counted per (units, layers): what is counted is the least noisy of measures already
 KERNELS = ("cpu", "CudnnSdpaKernel", "CudaSdpaKernel")
+DESCENDING = "descending"  # not a kernel: a descending slab's instructions per unit-layer over an ascending one's
 
 
 def _count_steps(kernel: str) -> None:
@@ -41,9 +45,13 @@ def _count_steps(kernel: str) -> None:
     import unit_host as uh
 
     torch.set_num_threads(1)
-    fakes = uh._fake_cuda_ops(compute=False) if kernel != "cpu" else contextlib.nullcontext()
+    fakes = uh._fake_cuda_ops(compute=False) if kernel not in ("cpu", DESCENDING) else contextlib.nullcontext()
     with fakes:
-        steps = [uh.attention_steps(uh.CPU, k, None if kernel == "cpu" else kernel, n)[0] for k, n in _regions()]
+        if kernel == DESCENDING:
+            *steps, descending = uh.arena_steps()  # told the passes (shared arenas), not told (ascending)
+            print(f"descending unit-layers: {descending}", flush=True)
+        else:
+            steps = [uh.attention_steps(uh.CPU, k, None if kernel == "cpu" else kernel, n)[0] for k, n in _regions()]
         for step in steps:
             for _ in range(3):
                 step()
@@ -64,7 +72,8 @@ def _regions() -> list[tuple[int, int]]:
 
 
 def count(tree: Path, kernel: str) -> float:
-    """Instructions per unit-layer added, the unit path of ``tree`` with ``kernel``."""
+    """Instructions per unit-layer added, the unit path of ``tree`` with ``kernel``; ``descending``: per
+    unit-layer of a descending slab over an ascending one's (``unit_host.arena_steps``, the CPU kernel)."""
     import unit_host as uh
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,22 +83,30 @@ def count(tree: Path, kernel: str) -> float:
             "--dump-after=_operator_call", f"--callgrind-out-file={out}", sys.executable, __file__, "--inner", kernel,
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1"}
-        subprocess.run(command, env=env, check=True, capture_output=True)
+        run = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
         dumps = sorted(Path(tmp).glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]))
         regions = _regions()
-        if len(dumps) < len(regions):
-            raise RuntimeError(f"callgrind wrote {len(dumps)} dumps, not {len(regions)}: no _operator_call symbol?")
+        expected = 2 if kernel == DESCENDING else len(regions)
+        if len(dumps) < expected:
+            raise RuntimeError(f"callgrind wrote {len(dumps)} dumps, not {expected}: no _operator_call symbol?")
+        if kernel == DESCENDING:
+            told, untold = (_summary(dump) for dump in dumps[-2:])
+            return (told - untold) / STEPS / int(run.stdout.rsplit(":", 1)[1])
         counts = {}  # named as unit_host names its runs: k<units>_<layers>
         for (units, layers), dump in zip(regions, dumps[-len(regions) :]):
-            summary = next(line for line in dump.read_text().splitlines() if line.startswith("summary:"))
-            counts[f"k{units}_{layers}"] = int(summary.split()[1]) / STEPS
+            counts[f"k{units}_{layers}"] = _summary(dump) / STEPS
     return uh._own(counts, f"k{uh.K}", "k1")
+
+
+def _summary(dump: Path) -> int:
+    """The instructions a callgrind dump counts."""
+    return int(next(line for line in dump.read_text().splitlines() if line.startswith("summary:")).split()[1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trees", nargs="+", type=Path, default=[HERE.parent])
-    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=(*KERNELS, DESCENDING))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--inner", help=argparse.SUPPRESS)
     args = parser.parse_args()

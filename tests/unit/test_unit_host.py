@@ -142,6 +142,19 @@ def test_host_instructions_are_per_unit_layer_added(monkeypatch):
     assert host_instructions.count(REPO, "cpu") == pytest.approx(12_345)
 
 
+def test_host_instructions_of_a_descending_slab_are_per_descending_unit_layer(monkeypatch):
+    import host_instructions
+
+    def run(command, **kwargs):
+        out = Path(next(a for a in command if a.startswith("--callgrind-out-file=")).split("=", 1)[1])
+        for i, c in enumerate((7, 5000 + 16 * 300 * host_instructions.STEPS, 5000), 1):  # warm-up, told, untold
+            (out.parent / f"{out.name}.{i}").write_text(f"events: Ir\nsummary: {c}\n")
+        return subprocess.CompletedProcess(command, 0, stdout="descending unit-layers: 16\n")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    assert host_instructions.count(REPO, "descending") == pytest.approx(300)
+
+
 def test_host_instructions_refuse_missing_dumps(monkeypatch):
     import host_instructions
 
