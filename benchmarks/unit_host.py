@@ -121,15 +121,29 @@ def _fake_op(name: str, compute: bool = True) -> Callable:
     about: an allocation and fill per output). Positional arguments as the aten schemas list them: q, k, v
     first; dout, q, k, v, out, lse first backward."""
     from torchtitan_seq.kernels import CpuSdpaKernel
+    from torchtitan_seq.torch_internals import SdpaOps
 
     cpu, cudnn = CpuSdpaKernel(), "cudnn" in name
     causal_at = {"flash": 4, "cudnn": 6, "flash_backward": 11, "cudnn_backward": 14}
+
+    def bottom_right(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The mask of a causal call with fewer queries than keys, aligned bottom-right as torch's CUDA
+        flash kernel aligns it (the CPU kernel's own causal mask is top-left)."""
+        lq, lk = q.shape[2], k.shape[2]
+        return torch.full((lq, lk), float("-inf"), dtype=q.dtype).triu_(lk - lq + 1)
 
     def fake(*args, **kwargs):
         kind = name.removeprefix("_scaled_dot_product_").removesuffix("_attention").replace("_attention", "")
         causal, scale = args[causal_at[kind]], kwargs["scale"]
         with torch.profiler.record_function(f"fake::{name}"):
-            if not name.endswith("_backward"):
+            forward = not name.endswith("_backward")
+            q, k = args[:2] if forward else args[1:3]
+            if causal and q.shape[2] != k.shape[2]:
+                mask = dict(attn_mask=bottom_right(q, k), scale=scale)
+                if forward:
+                    return SdpaOps.cpu_flash(*args[:3], 0.0, False, **mask)
+                return SdpaOps.cpu_flash_backward(*args[:6], 0.0, False, **mask)
+            if forward:
                 out, lse = cpu.forward(*args[:3], causal, scale)
                 return out, lse.unsqueeze(-1) if cudnn else lse
             dout, q, k, v, out, lse = args[:6]

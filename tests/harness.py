@@ -10,7 +10,8 @@ error over the reference loss. With ``optimizer_steps`` both sides first take
 that many SGD steps, so the compared step also checks what happens between
 steps (BSIPipe's and Chimera's copies). The compared step runs once per kernel of
 ``kernels``, from the same weights in the same rank processes: torch's CPU kernel (causal masks
-aligned top-left) and :mod:`bottom_right`'s (aligned bottom-right, flash-attn's one-call path), each
+aligned top-left) and :mod:`bottom_right`'s (aligned bottom-right, the one-call path of flash-attn and
+torch's CUDA flash kernel), each
 reported and checked on its own. A ``mutation`` (:mod:`mutations`) breaks one mechanism on purpose.
 
 A variant runs in named steps (:func:`_run_variant`): the models, the batches, this rank's
@@ -68,7 +69,7 @@ class Variant:
     optimizer_steps: int = 0  # SGD steps (and BSIPipe/Chimera copy syncs) on both sides before the compared step
     mutation: str | None = None  # a mechanism broken on purpose: a key of mutations.MUTATIONS
     # unit attention's kernels, each checked on the compared step: torch's CPU kernel (causal masks aligned
-    # top-left) and bottom_right.py's (bottom-right: flash-attn's one-call path)
+    # top-left) and bottom_right.py's (bottom-right: the one-call path of flash-attn and torch's CUDA flash)
     kernels: tuple[str, ...] = ("top_left", "bottom_right")
     pre_split: bool = False  # step() given one entry per microbatch (arg_mbs, ...), as torch 2.14's step takes them
 

@@ -255,16 +255,14 @@ def _cp_second_chunk_positions(ctx: MutationContext) -> list:
 
 
 def _bottom_right_descending(ctx: MutationContext) -> list:
-    """A kernel that aligns causal masks bottom-right reads slabs laid out last position first: the
-    KV context is not told to keep its slabs ascending, so arenas share them top and bottom."""
-    from torchtitan_seq.kv_context import KVContext
+    """A kernel that aligns causal masks bottom-right reads a slab laid out last position first (a
+    microbatch sharing an arena from its top) in one causal call, as if it were ascending."""
+    from torchtitan_seq.attention import unit_op
 
-    append = KVContext.append
+    def any_order(kernel, slab, unit):
+        return kernel.bottom_right and slab.holds(unit.offset + unit.length)
 
-    def any_order(self, layer_id, k, v, with_own=False, ascending=False):
-        return append(self, layer_id, k, v, with_own, ascending=False)
-
-    return [mock.patch.object(KVContext, "append", any_order)]
+    return [mock.patch.object(unit_op, "_one_call", any_order)]
 
 
 def _host_read_in_units(ctx: MutationContext) -> list:

@@ -45,9 +45,10 @@ class AttentionKernel(Protocol):
     lse (B, Hq, Lq) in float32; ``backward`` returns dq, dk, dv shaped like q, k, v.
 
     ``bottom_right``: a causal call with Lq < Lk aligns its mask at the bottom right (query i
-    attends keys up to i + Lk - Lq), so a unit reads its prefix and its own keys in one call.
-    A kernel that aligns top-left (torch's) gets square causal calls only, and the prefix in
-    an unmasked call of its own: two calls per unit, merged once."""
+    attends keys up to i + Lk - Lq), so a unit reads its prefix and its own keys in one call
+    where its slab lays them out in order. A kernel that aligns top-left (torch's CPU and cuDNN
+    kernels) gets square causal calls only, and the prefix in an unmasked call of its own: two
+    calls per unit, merged once."""
 
     bottom_right: bool
 
@@ -82,9 +83,13 @@ class CpuSdpaKernel:
 
 class CudaSdpaKernel:
     """torch's own CUDA flash-attention kernel (fp16/bf16), used without flash-attn; grouped
-    K/V heads native. Causal masks align top-left."""
+    K/V heads native. A causal call with Lq < Lk aligns its mask at the bottom right, as
+    FlashAttention 2, whose kernel it is, does: torch's SDPA keeps the flash kernel from
+    non-square causal calls for that reason (``check_flash_causal_non_square_seqlens``,
+    aten/src/ATen/native/transformers/cuda/sdp_utils.cpp), and ``causal_lower_right``
+    (torch/nn/attention/bias.py) calls this op with ``is_causal=True``."""
 
-    bottom_right = False
+    bottom_right = True
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse, *_ = SdpaOps.flash(q, k, v, 0.0, causal, scale=scale)

@@ -5,8 +5,8 @@ own K/V and to those of units 0..j-1 of its microbatch on the stage. The context
 microbatch and layer, one :class:`KVSlab`: K and V of the microbatch's keys that later units
 read, each unit's written at its offset as it runs forward (one copy of the unit's own K/V,
 never of the prefix), so a unit reads its whole prefix, or prefix and own keys together, as
-one view. The last unit's keys are read by no later unit: it writes them only where its
-kernel reads prefix and own keys in one call, or under context parallelism (``with_own``).
+one view. The last unit's keys are read by no later unit: it writes them only under context
+parallelism (``with_own``), where other ranks' queries read them as their prefix.
 
 Context parallelism (:attr:`KVContext.shard`, :mod:`torchtitan_seq.context_parallel`): a CP rank
 computes a share of each unit's queries (:attr:`Unit.queries`) and writes the unit's whole K/V,
@@ -287,7 +287,7 @@ class KVContext:
         self._backwards: dict[int, int] = {}  # microbatch -> units whose backward has ended
         self._live: dict[int, set[int]] = {}  # microbatch -> units run forward whose backward has not ended
         self._passes: list[Pass] | None = None
-        self._plans: dict[bool, ArenaPlan] = {}  # alternate -> the placement of every microbatch
+        self._plan: ArenaPlan | None = None  # the placement of every microbatch
         self._placed: dict[int, tuple[int, SlabPlacement]] = {}  # microbatch -> (arena capacity, placement)
         self._arenas: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer id, arena) -> K, V
         self._rows: dict[tuple[int, torch.device], _DescendingRows] = {}  # kept across steps
@@ -296,7 +296,7 @@ class KVContext:
         """The order in which the stage runs its units' passes each step (see
         :data:`~torchtitan_seq.kv_placement.Pass`); the arenas are planned from it."""
         self._passes = list(passes)
-        self._plans.clear()
+        self._plan = None
 
     def phase(self, *, forward: bool) -> Phase | None:
         """The phase of an attention op's call now, ``forward`` for the op's forward, else for its
@@ -377,15 +377,14 @@ class KVContext:
         return _saved(slab, *slab.keys(unit.offset, unit.offset + unit.length))
 
     def append(
-        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False, ascending: bool = False
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False
     ) -> tuple[KVSlab, _Stored | None]:
         """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
         unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
         kernel reads them apart from the prefix; under CP other ranks' queries read them as their
         prefix). The first unit places the slab: room for the keys later units read, the last unit's
-        too if ``with_own``; ``ascending``: in position order whatever its arena (a kernel that reads
-        prefix and own keys in one causal call). Returns the slab, and the unit's K/V in it as
-        :meth:`own` gives them (None: not written)."""
+        too if ``with_own``. Returns the slab, and the unit's K/V in it as :meth:`own` gives them
+        (None: not written)."""
         unit = self.unit
         if unit is None or self._backward:
             raise RuntimeError("KVContext.append called outside a unit's forward")
@@ -398,21 +397,22 @@ class KVContext:
                 "subsequence order, each once"
             )
         if slab is None:
-            slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, with_own, ascending)
+            slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, with_own)
         if not unit.is_last or with_own:
             self._check_room(unit, slab)
             return slab, _saved(slab, *slab.write(unit.offset, k, v))
         return slab, None
 
-    def _place(self, layer_id: int, m: int, k: torch.Tensor, with_own: bool, ascending: bool) -> KVSlab:
+    def _place(self, layer_id: int, m: int, k: torch.Tensor, with_own: bool) -> KVSlab:
         """Microbatch ``m``'s slab for ``layer_id``, in the arena its plan names (allocated by its
         first slab), or in one of its own."""
         if self.lengths is None:  # nothing to plan with: a slab of its own that grows
             return KVSlab(_new_keys(k, 0), _new_keys(k, 0))
         size = sum(self.lengths[: None if with_own else -1])
         if m not in self._placed:
-            alternate = not ascending  # a descending slab serves unmasked reads only (see kv_placement)
-            plan = self._plan(alternate, size)
+            if self._plan is None:
+                self._plan = plan_arenas(self._passes or [], self.lengths, size)
+            plan = self._plan
             solo = (size, SlabPlacement(-1 - m, descending=False))
             self._placed[m] = (plan.capacity, plan.slabs[m]) if m in plan.slabs else solo
         capacity, placed = self._placed[m]
@@ -430,11 +430,6 @@ class KVContext:
         if rows is None:
             rows = self._rows[size, device] = _DescendingRows(size, device)
         return rows
-
-    def _plan(self, alternate: bool, size: int) -> ArenaPlan:
-        if alternate not in self._plans:
-            self._plans[alternate] = plan_arenas(self._passes or [], self.lengths, size, alternate)
-        return self._plans[alternate]
 
     def _check_room(self, unit: Unit, slab: KVSlab) -> None:
         """Refuse a write into positions of the arena that another microbatch in it still uses, at its

@@ -15,8 +15,9 @@ Any positions [a, b) of a descending slab are still one range, last position fir
 unmasked call (attention sums over its keys in any order), which is how torch's kernels (causal
 masks aligned top-left) read a prefix, a whole one or a packed document's part; a unit's causal call
 over its own keys reads them as the unit computed them. A kernel that aligns masks bottom-right
-reads prefix and own keys in one causal call, in position order, so with such a kernel arenas hold
-ascending slabs only (``alternate=False``).
+reads prefix and own keys in one causal call from an ascending slab, and from a descending one
+makes the two calls a top-left kernel makes, so the slabs lie alike whatever the kernel
+(``alternate=False``, ascending slabs only, is what the plan is compared with).
 
 The plan is pure Python over the stage's passes, so the runtime (:class:`~torchtitan_seq.kv_context.KVContext`)
 and the memory model (:mod:`torchtitan_seq.simulate.memory`) place slabs alike.

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 # A mutation runs with each kernel whose path holds the mechanism it breaks (both by default), and
 # must break exactness with each. These hold on one path only: the prefix calls (unmasked, apart from
-# the diagonal's) are the top-left kernel's; the ascending slabs the bottom-right kernel's.
+# the diagonal's) are the top-left kernel's; the one call over prefix and own keys the bottom-right kernel's.
 TOP_LEFT, BOTTOM_RIGHT = ("top_left",), ("bottom_right",)
 TWO_RANKS = [
     Variant("host_read_in_units", k=2, optimizer_steps=1, mutation="host_read_in_units"),
@@ -147,8 +147,8 @@ def test_unit_writing_its_kv_at_the_wrong_slab_offset(results):
 
 
 def test_bottom_right_kernel_reading_a_descending_slab(results):
-    """A kernel that aligns causal masks bottom-right (flash-attn's one-call path) given slabs that arenas
-    share top and bottom: it reads prefix and own keys last position first."""
+    """A kernel that aligns causal masks bottom-right (flash-attn's, torch's CUDA flash kernel) makes its
+    one call over a slab an arena holds from the top: it reads prefix and own keys last position first."""
     _check(results, "bottom_right_descending")
 
 

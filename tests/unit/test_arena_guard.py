@@ -67,10 +67,10 @@ def _perturbed(passes: list[Pass], swaps: int, rng: random.Random) -> list[Pass]
 class _Replay:
     """The arena cells, each with the (microbatch, position) whose key it holds, from the plan alone."""
 
-    def __init__(self, announced: list[Pass], lengths: list[int], with_own: bool, ascending: bool) -> None:
+    def __init__(self, announced: list[Pass], lengths: list[int], with_own: bool) -> None:
         self.size = sum(lengths) if with_own else sum(lengths[:-1])
         self.extents = slab_extents(lengths, self.size)
-        self.plan = plan_arenas(announced, lengths, self.size, alternate=not ascending)
+        self.plan = plan_arenas(announced, lengths, self.size)
         self.cells: dict[tuple[int, int], tuple[int, int]] = {}
         self.live: dict[int, set[int]] = {}
 
@@ -95,12 +95,12 @@ class _Replay:
             self.cells[self._cell(m, position)] = (m, position)
 
 
-def _check_order(announced, run, lengths, with_own, ascending) -> int | None:
+def _check_order(announced, run, lengths, with_own) -> int | None:
     """Replay ``run`` through a context told ``announced``; assert the guard refuses exactly the first
     write the brute force calls an overwrite. Returns the index of that pass, None if there is none."""
     k = len(lengths)
     offsets = [sum(lengths[:j]) for j in range(k)]
-    context, replay = KVContext(list(lengths)), _Replay(announced, list(lengths), with_own, ascending)
+    context, replay = KVContext(list(lengths)), _Replay(announced, list(lengths), with_own)
     context.expect(announced)
     for t, (forward, m, j) in enumerate(run):
         unit = Unit(m, j, offsets[j], lengths[j], k)
@@ -114,7 +114,7 @@ def _check_order(announced, run, lengths, with_own, ascending) -> int | None:
         kv = torch.zeros(1, 1, lengths[j], 1)
         with context.running(unit):
             try:
-                context.append(0, kv, kv, with_own=with_own, ascending=ascending)
+                context.append(0, kv, kv, with_own=with_own)
                 refused = False
             except RuntimeError as e:
                 assert "would overwrite keys" in str(e), e
@@ -131,17 +131,16 @@ def _check_order(announced, run, lengths, with_own, ascending) -> int | None:
 @pytest.mark.parametrize("name", list(SEQUENCE_SCHEDULES))
 def test_the_guard_refuses_exactly_the_writes_that_overwrite_keys_in_flight(name):
     """Every shape of the grid, every stage, the announced order (never refused) and perturbed ones;
-    slabs placed with descending tops (top-left kernels) or ascending only (bottom-right kernels, CP)."""
+    slabs sized for the keys later units read or, under CP (``with_own``), the last unit's too."""
     rng = random.Random(0)
     refusals = 0
     for shape in (s for s in SHAPES if s[0] == name):
         k = shape[3]
         lengths = LENGTHS[:k]
-        for passes, ascending in itertools.product(_stage_orders(*shape), (False, True)):
-            with_own = ascending  # the one-call kernels write the last unit too (as CP does)
-            assert _check_order(passes, passes, lengths, with_own, ascending) is None, shape
+        for passes, with_own in itertools.product(_stage_orders(*shape), (False, True)):
+            assert _check_order(passes, passes, lengths, with_own) is None, shape
             for swaps in SWAPS:
-                refused = _check_order(passes, _perturbed(passes, swaps, rng), lengths, with_own, ascending)
+                refused = _check_order(passes, _perturbed(passes, swaps, rng), lengths, with_own)
                 refusals += refused is not None
     # The perturbed orders do reach the guard, except TeraPipe's: all its slabs are whole at once, so
     # no arena is shared (test_kv_placement.test_terapipe_holds_whole_microbatches).

@@ -263,8 +263,9 @@ def _units_of_one_layer(kernel, lengths: list[int], ids: torch.Tensor | None):
 def test_kernel_calls_per_unit(aligned, lengths, packed):
     """Exact against the whole sequence, in the calls of the issue: per unit j, without
     documents, one call forward and one backward with a bottom-right kernel, with a top-left
-    one two for j > 0 (prefix unmasked, diagonal causal) and one for j = 0. With documents, per
-    batch row: one causal call per document piece in the unit, plus (top-left) one unmasked
+    one two for j > 0 (prefix unmasked, diagonal causal) and one for j = 0; the last unit two
+    with either (no later unit reads its keys, so the slab does not hold them). With documents,
+    per batch row: one causal call per document piece in the unit, plus (where two) one unmasked
     call where the document continuing into the unit started before it."""
     from harness import EOS, packed_tokens
     from torchtitan_seq.documents import Documents, document_ids
@@ -272,14 +273,13 @@ def test_kernel_calls_per_unit(aligned, lengths, packed):
     ids = document_ids(packed_tokens(5, 32, torch.Generator().manual_seed(0)), EOS) if packed else None
     kernel = CountingKernel(KERNELS[aligned]())
     assert _units_of_one_layer(kernel, lengths, ids) <= TOL
-    top_left = aligned == "top-left"
     docs = Documents.from_ids(ids) if packed else None
     for j, n in enumerate(lengths):
-        s = sum(lengths[:j])
+        s, two = sum(lengths[:j]), aligned == "top-left" or j == len(lengths) - 1
         if docs is None:
-            expected = 1 + (top_left and j > 0)
+            expected = 1 + (two and j > 0)
         else:
-            expected = sum(len(docs.pieces(b, s, s + n)) + (top_left and docs.start_of(b, s) < s) for b in range(5))
+            expected = sum(len(docs.pieces(b, s, s + n)) + (two and docs.start_of(b, s) < s) for b in range(5))
         assert kernel.calls["forward", j] == kernel.calls["backward", j] == expected, (j, kernel.calls)
 
 

@@ -75,13 +75,13 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("told", [False, True], ids=["untold", "told-the-order"])
 def test_both_ranks_shares_add_up_to_whole_sequence_attention(told, bottom_right):
     """Two microbatches of k = 2 units through one context in a 1F1B order, each in an arena of its own
-    or, told the order, with torch's top-left kernel the second sharing the first's from its top
-    (descending; a bottom-right kernel, flash-attn's one-call path, keeps ascending slabs, apart here).
+    or, told the order, the second sharing the first's from its top (descending: a bottom-right kernel,
+    flash-attn's, reads it in two calls as torch's top-left one does).
     Each CP rank's output, dq and its part of dk and dv (summed over the ranks) equal SDPA's over the
     whole sequence."""
     from bottom_right import BottomRightCpuKernel
 
-    descending = told and not bottom_right
+    descending = told
     lengths, s = [8, 8], 16
     g = torch.Generator().manual_seed(0)
     data = [[torch.randn(1, h, s, 4, generator=g) for h in (4, 2, 2, 4)] for _ in range(2)]  # q, k, v, dout

@@ -138,15 +138,16 @@ def test_gpu_check_times_passes_with_cuda_events(fake_cuda_events, monkeypatch):
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Reference attention in torch's layout, q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D), GQA
-    by head groups: out (B, Hq, Lq, D) and float32 lse (B, Hq, Lq). ``causal`` only on square
-    blocks: the adapters ask for no other, so top-left and bottom-right alignment agree."""
-    assert not causal or q.shape[2] == k.shape[2], "causal attention on a non-square block"
+    by head groups: out (B, Hq, Lq, D) and float32 lse (B, Hq, Lq). ``causal``: the mask aligned
+    at the bottom right (query i sees keys up to i + Lk - Lq), as the flash kernels align it
+    (torch's and flash-attn's); on a square block top-left is the same."""
     n_rep = q.shape[1] // k.shape[1]
     assert n_rep * k.shape[1] == q.shape[1]
     k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
     scores = (q @ k.transpose(-1, -2)) * scale
     if causal:
-        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+        lq, lk = scores.shape[-2:]
+        scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
     lse = scores.logsumexp(-1)
     return (scores - lse.unsqueeze(-1)).exp() @ v, lse.float()
 
@@ -219,8 +220,14 @@ def _flash_backward(a):
     return _attention_grads(a["grad_out"], a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
 
 
+def _top_left_square(a: dict[str, Any]) -> None:
+    """cuDNN's op aligns causal masks top-left: the unit path gives it square causal blocks only."""
+    assert not a["is_causal"] or a["query"].shape[2] == a["key"].shape[2], "causal cuDNN call on a non-square block"
+
+
 def _cudnn_forward(a):
     _no_extras(a)
+    _top_left_square(a)
     assert a["compute_log_sumexp"], "the merge needs the log-sum-exp"
     out, lse = _attention(a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
     return out, lse.unsqueeze(-1)  # cuDNN's lse is (B, H, L, 1)
@@ -228,6 +235,7 @@ def _cudnn_forward(a):
 
 def _cudnn_backward(a):
     _no_extras(a)
+    _top_left_square(a)
     _backward_lengths(a)
     assert a["logsumexp"].shape == (*a["query"].shape[:-1], 1)
     assert a["logsumexp"].is_contiguous()
@@ -307,13 +315,23 @@ def fake_flash_attn(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", _fake_flash_attn())
 
 
-# (Lq, Lk, causal): a diagonal block, a prefix block (unmasked, Lq != Lk), both odd-sized
-BLOCKS = [(6, 6, True), (5, 7, False), (7, 3, False)]
+# (Lq, Lk, causal): a diagonal block, a prefix block (unmasked, Lq != Lk), both odd-sized, and a unit's
+# prefix and own keys in one causal call (bottom-right kernels only)
+BLOCKS = [(6, 6, True), (5, 7, False), (7, 3, False), (5, 9, True)]
+ADAPTER_BLOCKS = [
+    (adapter, block)
+    for adapter in ("CudaSdpaKernel", "CudnnSdpaKernel", "FlashAttnKernel")
+    for block in BLOCKS
+    if adapter != "CudnnSdpaKernel" or block != (5, 9, True)  # top-left: square causal blocks only
+]
 
 
-@pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("adapter", ["CudaSdpaKernel", "CudnnSdpaKernel", "FlashAttnKernel"])
+@pytest.mark.parametrize(("adapter", "block"), ADAPTER_BLOCKS)
 def test_cuda_adapter_equals_the_cpu_kernel(adapter, block, fake_aten, fake_flash_attn):
+    """Forward and backward equal the CPU kernel of the same alignment: torch's (top-left) on square
+    causal and unmasked blocks, tests/bottom_right.py's on a bottom-right adapter's non-square causal one."""
+    from bottom_right import BottomRightCpuKernel
+
     lq, lk, causal = block
     gen = torch.Generator().manual_seed(lq * 10 + lk)
     # (B, L, H, D) transposed, as the model lays q, k, v out; 4 query heads on 2 K/V heads
@@ -322,7 +340,7 @@ def test_cuda_adapter_equals_the_cpu_kernel(adapter, block, fake_aten, fake_flas
     kernel = {"CudaSdpaKernel": CudaSdpaKernel, "CudnnSdpaKernel": CudnnSdpaKernel, "FlashAttnKernel": FlashAttnKernel}[
         adapter
     ]()
-    cpu = CpuSdpaKernel()
+    cpu = BottomRightCpuKernel() if causal and lq != lk else CpuSdpaKernel()
     out, lse = kernel.forward(q, k, v, causal, 0.3)
     ref_out, ref_lse = cpu.forward(q, k, v, causal, 0.3)
     assert (out.shape, lse.shape, lse.dtype) == (ref_out.shape, ref_lse.shape, torch.float32)

@@ -91,9 +91,10 @@ def test_terapipe_holds_whole_microbatches():
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "block-causal"])
 def test_context_in_a_shared_arena_is_exact(packed, bottom_right):
     """One attention layer run as Seq1F1B's rank 0 runs its units (p 2, N 4, k 4, uneven lengths):
-    microbatches share arenas (at opposite ends with torch's top-left kernel; ascending one after the
-    other with a bottom-right one, flash-attn's one-call path), and each one's output and q, k, v
-    gradients equal whole-sequence attention, causal or over packed documents (block-causal, dense mask)."""
+    microbatches share arenas at opposite ends, whatever the kernel (a bottom-right one, flash-attn's,
+    reads an ascending slab in one call per unit and a descending one in two), and each one's output and
+    q, k, v gradients equal whole-sequence attention, causal or over packed documents (block-causal,
+    dense mask)."""
     from bottom_right import BottomRightCpuKernel
     from harness import EOS, packed_tokens
     from torchtitan_seq.attention import SequenceAttention
@@ -123,7 +124,7 @@ def test_context_in_a_shared_arena_is_exact(packed, bottom_right):
         else:
             with context.backward(u):
                 (outs[m, j] * weights[m][:, :, part]).sum().backward()
-    assert descending == ({False} if bottom_right else {False, True})
+    assert descending == {False, True}
     assert len(arenas) < n  # arenas shared
     assert len(context) == 0 and context.held_bytes() == 0
     for m in range(n):

@@ -7,9 +7,11 @@ finds that binding (:mod:`.handles`). The block kernels it calls are in :mod:`to
 A unit's queries cover positions [s, s+L) of the sequence; its keys are the
 prefix [0, s) and its own [s, s+L), all in its microbatch's K/V slab (written by the
 :class:`~torchtitan_seq.kv_context.KVContext`, the unit's own first), read as views.
-A kernel that aligns causal masks at the bottom right reads slab[0 : s+L] in one causal
-call; torch's kernels align them top-left, so they get two: the prefix unmasked and the
-square diagonal causally, merged once by log-sum-exp. Backward makes the same calls with
+A kernel that aligns causal masks at the bottom right (flash-attn's, torch's CUDA flash
+kernel) reads slab[0 : s+L] in one causal call where the slab is ascending and holds the
+unit's own keys; elsewhere, and with the kernels that align them top-left (torch's CPU and
+cuDNN kernels), a unit makes two calls: the prefix unmasked and the square diagonal causally,
+merged once by log-sum-exp. Backward makes the same calls with
 the *merged* output and log-sum-exp, which is exact (the ring-attention identity): dq
 once (one add of two calls), dK/dV of the prefix added in place into the slab's gradient,
 which the earlier units' backward reads. The unit saves only views of the slab, q, its

@@ -2,8 +2,9 @@
 whole-sequence path both run.
 
 Queries at positions [s, s+L) attend to keys [0, s+L): a kernel that aligns causal masks at the bottom
-right reads them in one causal call; torch's kernels align them top-left, so they get two, the prefix
-unmasked and the square diagonal causally, merged once by log-sum-exp (:func:`_merge_into`). Packed
+right reads them in one causal call where they lie in position order; otherwise (top-left kernels:
+torch's CPU and cuDNN ones; a descending slab) a unit gets two, the prefix unmasked and the square
+diagonal causally, merged once by log-sum-exp (:func:`_merge_into`). Packed
 documents keep this shape: per batch row each piece of a document within the span is a causal call,
 and only the queries of the document that continues into the span read the keys before it, from that
 document's first key on (:func:`_calls`). Backward makes the same calls with the *merged* output and
@@ -78,8 +79,8 @@ def _calls(
     queries already covered, merged by log-sum-exp. Per segment and batch row (every row at once
     without documents) each document piece inside the segment is a causal call over its own keys;
     the piece of the document continuing into the segment reads that document's keys before the
-    segment too: in the same call where the kernel aligns causal masks at the bottom right, else in
-    one unmasked call of its own."""
+    segment too: in the same call where ``bottom_right`` (a kernel that aligns causal masks at the
+    bottom right, over keys in position order), else in one unmasked call of its own."""
     if documents is None:  # the same few units every step
         return _causal_calls(segments, bottom_right)
     return _build_calls(documents, segments, bottom_right)

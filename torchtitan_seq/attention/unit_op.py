@@ -8,7 +8,8 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from ..context_parallel import ContextShard
-from ..kv_context import KVContext, KVSlab, Phase, _Stored
+from ..kernels import AttentionKernel
+from ..kv_context import KVContext, KVSlab, Phase, Unit, _Stored
 from ..torch_internals import function_apply
 from .calls import _attention_backward, _attention_forward, _Call, _calls, _Keys
 from .handles import _Binding, _bound
@@ -25,13 +26,12 @@ def _own_keys(
     where the slab holds the unit's K/V (None: nowhere): FORWARD writes them into the slab (gathered
     over the CP group, each rank's ``k``, ``v`` being its share); RECOMPUTE reads the slab its forward
     wrote, where under CP the whole unit's K/V lie."""
-    shard, kernel = context.shard, binding.kernel
+    shard = context.shard
     if phase is Phase.FORWARD:
         cp = shard.size > 1  # other ranks' chunks of the unit read keys of the last unit too
         if cp:
             k, v = shard.gather(k), shard.gather(v)
-        with_own = kernel.bottom_right or cp
-        slab, stored = context.append(binding.layer_id, k, v, with_own=with_own, ascending=kernel.bottom_right)
+        slab, stored = context.append(binding.layer_id, k, v, with_own=cp)
         return (k, v), slab, stored
     stored = context.own(binding.layer_id)
     if shard.size > 1:
@@ -40,14 +40,24 @@ def _own_keys(
     return (k, v), context.recorded(binding.layer_id), stored
 
 
-def _unit_calls(context: KVContext, bottom_right: bool) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
-    """The kernel calls of the running unit (:func:`.calls._calls`), built by the first of its attention
-    layers to ask and kept by the context for the others while the unit runs (each layer asking costs the
-    host a few calls; packed documents' calls would be built again by each)."""
-    calls = context.per_unit.get(bottom_right)
+def _one_call(kernel: AttentionKernel, slab: KVSlab, unit: Unit) -> bool:
+    """Whether ``unit`` reads its prefix and own keys in one causal call: with a kernel that aligns causal
+    masks bottom-right, from a slab that lays them out in position order (not descending) and holds the
+    unit's own keys (every unit's but the last one's, which no later unit reads; under CP every unit's).
+    Elsewhere two calls and a merge, as with a top-left kernel; so the kernel changes neither where the
+    slabs lie nor their size, which the memory model plans for every kernel alike."""
+    return kernel.bottom_right and not slab.descending and slab.holds(unit.offset + unit.length)
+
+
+def _unit_calls(context: KVContext, one_call: bool) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
+    """The kernel calls of the running unit (:func:`.calls._calls`; ``one_call``: :func:`_one_call`'s),
+    built by the first of its attention layers to ask and kept by the context for the others while the
+    unit runs (each layer asking costs the host a few calls; packed documents' calls would be built again
+    by each)."""
+    calls = context.per_unit.get(one_call)
     if calls is None:
         unit = context.unit
-        calls = context.per_unit[bottom_right] = _calls(context.documents_of(unit), unit.segments, bottom_right)
+        calls = context.per_unit[one_call] = _calls(context.documents_of(unit), unit.segments, one_call)
     return calls
 
 
@@ -67,7 +77,7 @@ def _unit_attention(
         return *_whole_sequence_forward(kernel, q, k, v, None, scale), None
     unit = context.unit
     own, slab, stored = _own_keys(context, binding, phase, k, v)
-    causal, prefix = _unit_calls(context, kernel.bottom_right)
+    causal, prefix = _unit_calls(context, _one_call(kernel, slab, unit))
     return *_attention_forward(kernel, q, _Keys(own, unit.offset, slab), causal, prefix, scale), stored
 
 
@@ -87,8 +97,9 @@ def _unit_attention_backward(
     if context.phase(forward=False) is None:
         return _whole_sequence_backward(kernel, dout, q, k, v, out, lse, None, scale)
     unit = context.unit
-    keys = _Keys((k, v), unit.offset, context.recorded(binding.layer_id))
-    causal, prefix = _unit_calls(context, kernel.bottom_right)
+    slab = context.recorded(binding.layer_id)
+    causal, prefix = _unit_calls(context, _one_call(kernel, slab, unit))
+    keys = _Keys((k, v), unit.offset, slab)
     return _attention_backward(kernel, dout, q, keys, out, lse, causal, prefix, scale)
 
 

@@ -2,8 +2,8 @@
 gradient, under context parallelism too (notation: the package's docstring).
 
 **KV context** (:mod:`torchtitan_seq.kv_context`): per stage, microbatch and layer one K/V
-slab of the keys later units read, S - L_{k-1} tokens at 2 Hkv hd a / t bytes each (torch's
-kernels, which align causal masks top-left: the last unit keeps its own K/V), in arenas the
+slab of the keys later units read, S - L_{k-1} tokens at 2 Hkv hd a / t bytes each (whatever the
+kernel: the last unit keeps its own K/V), in arenas the
 context plans from the stage's pass order as the runtime does
 (:func:`~torchtitan_seq.kv_placement.plan_arenas`: a microbatch in backward and the next in
 forward share one arena from its two ends), each allocated by a write into it while it holds no
