@@ -3,7 +3,8 @@
 On one CUDA device, in a few minutes: (1) unit attention (``SequenceAttention`` through a
 ``KVContext``, units forward in order and backward last unit first, as a pipeline stage
 runs them) with ``CudaSdpaKernel``, ``CudnnSdpaKernel`` and, where flash_attn imports,
-``FlashAttnKernel``, causal and block-causal (packed documents), against whole-sequence
+``FlashAttnKernel``, causal and block-causal (packed documents), one microbatch and, for each
+cut into units, four sharing arenas (every other slab descending), against whole-sequence
 attention in float64 with the same mask: output and dq, dk, dv as max |error| / max
 |reference|; (2) the KV context's overhead on a 1B-class Llama 3 stack (4 layers, dim
 2048, 16 heads, 8 KV heads, bf16) at 8K-64K tokens: forward+backward time (CUDA events,
@@ -55,8 +56,10 @@ from torchtitan_seq.kernels import (
     select_kernel,
 )
 from torchtitan_seq.kv_context import KVContext, Unit
+from torchtitan_seq.ordering import stage_passes
 from torchtitan_seq.partition import partition_sequence
 from torchtitan_seq.plan import H200_UNIT_OVERHEAD_S
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
 from torchtitan_seq.simulate.costs import gpu_fixed_cost_per_layer
 
 FP32_TOL = 1e-5
@@ -163,23 +166,44 @@ def _reference(q, k, v, dout, ids: torch.Tensor | None) -> dict[str, torch.Tenso
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths, ids) -> dict[str, torch.Tensor]:
-    """The sequence cut into ``lengths`` units, run as a pipeline stage runs them."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    context = KVContext(lengths)
-    context.documents = None if ids is None else [Documents.from_ids(ids)]
+SHARED_MICROBATCHES = 4
+"""Microbatches of a cut's shared-arena run (Seq1F1B's first stage of 2): enough for a microbatch in
+backward to share an arena with the next in forward, from its top (its slab descending)."""
+
+
+def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths, ids, shared: bool = False) -> list[dict]:
+    """The sequence cut into ``lengths`` units, run as a pipeline stage runs them: units forward in
+    order, backward last unit first (unit j+1 sends gradient into the K/V of 0..j). ``shared``:
+    :data:`SHARED_MICROBATCHES` microbatches of the same sequence in the order of Seq1F1B's first stage
+    of 2, the KV context told it, so that microbatches share arenas and every other one's slab runs last
+    position first (its indexed copies and adds; a bottom-right kernel's two calls there). Per
+    microbatch: out, dq, dk, dv."""
+    n, count = (SHARED_MICROBATCHES if shared else 1), len(lengths)
+    context = KVContext(list(lengths))
+    context.documents = None if ids is None else [Documents.from_ids(ids)] * n
+    if shared:
+        passes = stage_passes(SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(2, n, count))[0], 0, count)[1]
+        context.expect(passes)
+    else:
+        passes = [(True, 0, j) for j in range(count)] + [(False, 0, j) for j in reversed(range(count))]
     attention = SequenceAttention(layer_id=0)
     attention.bind(context, kernel)
     units = _units(lengths)
-    outs = []
-    for u in units:
+    leaves = [[t.detach().requires_grad_() for t in (q, k, v)] for _ in range(n)]
+    outs = {}
+    for forward, m, j in passes:
+        u = replace(units[j], microbatch=m)
         part = slice(u.offset, u.offset + u.length)
-        with context.running(u):
-            outs.append(attention(q[:, :, part], k[:, :, part], v[:, :, part]))
-    for u in reversed(units):  # last unit first: unit j+1 sends gradient into the K/V of 0..j
-        with context.backward(u):
-            outs[u.index].backward(dout[:, :, u.offset : u.offset + u.length])
-    return {"out": torch.cat(outs, 2).detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        if forward:
+            with context.running(u):
+                outs[m, j] = attention(*(t[:, :, part] for t in leaves[m]))
+        else:
+            with context.backward(u):
+                outs[m, j].backward(dout[:, :, part])
+    return [
+        {"out": torch.cat([outs[m, j] for j in range(count)], 2).detach(), **dict(zip(("dq", "dk", "dv"), grads))}
+        for m, grads in enumerate([t.grad for t in leaf] for leaf in leaves)
+    ]
 
 
 def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -234,9 +258,10 @@ def check_attention(sizes: Sizes, device: torch.device) -> list[dict]:
                 ref = _reference(qd, kd, vd, dd, ids)
                 try:
                     errors = {}
-                    for cut in sizes.attn_cuts:
-                        got = _unit_attention(kernel, qd, kd, vd, dd, cut, ids)
-                        errors["-".join(map(str, cut))] = {t: _rel_error(got[t], ref[t]) for t in ref}
+                    for cut, shared in ((c, s) for c in sizes.attn_cuts for s in (False, True)[: len(c)]):
+                        got = _unit_attention(kernel, qd, kd, vd, dd, cut, ids, shared)
+                        label = "-".join(map(str, cut)) + (" shared" if shared else "")
+                        errors[label] = {t: max(_rel_error(g[t], ref[t]) for g in got) for t in ref}
                 except Exception as e:  # noqa: BLE001 -- a failing kernel is a result; GPU runs are scarce
                     record["status"] = f"error: {type(e).__name__}: {e}".splitlines()[0]
                     continue

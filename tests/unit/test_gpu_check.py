@@ -50,7 +50,13 @@ def test_dry_run_reports_every_figure(dry_run):
     ):
         assert key in results, key
     cases = results["attention"]["cases"]
-    assert {(c["mask"], c["status"]) for c in cases} == {("causal", "ok"), ("block_causal", "ok")}
+    assert {(c["mask"], c["kernel"], c["status"]) for c in cases} == {
+        ("causal", "CpuSdpaKernel", "ok"),
+        ("block_causal", "CpuSdpaKernel", "ok"),
+    }
+    # every cut into units also as microbatches sharing arenas (descending slabs)
+    runs = {"96", "24-24-24-24", "24-24-24-24 shared", "40-30-16-10", "40-30-16-10 shared"}
+    assert all(set(c["errors"]) == runs for c in cases), [list(c["errors"]) for c in cases]
     tolerance = {"float32": 1e-5, "float16": 5e-2, "bfloat16": 5e-2}
     assert {c["dtype"] for c in cases if c["mask"] == "causal"} == set(tolerance)
     for case in cases:
