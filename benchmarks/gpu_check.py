@@ -201,8 +201,8 @@ def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths, ids, shared
             with context.backward(u):
                 outs[m, j].backward(dout[:, :, part])
     return [
-        {"out": torch.cat([outs[m, j] for j in range(count)], 2).detach(), **dict(zip(("dq", "dk", "dv"), grads))}
-        for m, grads in enumerate([t.grad for t in leaf] for leaf in leaves)
+        {"out": torch.cat([outs[m, j] for j in range(count)], 2).detach(), "dq": q_.grad, "dk": k_.grad, "dv": v_.grad}
+        for m, (q_, k_, v_) in enumerate(leaves)
     ]
 
 
