@@ -234,6 +234,30 @@ def _kernels(device: torch.device) -> dict[str, AttentionKernel | str]:
     return kernels
 
 
+def probe_kernel_dtypes(device: torch.device) -> dict[str, dict[str, str]]:
+    """Per kernel and dtype, whether one causal block (forward and backward) runs: "ok", or the first
+    line of the kernel's refusal. The job check's CUDA precision rule rests on what this finds
+    (tests/unit/test_job_check_table.py reads the newest committed answer)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, 128, 64, generator=gen) for h in (4, 2, 2, 4))
+    probes: dict[str, dict[str, str]] = {}
+    for name, kernel in _kernels(device).items():
+        if isinstance(kernel, str):
+            continue
+        probes[name] = {}
+        for dtype in ATTN_DTYPES:
+            qd, kd, vd, dd = (t.to(device, dtype) for t in (q, k, v, dout))
+            try:
+                out, lse = kernel.forward(qd, kd, vd, True, 0.125)
+                kernel.backward(dd, qd, kd, vd, out, lse, True, 0.125)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                probes[name][_dtype_name(dtype)] = "ok"
+            except Exception as e:  # noqa: BLE001 (a refusal is the finding)
+                probes[name][_dtype_name(dtype)] = f"refused: {type(e).__name__}: {e}".splitlines()[0][:300]
+    return probes
+
+
 def check_attention(sizes: Sizes, device: torch.device) -> list[dict]:
     """One record per (mask, kernel, dtype): relative errors per cut and tensor, or why not."""
     b, hq, hkv, s, d = sizes.attn_shape
@@ -612,6 +636,11 @@ def main(argv: list[str] | None = None) -> int:
         results["elapsed_s"] = round(time.monotonic() - began, 1)
         (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1) + "\n")
 
+    print("the kernels' dtypes (one causal block forward and backward)", flush=True)
+    results["kernel_dtypes"] = probe_kernel_dtypes(device)
+    for name, dtypes in results["kernel_dtypes"].items():
+        print(f"  {name:15} " + "  ".join(f"{dtype} {status}" for dtype, status in dtypes.items()), flush=True)
+    write()
     cases: list[dict] = []
     if not args.skip_attention:
         cases = _attention_part(sizes, device, results)

@@ -15,9 +15,16 @@ from torchtitan.config import JobConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
-from .job_rules import check_compile, check_degrees, check_instrumentation, check_split_backward_ac
+from .job_rules import (
+    check_compile,
+    check_degrees,
+    check_instrumentation,
+    check_schedule_name,
+    check_split_backward_ac,
+    check_unit_precision,
+)
 from .pipeline import job_shape, pipeline_sequence_llm
-from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ScheduleShape
+from .schedules import SEQUENCE_SCHEDULES, ScheduleShape
 
 __all__ = ["check_job"]
 
@@ -25,13 +32,9 @@ __all__ = ["check_job"]
 def check_job(job_config: JobConfig, world_size: int) -> None:
     """Reject a job that cannot run on ``world_size`` processes (see the module docstring)."""
     name = job_config.parallelism.pipeline_parallel_schedule
-    # torch's get_schedule_class takes its names in any case.
-    if name not in SEQUENCE_SCHEDULES and name.lower() not in {n.lower() for n in TORCH_SCHEDULES}:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule = {name!r} is unknown: use a sequence schedule "
-            f"({', '.join(SEQUENCE_SCHEDULES)}) or one of torch's ({', '.join(TORCH_SCHEDULES)})"
-        )
+    check_schedule_name(name)
     check_degrees(job_config.parallelism, world_size)
+    _check_replicate(job_config, world_size)
     spec = get_train_spec(job_config.model.name)
     _check_flavor(job_config, spec)
     _check_compile(job_config)
@@ -165,21 +168,41 @@ def _check_torch_accelerator(job_config: JobConfig) -> None:
         )
 
 
-def _check_cuda_precision(job_config: JobConfig, world_size: int) -> None:
-    """torchtitan 0.2.2 trains in float32 under pipeline parallelism unless FSDP casts the parameters;
-    torch's CUDA attention kernels (and flash-attn), which units run on, take bf16 and fp16 only."""
-    par = job_config.parallelism
-    # torchtitan's FSDP shards over the data-parallel shard and CP ranks
+def _fsdp_degree(parallelism, world_size: int) -> int:
+    """The ranks torchtitan 0.2.2's FSDP shards over, the data-parallel shard ranks times the CP ranks:
+    1 is no FSDP, so no cast of the parameters to ``training.mixed_precision_param``."""
+    par = parallelism
     fixed = par.data_parallel_replicate_degree * par.tensor_parallel_degree * par.pipeline_parallel_degree
-    low_precision = job_config.training.mixed_precision_param in ("bfloat16", "float16")
-    fsdp_casts = world_size // fixed > 1 and low_precision
-    if torch.cuda.is_available() and par.pipeline_parallel_degree > 1 and not fsdp_casts:
+    return world_size // fixed
+
+
+def _check_replicate(job_config: JobConfig, world_size: int) -> None:
+    """Replicated data parallelism without FSDP is torchtitan 0.2.2's DDP, which it applies only as the
+    job's one dimension (its ``parallelize_fn`` raises "DDP has not supported > 1D parallelism")."""
+    par = job_config.parallelism
+    replicate = par.data_parallel_replicate_degree
+    if replicate > 1 and _fsdp_degree(par, world_size) == 1 and replicate != world_size:
         raise ValueError(
-            f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} on CUDA needs bf16 or "
-            "fp16 activations, but without FSDP (parallelism.data_parallel_shard_degree or context_parallel_degree "
-            "> 1, with training.mixed_precision_param = 'bfloat16') torchtitan trains pipelines in float32, which "
-            "the CUDA attention kernels do not take: shard the data parallel dimension, or use one of torch's schedules"
+            f"parallelism.data_parallel_replicate_degree = {replicate} without FSDP is torchtitan's DDP, which "
+            "runs only alone (not with pipeline or tensor parallelism): shard as well "
+            "(parallelism.data_parallel_shard_degree > 1: HSDP) or set it to 1"
         )
+
+
+def _check_cuda_precision(job_config: JobConfig, world_size: int) -> None:
+    """torchtitan 0.2.2 trains a pipeline in float32 unless FSDP casts the parameters."""
+    par, param = job_config.parallelism, job_config.training.mixed_precision_param
+    fsdp = _fsdp_degree(par, world_size) > 1
+    no_fsdp = "without FSDP torchtitan trains pipelines in float32"
+    why = f"training.mixed_precision_param = {param!r}" if fsdp else no_fsdp
+    check_unit_precision(
+        par.pipeline_parallel_schedule,
+        par.pipeline_parallel_degree,
+        param if fsdp else "float32",
+        why,
+        "train in bf16 with FSDP (parallelism.data_parallel_shard_degree or context_parallel_degree > 1 and "
+        "training.mixed_precision_param = 'bfloat16'), or use one of torch's schedules",
+    )
 
 
 def _check_microbatches(job_config: JobConfig) -> int:

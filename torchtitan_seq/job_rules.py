@@ -11,7 +11,28 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_degrees", "check_compile", "check_split_backward_ac", "check_instrumentation"]
+import torch
+
+from .schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES
+
+__all__ = [
+    "check_schedule_name",
+    "check_degrees",
+    "check_unit_precision",
+    "check_compile",
+    "check_split_backward_ac",
+    "check_instrumentation",
+]
+
+
+def check_schedule_name(name: str) -> None:
+    """``parallelism.pipeline_parallel_schedule`` names a sequence schedule or one of torch's (torch's
+    ``get_schedule_class`` takes its names in any case)."""
+    if name not in SEQUENCE_SCHEDULES and name.lower() not in {n.lower() for n in TORCH_SCHEDULES}:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule = {name!r} is unknown: use a sequence schedule "
+            f"({', '.join(SEQUENCE_SCHEDULES)}) or one of torch's ({', '.join(TORCH_SCHEDULES)})"
+        )
 
 
 def check_degrees(parallelism: Any, world_size: int) -> None:
@@ -29,6 +50,18 @@ def check_degrees(parallelism: Any, world_size: int) -> None:
             f"parallelism degrees {product} do not fit {world_size} processes: set them (e.g. "
             "parallelism.pipeline_parallel_degree) so that their product is the process count, or change "
             "the process count (NGPU)"
+        )
+
+
+def check_unit_precision(schedule: str, pp_degree: int, activations: str, why: str, fix: str) -> None:
+    """On CUDA a sequence schedule's units (a pipeline: ``pp_degree`` > 1) attend with torch's flash or
+    cuDNN op or flash-attn, which take fp16 and bf16 only (``benchmarks/gpu_check.py`` measures it).
+    ``activations``: the dtype the version trains the pipeline in, for the reason ``why``; ``fix``: how to
+    change it. A CPU job passes (torch's CPU kernel takes float32)."""
+    if torch.cuda.is_available() and pp_degree > 1 and activations not in ("bfloat16", "float16"):
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule = {schedule!r} on CUDA needs bf16 or fp16 activations, but "
+            f"{why}, and the CUDA attention kernels take no {activations}: {fix}"
         )
 
 

@@ -141,3 +141,30 @@ def test_the_8b_jobs_pass_the_check_on_8_processes_and_build_an_8b_model(name):
     with torch.device("meta"):
         model = model_config.build()
     assert 8.0e9 < sum(p.numel() for p in model.parameters()) < 8.1e9
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "1F1B"])
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("shard", [1, 2])
+@pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])
+def test_the_job_check_decides_cuda_precision_as_0_3_casts(monkeypatch, device, schedule, pp, shard, param_dtype):
+    """0.3's llama3 ``parallelize_fn`` always applies FSDP, which casts the parameters to
+    ``training.mixed_precision_param`` even unsharded, so a pipeline trains in that dtype; on CUDA a
+    sequence schedule's units (pp > 1) attend with kernels that take bf16 and fp16 only. A refused job
+    names the dtype setting in one line."""
+    import torch
+
+    from torchtitan_seq.titan03.job_check import check_job
+
+    args = ["--parallelism.pipeline-parallel-schedule", schedule, "--parallelism.pipeline-parallel-degree", str(pp)]
+    args += ["--parallelism.data-parallel-shard-degree", str(shard), "--training.mixed-precision-param", param_dtype]
+    config = _parse("--config", "llama3_debugmodel_seq1f1b", *args)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
+    fails = device == "cuda" and schedule == "Seq1F1B" and pp > 1 and param_dtype not in ("bfloat16", "float16")
+    if not fails:
+        check_job(config, pp * shard)
+        return
+    with pytest.raises(ValueError, match="mixed_precision_param") as e:
+        check_job(config, pp * shard)
+    assert "\n" not in str(e.value)

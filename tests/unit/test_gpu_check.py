@@ -42,6 +42,7 @@ def test_dry_run_reports_every_figure(dry_run):
         "torch",
         "cuda",
         "flash_attn",
+        "kernel_dtypes",
         "attention",
         "overhead",
         "sequence_step",
@@ -49,6 +50,8 @@ def test_dry_run_reports_every_figure(dry_run):
         "elapsed_s",
     ):
         assert key in results, key
+    # torch's CPU kernel takes every dtype the check probes
+    assert results["kernel_dtypes"] == {"CpuSdpaKernel": {"float32": "ok", "float16": "ok", "bfloat16": "ok"}}
     cases = results["attention"]["cases"]
     assert {(c["mask"], c["kernel"], c["status"]) for c in cases} == {
         ("causal", "CpuSdpaKernel", "ok"),

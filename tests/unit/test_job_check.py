@@ -35,43 +35,53 @@ def test_block_causal_flavors_pass(flavor, schedule):
     )
 
 
-@pytest.mark.parametrize(
-    "overrides,needle",
-    [
+REFUSALS: list[tuple[tuple[str, ...], str]] = [
+    # (overrides of the shipped config, on 2 CPU processes; what the one-line refusal says)
+    (
+        ("--activation_checkpoint.mode", "memory_budget"),
+        "activation_checkpoint.mode = 'memory_budget' needs torch.compile",
+    ),
+    (
+        ("--activation_checkpoint.mode", "memory_budget", "--parallelism.pipeline_parallel_schedule", "1F1B"),
+        "activation_checkpoint.mode = 'memory_budget' needs torch.compile",
+    ),
+    (("--model.flavor", "debugmodel_flash"), "model.flavor = 'debugmodel_flash' is not a flavor"),
+    (("--parallelism.pipeline_parallel_schedule", "Bogus"), "parallelism.pipeline_parallel_schedule = 'Bogus'"),
+    (("--sequence_pipeline.num_subsequences", "4096"), "sequence_pipeline.num_subsequences = 4096"),
+    (("--model.name", "llama3"), 'set [model] name = "llama3_seq"'),
+    (
+        ("--sequence_pipeline.expected_document_length", "512"),
+        "sequence_pipeline.expected_document_length = 512 needs a block-causal flavor",
+    ),
+    (("--validation.enable", "--validation.seq_len", "1024"), "validation.seq_len = 1024 differs"),
+    (
+        ("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "3"),
+        "validation.local_batch_size = 3",
+    ),
+    (("--parallelism.data_parallel_shard_degree", "2"), "do not fit 2 processes"),
+    (("--sequence_pipeline.activation_memory_freq", "-1"), "activation_memory_freq = -1 is negative"),
+    (
+        ("--training.local_batch_size", "3", "--parallelism.pipeline_parallel_microbatch_size", "2"),
+        "training.local_batch_size = 3 is not a multiple",
+    ),
+    (
         (
-            ("--activation_checkpoint.mode", "memory_budget"),
-            "activation_checkpoint.mode = 'memory_budget' needs torch.compile",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+            "--sequence_pipeline.split_backward",
         ),
-        (
-            ("--activation_checkpoint.mode", "memory_budget", "--parallelism.pipeline_parallel_schedule", "1F1B"),
-            "activation_checkpoint.mode = 'memory_budget' needs torch.compile",
-        ),
-        (("--model.flavor", "debugmodel_flash"), "model.flavor = 'debugmodel_flash' is not a flavor"),
-        (("--parallelism.pipeline_parallel_schedule", "Bogus"), "parallelism.pipeline_parallel_schedule = 'Bogus'"),
-        (("--sequence_pipeline.num_subsequences", "4096"), "sequence_pipeline.num_subsequences = 4096"),
-        (("--model.name", "llama3"), 'set [model] name = "llama3_seq"'),
-        (
-            ("--sequence_pipeline.expected_document_length", "512"),
-            "sequence_pipeline.expected_document_length = 512 needs a block-causal flavor",
-        ),
-        (("--validation.enable", "--validation.seq_len", "1024"), "validation.seq_len = 1024 differs"),
-        (
-            ("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "3"),
-            "validation.local_batch_size = 3",
-        ),
-    ],
-    ids=[
-        "memory_budget",
-        "memory_budget-without-compile",
-        "unknown-flavor",
-        "bogus-schedule",
-        "k-too-large",
-        "model-without-chunk-aware-attention",
-        "document-length-causal",
-        "validation-seq_len",
-        "validation-batch",
-    ],
-)
+        "selective_ac_option = 'op'",
+    ),
+    (("--sequence_pipeline.attention_backend", "flash"), "attention_backend = 'flash' needs a CUDA device"),
+    (("--training.dataset", "bogus"), "training.dataset = 'bogus' is unknown"),
+    (("--model.converters", "quantize.linear.float8"), "model.converters"),
+    (("--parallelism.pipeline_parallel_schedule", "DualPipeV"), "pipeline_parallel_expert_parallel_overlap = false"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", REFUSALS, ids=[needle[:40] for _, needle in REFUSALS])
 def test_refused_in_one_message_naming_the_setting(overrides, needle):
     with pytest.raises(ValueError, match=None) as e:
         _check(*overrides)

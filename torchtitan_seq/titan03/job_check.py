@@ -21,8 +21,15 @@ from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC, Selecti
 
 from .. import pipeline_core
 from ..flavors import flavor_shapes
-from ..job_rules import check_compile, check_degrees, check_instrumentation, check_split_backward_ac
-from ..schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ScheduleShape
+from ..job_rules import (
+    check_compile,
+    check_degrees,
+    check_instrumentation,
+    check_schedule_name,
+    check_split_backward_ac,
+    check_unit_precision,
+)
+from ..schedules import SEQUENCE_SCHEDULES, ScheduleShape
 from .model import FLAVORS
 
 __all__ = ["check_job"]
@@ -34,12 +41,7 @@ def check_job(config: Any, world_size: int) -> None:
     """Reject a job (0.3's ``SeqTrainer.Config``) that cannot run on ``world_size`` processes."""
     par = config.parallelism
     name = par.pipeline_parallel_schedule
-    # torch's get_schedule_class takes its names in any case.
-    if name not in SEQUENCE_SCHEDULES and name.lower() not in {n.lower() for n in TORCH_SCHEDULES}:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule = {name!r} is unknown: use a sequence schedule "
-            f"({', '.join(SEQUENCE_SCHEDULES)}) or one of torch's ({', '.join(TORCH_SCHEDULES)})"
-        )
+    check_schedule_name(name)
     check_degrees(par, world_size)
     if config.model_spec.flavor not in FLAVORS:
         raise ValueError(f"model flavor {config.model_spec.flavor!r}: use one of {', '.join(FLAVORS)}")
@@ -59,6 +61,14 @@ def _check_sequence_job(config: Any) -> None:
         pp_degree=par.pipeline_parallel_degree,
     )
     check_instrumentation(seq.activation_memory_freq)
+    param = config.training.mixed_precision_param
+    check_unit_precision(
+        name,
+        par.pipeline_parallel_degree,
+        param,
+        f"training.mixed_precision_param = {param!r} (0.3's FSDP casts the parameters to it, with or without sharding)",
+        "set training.mixed_precision_param = 'bfloat16', or use one of torch's schedules",
+    )
     ac = config.activation_checkpoint
     check_split_backward_ac(
         isinstance(ac, SelectiveAC.Config),
