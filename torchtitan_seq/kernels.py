@@ -99,11 +99,15 @@ class CudaSdpaKernel:
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         # None, as the forward returns them: defined sequence offsets select the varlen
-        # kernel, and without dropout the RNG state is never read.
+        # kernel, and without dropout the RNG state is never read. The kernel reads lse by its data
+        # pointer as (B, H, Lq) laid out densely, whatever its strides: a call over part of a unit's
+        # queries (a document's) has a strided view of the unit's lse, which is copied (out and dout
+        # the op makes dense itself).
         # Positional as the aten schema lists them, a few to a line (not one argument per line).
         # fmt: off
         return SdpaOps.flash_backward(
-            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, None, None, scale=scale,
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, None, None,
+            scale=scale,
         )
         # fmt: on
 

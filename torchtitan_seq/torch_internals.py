@@ -261,7 +261,9 @@ class UnitScheduleRuntime(_schedules._PipelineScheduleRuntime):
             return
         if not finalize_gradients:
             raise ValueError(f"step(finalize_gradients=False) needs torch 2.15 or newer, not {torch.__version__}")
-        self._step_microbatches(arg_units, kwarg_units, target_units, losses, False, loss_kwargs=loss_kwargs)
+        # torch 2.11's loop takes no loss_kwargs (only torchtitan 0.3, on torch 2.14 and newer, gives any)
+        extra = {"loss_kwargs": loss_kwargs} if loss_kwargs else {}
+        self._step_microbatches(arg_units, kwarg_units, target_units, losses, False, **extra)
 
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
         if stage.is_last and self._loss_fn is not None:

@@ -152,10 +152,27 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> t
     return (scores - lse.unsqueeze(-1)).exp() @ v, lse.float()
 
 
-def _attention_grads(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out, _ = _attention(q, k, v, causal, scale)
-    return torch.autograd.grad(out, (q, k, v), dout)
+def _attention_grads(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+):
+    """dq, dk, dv of a block as FlashAttention's backward computes them, from the ``out`` and ``lse``
+    it is given (a merged call's, whose probabilities are the block's share of the unit's): P =
+    exp(S - lse), dS = P (dP - rowsum(dout * out)). ``lse`` is read as the CUDA kernels read it, by its
+    data pointer as dense (B, H, Lq), whatever its strides."""
+    n_rep = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    scores = (q @ kr.transpose(-1, -2)) * scale
+    if causal:
+        lq, lk = scores.shape[-2:]
+        scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
+    dense = lse.as_strided(lse.shape, torch.empty(lse.shape).stride(), lse.storage_offset())
+    p = (scores - dense.unsqueeze(-1)).exp()
+    dp = dout @ vr.transpose(-1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    dq = ds @ kr * scale
+    dk, dv = ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ dout
+    b, h, lk, d = k.shape
+    return dq, dk.view(b, h, n_rep, lk, d).sum(2), dv.view(b, h, n_rep, lk, d).sum(2)
 
 
 def _bind(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -217,7 +234,16 @@ def _flash_backward(a):
     _no_extras(a)
     _backward_lengths(a)
     assert a["logsumexp"].shape == a["query"].shape[:-1]
-    return _attention_grads(a["grad_out"], a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
+    return _attention_grads(
+        a["grad_out"],
+        a["query"],
+        a["key"],
+        a["value"],
+        a["out"],
+        a["logsumexp"].squeeze(-1),
+        a["is_causal"],
+        a["scale"],
+    )
 
 
 def _top_left_square(a: dict[str, Any]) -> None:
@@ -239,7 +265,16 @@ def _cudnn_backward(a):
     _backward_lengths(a)
     assert a["logsumexp"].shape == (*a["query"].shape[:-1], 1)
     assert a["logsumexp"].is_contiguous()
-    return _attention_grads(a["grad_out"], a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
+    return _attention_grads(
+        a["grad_out"],
+        a["query"],
+        a["key"],
+        a["value"],
+        a["out"],
+        a["logsumexp"].squeeze(-1),
+        a["is_causal"],
+        a["scale"],
+    )
 
 
 @pytest.fixture
@@ -298,7 +333,9 @@ def _fake_flash_attn() -> types.ModuleType:
         assert out.shape == q.shape and softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         for buffer, grad, like in zip(
-            (dq, dk, dv), _attention_grads(t(dout), t(q), t(k), t(v), causal, softmax_scale), (q, k, v)
+            (dq, dk, dv),
+            _attention_grads(t(dout), t(q), t(k), t(v), t(out), softmax_lse, causal, softmax_scale),
+            (q, k, v),
         ):
             assert buffer.shape == like.shape
             buffer.copy_(t(grad))
@@ -354,6 +391,43 @@ def test_cuda_adapter_equals_the_cpu_kernel(adapter, block, fake_aten, fake_flas
         family = "flash" if adapter == "CudaSdpaKernel" else "cudnn"
         calls = {name: op.calls for name, op in fake_aten.items() if f"_{family}_" in name}
         assert set(calls.values()) == {1}, calls
+
+
+def _units_over_documents(kernel, q, k, v, dout) -> list[Tensor]:
+    """Packed documents (ids (1, 48): three of 20, 12 and 16 tokens) cut into units of 24 and 24,
+    forward in order and backward last unit first: out, dq, dk, dv. A document's calls read parts of
+    a unit's queries, and so strided views of its out and lse."""
+    from torchtitan_seq.attention import SequenceAttention
+    from torchtitan_seq.documents import Documents
+    from torchtitan_seq.kv_context import KVContext, Unit
+
+    ids = torch.tensor([[0] * 20 + [1] * 12 + [2] * 16])
+    context = KVContext([24, 24])
+    context.documents = [Documents.from_ids(ids)]
+    attention = SequenceAttention(layer_id=0)
+    attention.bind(context, kernel)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    units = [Unit(0, 0, 0, 24, 2), Unit(0, 1, 24, 24, 2)]
+    outs = []
+    for u in units:
+        with context.running(u):
+            outs.append(attention(*(t[:, :, u.offset : u.offset + u.length] for t in (q, k, v))))
+    for u, out in reversed(list(zip(units, outs))):
+        with context.backward(u):
+            out.backward(dout[:, :, u.offset : u.offset + u.length])
+    return [torch.cat(outs, 2).detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("adapter", ["CudaSdpaKernel", "CudnnSdpaKernel", "FlashAttnKernel"])
+def test_cuda_adapters_run_units_over_packed_documents_as_the_cpu_kernel(adapter, fake_aten, fake_flash_attn):
+    """Through unit attention (documents, a prefix, merged calls) each adapter equals the CPU kernel."""
+    gen = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(1, 48, 4, 8, generator=gen).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(1, 48, 2, 8, generator=gen).transpose(1, 2) for _ in range(2))
+    kernel = {"CudaSdpaKernel": CudaSdpaKernel, "CudnnSdpaKernel": CudnnSdpaKernel, "FlashAttnKernel": FlashAttnKernel}
+    got = _units_over_documents(kernel[adapter](), q, k, v, dout)
+    for name, g, ref in zip(("out", "dq", "dk", "dv"), got, _units_over_documents(CpuSdpaKernel(), q, k, v, dout)):
+        torch.testing.assert_close(g, ref, msg=lambda m, name=name: f"{adapter} {name}: {m}")
 
 
 def test_cuda_adapters_on_meta_tensors_keep_the_real_ops_contract():
