@@ -14,32 +14,23 @@ from ..simulate.memory import Device
 from ..simulate.network import Link
 from .choices import ScheduleChoice
 
-H200_UNIT_OVERHEAD_S = 2.11e-3
+H200_UNIT_OVERHEAD_S = 1.393e-3
 """Seconds a unit's forward + backward costs per layer beyond its share of the FLOPs, measured on
-an H200 (``benchmarks/gpu/2026-11-30/cudnn``: torch 2.11, cuDNN 9.19, a 4-layer Llama 3 stack of
+an H200 (``benchmarks/gpu/2026-12-04/cudnn``: torch 2.11, cuDNN 9.19, a 4-layer Llama 3 stack of
 dim 2048, 16 heads, 8 KV heads, bf16, batch 1, units through the KV context). Derivation:
 :func:`~torchtitan_seq.simulate.costs.gpu_fixed_cost_per_layer` of that folder: its cost files at
-16K, 32K and 64K tokens (the whole sequence and every cut, k = 1, 2, 4, 8: 48 units) fit fixed =
-8.45 ms per unit, per-token 2.0 us and per-pair 0.24 ns, for the 4 layers: 2.11 ms per layer. The
-8K files are left out: there the fit's per-token cost turns negative (units of 1-2K tokens are not
-linear in their tokens on this GPU). Measured on the code before the K/V slab (which halved the
-unit path's host time on the CPU): when a GPU check's cost files are committed, this is refitted
-from the newest (``benchmarks/gpu_check.sh`` prints the fit; ``tests/unit/test_simulate.py`` fails
-until it is set here). Fitted at one length each: 9.3 ms (16K), 6.3 ms (32K), 9.1 ms
-(64K); at 32K the fixed cost is 19.5% of the F + B of a cut into 8 units (measured overhead
-against the whole sequence: +29%) and 10.8% at k = 4. Taken as the GPU's and the code's, whatever
-the model's width: kernel launches, host work and the per-call merges of unit attention do not
-shrink with a unit, and are not divided by TP.
+16K, 32K and 64K tokens (the whole sequence and every cut, k = 1, 2, 4, 8) fit fixed = 5.57 ms per
+unit, per-token 2.5 us and per-pair 0.21 ns, for the 4 layers: 1.39 ms per layer. The 8K files are
+left out: units of 1-2K tokens are not linear in their tokens on this GPU. A second run on the same
+machine (``benchmarks/gpu/2026-12-04/cudnn-rerun``, 16K-64K) fits 0.64 ms: the fixed cost is the
+least steady of the fit's terms. Taken as the GPU's and the code's, whatever the model's width:
+kernel launches, host work and the per-call merges of unit attention do not shrink with a unit, and
+are not divided by TP.
 
-Measured on the code before the K/V slab (#26) and before the unit path was lightened (#40: 153.6 to
-123.1 leaf aten ops per unit-layer against a plain layer's 88 on the CPU, no host sync per unit;
-``benchmarks/unit_host.py``), so it likely overstates today's cost; kept until a GPU says otherwise.
 Refit it when a GPU check commits new cost files (``benchmarks/gpu_check.sh --out
-benchmarks/gpu/DATE/cudnn`` on an H200, whose default kernel is cuDNN, writes them, and beside them
-``unit_host_cuda.json``: launches and host against device time per unit-layer): ``fit_cost_files``
-over its ``cost_s*.json`` of 16K tokens and more, ``.fixed`` divided by the stack's 4 layers, is the
-new value, and ``tests/unit/test_simulate.py::test_the_h200_fixed_cost_per_unit_is_the_fit_of_its_cost_files``
-is pointed at DATE."""
+benchmarks/gpu/DATE/cudnn`` on an H200, whose default kernel is cuDNN, prints the fit):
+``tests/unit/test_simulate.py::test_the_h200_fixed_cost_per_unit_is_the_fit_of_the_newest_gpu_check``
+fails until it is set here from the newest folder."""
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="'transformer' cost: fixed seconds per unit (forward + backward) and layer on top of "
-        "its FLOPs (needs --flops-per-gpu; the planner's H200 default: 2.11e-3)",
+        "its FLOPs (needs --flops-per-gpu; the planner's H200 default: 1.393e-3)",
     )
     ap.add_argument(
         "--comm-latency", type=float, default=0.0, help="SEND to usable data, in time units, on top of the links'"
