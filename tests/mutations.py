@@ -376,6 +376,66 @@ def _planner_twins_by_tp_only() -> list:
     return [mock.patch.object(twins, "_no_heavier", by_tp), mock.patch.object(search, "_no_heavier", by_tp)]
 
 
+def _planner_tp_degrees_short() -> list:
+    """The search's TP degrees leave out 8: a node of 8 GPUs is never one TP group."""
+    from torchtitan_seq.plan import bounds
+
+    return [mock.patch.object(bounds, "TP_DEGREES", (1, 2, 4))]
+
+
+def _planner_cp_degrees_short() -> list:
+    """The search's CP degrees leave out 8, which ``Job.cp`` promises to search."""
+    from torchtitan_seq.plan import bounds
+
+    return [mock.patch.object(bounds, "CP_DEGREES", (1, 2, 4))]
+
+
+def _planner_pp_range_short() -> list:
+    """The pipeline degrees stop one short: the deepest, min(layers, GPUs / TP), is never searched."""
+    from torchtitan_seq.plan import bounds, search
+
+    meshes = bounds._meshes
+
+    def short(job, cluster, args):
+        return [m for m in meshes(job, cluster, args) if m[0] < min(args.n_layers, cluster.gpus // m[1])]
+
+    return [mock.patch.object(bounds, "_meshes", short), mock.patch.object(search, "_meshes", short)]
+
+
+def _planner_ranks_over_part_of_a_node() -> list:
+    """The search splits the GPUs into pipeline ranks that neither share a node nor fill whole nodes,
+    which the network model cannot place."""
+    from torchtitan_seq.plan import bounds
+
+    return [mock.patch.object(bounds, "_placed", lambda gpus_per_rank, gpus_per_node: True)]
+
+
+def _planner_memory_at_simulated_microbatches() -> list:
+    """The memory model sizes a candidate at the microbatches its step is simulated at, min(N, 2p), not N."""
+    from torchtitan_seq.plan import memory_check
+
+    config = memory_check._memory_config
+
+    def simulated(job, cluster, choice, pp, tp, ac, cp):
+        out = config(job, cluster, choice, pp, tp, ac, cp)
+        microbatches = min(out.shape.microbatches, 2 * pp)
+        return dataclasses.replace(out, shape=dataclasses.replace(out.shape, microbatches=microbatches))
+
+    return [mock.patch.object(memory_check, "_memory_config", simulated)]
+
+
+def _planner_network_without_dp() -> list:
+    """The simulator's network takes a pipeline rank for its TP x CP GPUs, leaving out its data-parallel ones."""
+    from torchtitan_seq.plan import costs, measure
+
+    network = costs._network
+
+    def without_dp(cluster, step_costs, tp, cp, dp):
+        return network(cluster, step_costs, tp, cp, 1)
+
+    return [mock.patch.object(measure, "_network", without_dp)]
+
+
 def _memory_arenas_unshared() -> list:
     """The memory model places every slab in an arena of its own, as if no two microbatches shared one."""
     import functools
@@ -398,14 +458,57 @@ def _memory_arenas_without_own() -> list:
     return [mock.patch.object(arenas, "_arena_events", without_own)]
 
 
+def _job_check_fsdp_without_cp() -> list:
+    """The 0.2.2 job check counts FSDP's ranks without the CP ranks, which torchtitan shards over too."""
+    from torchtitan_seq import job_check
+
+    def without_cp(parallelism, world_size):
+        par = parallelism
+        fixed = par.data_parallel_replicate_degree * par.tensor_parallel_degree * par.pipeline_parallel_degree
+        return world_size // (fixed * par.context_parallel_degree)
+
+    return [mock.patch.object(job_check, "_fsdp_degree", without_cp)]
+
+
+def _job_check_replicas_cast() -> list:
+    """The 0.2.2 job check takes replicated data parallelism for FSDP (which casts the parameters)."""
+    from torchtitan_seq import job_check
+
+    def with_replicas(parallelism, world_size):
+        return world_size // (parallelism.tensor_parallel_degree * parallelism.pipeline_parallel_degree)
+
+    return [mock.patch.object(job_check, "_fsdp_degree", with_replicas)]
+
+
+def _job_check_float32_units_on_cuda() -> list:
+    """The job check takes float32 for a dtype the CUDA attention kernels accept."""
+    from torchtitan_seq import job_check, job_rules
+
+    rule = job_rules.check_unit_precision
+
+    def float32_too(schedule, pp_degree, activations, why, fix):
+        rule(schedule, pp_degree, "bfloat16" if activations == "float32" else activations, why, fix)
+
+    return [mock.patch.object(job_check, "check_unit_precision", float32_too)]
+
+
 PROPERTY_MUTATIONS: dict[str, Callable[[], list]] = {
     "guard_other_end_only": _guard_other_end_only,
     "guard_own_unit_left_out": _guard_own_unit_left_out,
     "shape_cp_tp_apart": _shape_cp_tp_apart,
     "planner_bound_low": _planner_bound_low,
     "planner_twins_by_tp_only": _planner_twins_by_tp_only,
+    "planner_tp_degrees_short": _planner_tp_degrees_short,
+    "planner_cp_degrees_short": _planner_cp_degrees_short,
+    "planner_pp_range_short": _planner_pp_range_short,
+    "planner_ranks_over_part_of_a_node": _planner_ranks_over_part_of_a_node,
+    "planner_memory_at_simulated_microbatches": _planner_memory_at_simulated_microbatches,
+    "planner_network_without_dp": _planner_network_without_dp,
     "memory_arenas_unshared": _memory_arenas_unshared,
     "memory_arenas_without_own": _memory_arenas_without_own,
+    "job_check_fsdp_without_cp": _job_check_fsdp_without_cp,
+    "job_check_replicas_cast": _job_check_replicas_cast,
+    "job_check_float32_units_on_cuda": _job_check_float32_units_on_cuda,
 }
 
 

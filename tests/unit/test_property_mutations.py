@@ -14,7 +14,9 @@ from contextlib import ExitStack
 
 import pytest
 import test_arena_guard
+import test_job_check_table
 import test_memory_arenas
+import test_planner_brute_force
 import test_planner_exhaustive
 import test_shape_grid
 
@@ -43,8 +45,31 @@ PROPERTIES: dict[str, tuple[Callable[..., None], list[tuple]]] = {
         test_planner_exhaustive.test_top_n_is_the_first_n_rows_of_the_exhaustive_table,
         [(*job, overhead) for job in test_planner_exhaustive.JOBS for overhead in (0.0, planner.H200_UNIT_OVERHEAD_S)],
     ),
+    **{
+        name: (
+            test_planner_brute_force.test_the_search_generates_every_candidate_of_the_brute_force_and_no_other,
+            [(flavor,) for flavor in test_planner_brute_force.FLAVORS],
+        )
+        for name in (
+            "planner_tp_degrees_short",
+            "planner_cp_degrees_short",
+            "planner_pp_range_short",
+            "planner_ranks_over_part_of_a_node",
+        )
+    },
+    **{
+        name: (
+            test_planner_brute_force.test_the_memory_model_and_the_simulator_get_the_candidates_inputs,
+            test_planner_brute_force.INPUT_JOBS,
+        )
+        for name in ("planner_memory_at_simulated_microbatches", "planner_network_without_dp")
+    },
     "memory_arenas_unshared": (test_memory_arenas.test_the_memory_models_arenas_are_the_runtimes, [("Seq1F1B",)]),
     "memory_arenas_without_own": (test_memory_arenas.test_the_memory_models_arenas_are_the_runtimes, [("Seq1F1B",)]),
+    **{
+        name: (test_job_check_table.test_the_check_decides_every_row_as_torchtitan_and_the_kernels_do, [()])
+        for name in ("job_check_fsdp_without_cp", "job_check_replicas_cast", "job_check_float32_units_on_cuda")
+    },
 }
 
 

@@ -29,7 +29,10 @@ class _Candidate:
 
 
 def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int, int]]:
-    """(pp, tp, cp, dp_shard) splits of the GPUs: TP within a node and dividing the heads, pp >= 2."""
+    """(pp, tp, cp, dp_shard) splits of the GPUs: TP within a node and dividing the heads, pp >= 2, and each
+    pipeline rank's GPUs (tp cp dp_shard) within one node or on whole nodes: the network model
+    (:class:`~torchtitan_seq.simulate.network.Network`) cannot place a rank over part of a node, so a
+    split such as pp 8 of 96 GPUs on nodes of 8 (12 GPUs a rank) is not searched."""
     heads = (args.n_heads, args.n_kv_heads or args.n_heads)
     if job.tp is not None:
         if cluster.gpus % job.tp:
@@ -50,14 +53,21 @@ def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int, int]]
         for tp in tps
         for pp in range(2, min(args.n_layers, cluster.gpus // tp) + 1)
         for cp in cps
-        if cluster.gpus % (pp * tp * cp) == 0
+        if cluster.gpus % (pp * tp * cp) == 0 and _placed(cluster.gpus // pp, cluster.gpus_per_node)
     ]
     if not meshes:
         raise ValueError(
             f"--gpus {cluster.gpus}: no pipeline degree of at least 2 divides it with TP {tps} "
-            f"(and at most the {args.n_layers} layers of {job.flavor}): use a multiple of 2 x TP"
+            f"(and at most the {args.n_layers} layers of {job.flavor}, each pipeline rank's GPUs within a node of "
+            f"{cluster.gpus_per_node} or on whole nodes): use a multiple of 2 x TP"
         )
     return meshes
+
+
+def _placed(gpus_per_rank: int, gpus_per_node: int) -> bool:
+    """Whether the network model places a pipeline rank of ``gpus_per_rank`` GPUs: one of it and a node
+    a multiple of the other."""
+    return gpus_per_rank % gpus_per_node == 0 or gpus_per_node % gpus_per_rank == 0
 
 
 def _lengths(job: Job, choice: ScheduleChoice, tp: int, cp: int = 1) -> list[int] | None:
