@@ -22,7 +22,7 @@ rounds, so that drift in the machine's speed spreads over all of them.
 What is measured, per schedule and length, over the steps of all rounds
 after the first ``--warmup`` of each run, all of it read from the trainer's
 structured record, ``metrics.jsonl`` in the run's dump folder
-(:mod:`torchtitan_seq.metrics`), as rank 0 writes it:
+(:mod:`torchtitan_seq.titan.v022.metrics`), as rank 0 writes it:
 
 * step time: the median wall time between consecutive step records
   (``time.time()`` stamps): a whole training step, pipeline, optimizer and
@@ -30,10 +30,10 @@ structured record, ``metrics.jsonl`` in the run's dump folder
 * tokens/s: the pipeline's tokens per step (microbatches x sequence length)
   over that median. torchtitan's tps is this divided by the ranks.
 * peak activation bytes per rank: the largest of the steps, as the trainer
-  measures it (bytes autograd keeps for backward, :mod:`torchtitan_seq.memory`);
+  measures it (bytes autograd keeps for backward, :mod:`torchtitan_seq.instrumentation.memory`);
   the benchmark meters every step (``activation_memory_freq = 1``).
 * bubble ratio per rank and pipeline time: the median over the steps, as
-  the trainer measures them (:mod:`torchtitan_seq.timeline`; the pipeline time
+  the trainer measures them (:mod:`torchtitan_seq.instrumentation.timeline`; the pipeline time
   is the makespan of the schedule's compute, without optimizer and logging);
   None for torch's schedules, whose stages are not timed.
 * ratios of tokens/s and of rank 0's peak to 1F1B's at the same length,
@@ -87,9 +87,9 @@ from pathlib import Path
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from calibration import calibrate, merge  # noqa: E402
-from torchtitan_seq.ordering import compute_leaves  # noqa: E402
-from torchtitan_seq.partition import PARTITIONS  # noqa: E402
+from torchtitan_seq.runtime.partition import PARTITIONS  # noqa: E402
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: E402
+from torchtitan_seq.schedules.ordering import compute_leaves  # noqa: E402
 from torchtitan_seq.simulate import SimConfig, simulate  # noqa: E402
 from torchtitan_seq.simulate.build import build  # noqa: E402
 from torchtitan_seq.simulate.costs import fit_cost_files  # noqa: E402
@@ -269,8 +269,8 @@ def refusals(variants: list[Variant], args: argparse.Namespace) -> dict[tuple[Va
     cannot run here, e.g. DualPipeV on a CPU, does not stop the benchmark)."""
     from torchtitan.config import ConfigManager
 
-    from torchtitan_seq.job_check import check_job
-    from torchtitan_seq.registration import register
+    from torchtitan_seq.titan.v022.job_check import check_job
+    from torchtitan_seq.titan.v022.registration import register
     from torchtitan_seq.train import resolve_args
 
     register()

@@ -15,10 +15,10 @@ from torchtitan.config import Parallelism
 from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
 from torchtitan_seq.attention import bind_kv_context
-from torchtitan_seq.kernels import select_kernel
-from torchtitan_seq.kv_context import KVContext, Unit
-from torchtitan_seq.memory import ActivationMemory
-from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
+from torchtitan_seq.attention.kernels import select_kernel
+from torchtitan_seq.instrumentation.memory import ActivationMemory
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer, seq_llama3_flavors
 
 __all__ = ["calibrate", "merge", "meter_cost"]
 
@@ -208,7 +208,7 @@ def calibrate(
     The last chunk's loss (sum cross-entropy over the sequence) counts as
     forward. Median of ``repeats`` rounds after one untimed round, all under
     the activation meter the benchmark's instrumented runs have on every step
-    (:mod:`torchtitan_seq.memory`; ``--instrumentation off`` runs are
+    (:mod:`torchtitan_seq.instrumentation.memory`; ``--instrumentation off`` runs are
     predicted from these metered times too), or, not ``metered``, without it
     (what the meter costs a unit, against a metered calibration).
 

@@ -7,7 +7,7 @@ Every run trains the Llama 3 debug model (``train_configs/debug_model.toml``: Se
 'compute' cut, N = 4 microbatches of one sequence) for ``--steps`` steps through ``./run_train.sh`` on
 CPU ranks, every step metered (``activation_memory_freq = 1``), with float32 parameters in both meshes
 (under CP torchtitan's FSDP spans the CP ranks and would cast them to bf16). What is compared, per
-pipeline rank: the peak of saved activations (:class:`torchtitan_seq.memory.ActivationMemory`, the
+pipeline rank: the peak of saved activations (:class:`torchtitan_seq.instrumentation.memory.ActivationMemory`, the
 trainer's ``peak_activation_bytes``; under CP the larger of the rank's two CP ranks) over the steps,
 and :func:`~torchtitan_seq.simulate.memory.predict_memory`'s ``activations`` for the same job. The
 meshes alternate run by run; the load average is recorded at each run's start.
@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's package
 
-from torchtitan_seq.models.llama3_seq import seq_llama3_flavors  # noqa: E402
-from torchtitan_seq.shape import JobShape  # noqa: E402
+from torchtitan_seq.runtime.shape import JobShape  # noqa: E402
 from torchtitan_seq.simulate.memory import MemoryConfig, predict_memory  # noqa: E402
+from torchtitan_seq.titan.v022.models.llama3_seq import seq_llama3_flavors  # noqa: E402
 from training_run import run_train  # noqa: E402  (benchmarks/, this script's folder)
 
 K, MICROBATCHES, PP, LENGTH_MULTIPLE = 4, 4, 2, 64  # the config's

@@ -11,9 +11,9 @@ full activation checkpointing (torchtitan's per-block checkpoint wrapper), and
 reports per step:
 
 * KV-context bytes: the peak and the mean, over the step's actions, of the K/V
-  the stage's context keeps referenced (:meth:`~torchtitan_seq.kv_context.KVContext.held_bytes`);
+  the stage's context keeps referenced (:meth:`~torchtitan_seq.runtime.kv_context.KVContext.held_bytes`);
 * saved activations: the peak bytes autograd keeps for backward
-  (:class:`~torchtitan_seq.memory.ActivationMemory`), and the largest of both together
+  (:class:`~torchtitan_seq.instrumentation.memory.ActivationMemory`), and the largest of both together
   at the end of an action, each storage once (without checkpointing autograd saves the K/V the context
   refers to; under it the context's K/V are not saved activations);
 * attention FLOPs: each kernel call's scored (query, key) pairs times
@@ -37,13 +37,13 @@ from pathlib import Path
 import torch
 
 from torchtitan_seq.attention import bind_kv_context
-from torchtitan_seq.documents import Documents, document_ids
-from torchtitan_seq.kernels import CpuSdpaKernel
-from torchtitan_seq.kv_context import KVContext, Unit
-from torchtitan_seq.memory import ActivationMemory
-from torchtitan_seq.ordering import F, stage_passes
-from torchtitan_seq.partition import partition_sequence
+from torchtitan_seq.attention.kernels import CpuSdpaKernel
+from torchtitan_seq.instrumentation.memory import ActivationMemory
+from torchtitan_seq.runtime.documents import Documents, document_ids
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.partition import partition_sequence
 from torchtitan_seq.schedules import ScheduleShape, seq1f1b_actions
+from torchtitan_seq.schedules.ordering import F, stage_passes
 
 
 class CountingKernel(CpuSdpaKernel):
@@ -71,8 +71,8 @@ def packed_batch(seq_len: int, n: int) -> tuple[torch.Tensor, int]:
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 
-    from torchtitan_seq.data import PACKED_DATASET_NAME, TOKENIZER_DIR
-    from torchtitan_seq.registration import register
+    from torchtitan_seq.titan.data import PACKED_DATASET_NAME, TOKENIZER_DIR
+    from torchtitan_seq.titan.v022.registration import register
 
     register()
     tokenizer = HuggingFaceTokenizer(str(TOKENIZER_DIR))
@@ -84,7 +84,7 @@ def run_step(tokens: torch.Tensor, documents: list[Documents] | None, ac: bool, 
     """Rank 0's actions of one Seq1F1B step; the figures of the module docstring."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
+    from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer, seq_llama3_flavors
 
     model_args = dataclasses.replace(seq_llama3_flavors["debugmodel_flex_attn"], max_seq_len=args.seq_len)
     torch.manual_seed(0)

@@ -44,10 +44,8 @@ import torch.nn.functional as F
 from gpu_pipeline import FULL_STEP, TINY_STEP, check_sequence_step
 from gpu_train import check_training
 
-from torchtitan_seq import cpu_compat
 from torchtitan_seq.attention import SequenceAttention
-from torchtitan_seq.documents import Documents, document_mask
-from torchtitan_seq.kernels import (
+from torchtitan_seq.attention.kernels import (
     AttentionKernel,
     CpuSdpaKernel,
     CudaSdpaKernel,
@@ -55,12 +53,14 @@ from torchtitan_seq.kernels import (
     FlashAttnKernel,
     select_kernel,
 )
-from torchtitan_seq.kv_context import KVContext, Unit
-from torchtitan_seq.ordering import stage_passes
-from torchtitan_seq.partition import partition_sequence
 from torchtitan_seq.plan import H200_UNIT_OVERHEAD_S
+from torchtitan_seq.runtime.documents import Documents, document_mask
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.partition import partition_sequence
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+from torchtitan_seq.schedules.ordering import stage_passes
 from torchtitan_seq.simulate.costs import gpu_fixed_cost_per_layer
+from torchtitan_seq.titan import cpu_compat
 
 FP32_TOL = 1e-5
 # Low precision: the kernel alone on the whole sequence must be this close to the
@@ -380,7 +380,7 @@ def _models(sizes: Sizes, device: torch.device):
     # Imported here: torchtitan takes seconds to import, and the error path needs none of it.
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
-    from torchtitan_seq.models.llama3_seq import SeqTransformer
+    from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer
 
     args = TransformerModelArgs(**sizes.model, max_seq_len=max(sizes.seq_lens))
     torch.manual_seed(0)

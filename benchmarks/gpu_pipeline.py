@@ -4,8 +4,8 @@ torch's runtime puts stage s of a looped pipeline on rank s mod p, so with p = 1
 model chunks (stages 0 and 1 of one pipeline) are both on this one rank, and the runtime hands stage 0's
 output to stage 1, and stage 1's input gradient back, without communication (what it does at a V
 schedule's turn). One process and a process group of one (NCCL on CUDA, gloo on the CPU) run N
-microbatches x k units through :class:`~torchtitan_seq.stage.SequencePipelineStage` stages, cut from the
-model as the trainer cuts it (``torchtitan_seq.pipeline.split_model``); torchtitan's Llama 3 on the whole
+microbatches x k units through :class:`~torchtitan_seq.schedules.stage.SequencePipelineStage` stages, cut from the
+model as the trainer cuts it (``torchtitan_seq.titan.v022.pipeline.split_model``); torchtitan's Llama 3 on the whole
 sequence, same weights, in float32 is the reference.
 
 In float32 (the CPU dry run) the step must match the reference to fp32 round-off. In bf16 (the GPU, whose
@@ -76,11 +76,11 @@ def _pipeline_step(
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
-    from torchtitan_seq.loss import TokenNormalizedLoss
-    from torchtitan_seq.partition import partition_sequence
-    from torchtitan_seq.pipeline import split_model
+    from torchtitan_seq.runtime.loss import TokenNormalizedLoss
+    from torchtitan_seq.runtime.partition import partition_sequence
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
-    from torchtitan_seq.stage import SequencePipelineStage
+    from torchtitan_seq.schedules.stage import SequencePipelineStage
+    from torchtitan_seq.titan.v022.pipeline import split_model
 
     mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("pp",))
     num_stages = 2
@@ -116,7 +116,7 @@ def check_sequence_step(sizes: StepSizes, device: torch.device) -> dict:
     """One step through the sequence schedule on ``device``; see the module docstring."""
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
-    from torchtitan_seq.models.llama3_seq import SeqTransformer
+    from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer
 
     args = TransformerModelArgs(**sizes.model, max_seq_len=sizes.seq_len)
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
 A step that neither meters activations nor records its timeline still passes through the
 instrumentation's switches: the trainer's per-step decision (``meters_activations``,
 ``should_log``), the meter's ``nullcontext`` and, per compute action, the disabled
-recorder's ``RECORDER.action`` context (:mod:`torchtitan_seq.timeline`). A build without
+recorder's ``RECORDER.action`` context (:mod:`torchtitan_seq.instrumentation.timeline`). A build without
 the meter would run none of them, so their cost is the whole difference between such a step
 and that build. On a shared 2-core machine step times move by several percent from run to
 run, far more than this difference, so it is measured directly: each switch timed alone
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from torch.distributed.pipelining.schedules import _ComputationType
 
+from torchtitan_seq.instrumentation.timeline import StepTimeline
 from torchtitan_seq.simulate.build import SimConfig, build
-from torchtitan_seq.timeline import StepTimeline
 
 F = _ComputationType.FORWARD
 

@@ -6,7 +6,7 @@ benchmarks/memory_model.md.
 Predictions are :func:`torchtitan_seq.simulate.memory.predict_memory`'s (bytes by
 arithmetic on the schedule's action lists); the measurements are the benchmark's recorded
 ``peak_activation_bytes`` (``bench.json`` under ``benchmarks/``: the debug model on 2 CPU
-ranks, saved tensors as :class:`torchtitan_seq.memory.ActivationMemory` counts them).
+ranks, saved tensors as :class:`torchtitan_seq.instrumentation.memory.ActivationMemory` counts them).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from projection import SHAPES  # noqa: E402  (benchmarks/, this script's folder)
 
-from torchtitan_seq.flavors import flavor_shape  # noqa: E402
-from torchtitan_seq.shape import JobShape  # noqa: E402
+from torchtitan_seq.runtime.shape import JobShape  # noqa: E402
+from torchtitan_seq.simulate.flavors import flavor_shape  # noqa: E402
 from torchtitan_seq.simulate.memory import MemoryConfig, MemoryEstimate, gib, predict_memory  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -183,7 +183,8 @@ def main() -> None:
         "",
         "The benchmark's recorded runs (`bench.json` under `benchmarks/`): the Llama 3 debug model, pp = 2,",
         "4 microbatches of one sequence, float32 on the CPU; measured: the bytes autograd saves for backward",
-        "(`torchtitan_seq.memory.ActivationMemory`), the largest over a run's steps; predicted: the model's",
+        "(`torchtitan_seq.instrumentation.memory.ActivationMemory`), the largest over a run's steps; predicted: the "
+        "model's",
         '`activations` for the same job (`device = "cpu"`). Under full AC the KV context\'s K/V are not',
         "saved tensors, so they are not in either figure (the model's `kv_context` term holds them).",
         "",

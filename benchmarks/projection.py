@@ -3,7 +3,7 @@
     python benchmarks/projection.py [--device-memory-gib 80]
 
 Each model is a torchtitan ``TransformerModelArgs``; unit costs are the
-simulator's transformer cost model (:class:`torchtitan_seq.partition.UnitCost`:
+simulator's transformer cost model (:class:`torchtitan_seq.runtime.partition.UnitCost`:
 matmul FLOPs and causal attention pairs, every stage an equal share of the
 layers) and communication its network model (:mod:`torchtitan_seq.simulate.network`:
 activations over intra- and inter-node links, the end-of-step all-reduces of
@@ -27,8 +27,8 @@ from pathlib import Path
 from torchtitan.models.llama3 import TransformerModelArgs
 
 from torchtitan_seq import simulate as sim
-from torchtitan_seq.partition import UnitCost, partition_sequence
-from torchtitan_seq.shape import JobShape
+from torchtitan_seq.runtime.partition import UnitCost, partition_sequence
+from torchtitan_seq.runtime.shape import JobShape
 from torchtitan_seq.simulate.build import build
 from torchtitan_seq.simulate.memory import MemoryConfig, predict_memory
 

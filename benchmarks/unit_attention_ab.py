@@ -18,8 +18,8 @@ import time
 import torch
 
 from torchtitan_seq.attention import SequenceAttention
-from torchtitan_seq.kernels import CpuSdpaKernel
-from torchtitan_seq.kv_context import KVContext, Unit
+from torchtitan_seq.attention.kernels import CpuSdpaKernel
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
 
 
 def _context(lengths: list[int]) -> KVContext:

@@ -10,7 +10,7 @@ one thread, the activation meter on, median of ``--repeats``), every cut and the
 (plain attention, as torch's schedules run it); the trees alternate, their order reversed every
 round, so drift in the machine's speed falls on both. A unit's *share* is its part of the whole
 sequence's forward + backward compute under the transformer cost model
-(:class:`torchtitan_seq.partition.UnitCost`: linear work per token, attention per causal pair), and
+(:class:`torchtitan_seq.runtime.partition.UnitCost`: linear work per token, attention per causal pair), and
 its ratio is its measured F + B over that share of the whole sequence's measured F + B: 1 is a unit
 that costs no more than its share. Writes ``unit_cost.json`` (every round's times) and
 ``unit_cost.md`` (medians over the rounds, with the load average).
@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(1, str(ROOT))  # this checkout's package, for the cuts and the cost model
 
-from torchtitan_seq.models.llama3_seq import seq_llama3_flavors  # noqa: E402
-from torchtitan_seq.partition import UnitCost, partition_sequence  # noqa: E402
+from torchtitan_seq.runtime.partition import UnitCost, partition_sequence  # noqa: E402
+from torchtitan_seq.titan.v022.models.llama3_seq import seq_llama3_flavors  # noqa: E402
 
 # Run in the measured tree's interpreter: argv = seq_len, repeats, lengths (JSON list of lists).
 _PROBE = """

@@ -34,7 +34,7 @@ torchtitan's Llama 3 on the whole batch (4 layers minus 2, halved), forward and 
   CPU indexed copies and adds make views inside.
 
 On a CUDA device (``--device cuda``, what ``benchmarks/gpu_check.sh`` runs after the GPU check) the
-model is in bf16 with the device's kernel (:func:`~torchtitan_seq.kernels.select_kernel`: cuDNN on an
+model is in bf16 with the device's kernel (:func:`~torchtitan_seq.attention.kernels.select_kernel`: cuDNN on an
 H200), and the figures are the device's: kernel launches per unit-layer (the profiler's CUDA kernel,
 memcpy and memset events), and host µs (the step's issue time, no sync inside it) against device µs
 (CUDA events around the step): a unit path whose host time is under its device time keeps the GPU
@@ -65,7 +65,7 @@ CPU = torch.device("cpu")
 MODEL = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=16, rope_theta=10000, vocab_size=128)
 SEQ_LEN, MICROBATCHES, K = 128, 2, 8
 UNIT_LAYERS = MICROBATCHES * (K - 1) * MODEL["n_layers"]  # unit-layers added from k = 1 to k = K
-ADAPTERS = ("CudnnSdpaKernel", "CudaSdpaKernel")  # torch's CUDA kernels' adapters (torchtitan_seq.kernels)
+ADAPTERS = ("CudnnSdpaKernel", "CudaSdpaKernel")  # torch's CUDA kernels' adapters (torchtitan_seq.attention.kernels)
 # The CUDA-only aten ops the adapters call, each faked on the CPU and counted as one launch.
 _FAKED = (
     "_scaled_dot_product_flash_attention",
@@ -120,8 +120,8 @@ def _fake_op(name: str, compute: bool = True) -> Callable:
     its outputs are zeros of their shapes and layouts, nothing else (what the host pays for a launch,
     about: an allocation and fill per output). Positional arguments as the aten schemas list them: q, k, v
     first; dout, q, k, v, out, lse first backward."""
-    from torchtitan_seq.kernels import CpuSdpaKernel
-    from torchtitan_seq.torch_internals import SdpaOps
+    from torchtitan_seq.attention.kernels import CpuSdpaKernel
+    from torchtitan_seq.runtime.torch_internals import SdpaOps
 
     cpu, cudnn = CpuSdpaKernel(), "cudnn" in name
     causal_at = {"flash": 4, "cudnn": 6, "flash_backward": 11, "cudnn_backward": 14}
@@ -162,7 +162,7 @@ def _fake_op(name: str, compute: bool = True) -> Callable:
 def _fake_cuda_ops(compute: bool = True) -> Iterator[None]:
     """The CUDA-only ops faked where the adapters find them: ``SdpaOps``' attributes, or in
     ``torch.ops.aten`` for older checkouts, whose ``SdpaOps`` looked them up there at each call."""
-    from torchtitan_seq import torch_internals
+    from torchtitan_seq.runtime import torch_internals
 
     names = getattr(torch_internals, "SDPA_OPS", None)
     owner, attributes = torch_internals.SdpaOps, {a: n for a, n in (names or {}).items() if n in _FAKED}
@@ -179,7 +179,7 @@ def _fake_cuda_ops(compute: bool = True) -> Iterator[None]:
 
 
 def _kernel(name: str):
-    from torchtitan_seq import kernels
+    from torchtitan_seq.attention import kernels
 
     return getattr(kernels, name)()
 
@@ -202,12 +202,12 @@ def pipeline_step(k: int, kernel: str | None = None, device: torch.device = CPU)
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
     from torchtitan.models.llama3 import TransformerModelArgs
 
-    from torchtitan_seq.loss import TokenNormalizedLoss
-    from torchtitan_seq.models.llama3_seq import SeqTransformer
-    from torchtitan_seq.partition import partition_sequence
-    from torchtitan_seq.pipeline import split_model
+    from torchtitan_seq.runtime.loss import TokenNormalizedLoss
+    from torchtitan_seq.runtime.partition import partition_sequence
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
-    from torchtitan_seq.stage import SequencePipelineStage
+    from torchtitan_seq.schedules.stage import SequencePipelineStage
+    from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer
+    from torchtitan_seq.titan.v022.pipeline import split_model
 
     torch.manual_seed(0)
     model = _to_device(SeqTransformer(TransformerModelArgs(**MODEL, max_seq_len=SEQ_LEN)), device)
@@ -262,9 +262,9 @@ def attention_steps(
     a layer. A unit's tensors are its own, as a unit's projections make them; gradients are taken
     (one autograd call per unit, as a stage makes), not accumulated."""
     from torchtitan_seq.attention import SequenceAttention
-    from torchtitan_seq.kernels import select_kernel
-    from torchtitan_seq.kv_context import KVContext, Unit
-    from torchtitan_seq.partition import partition_sequence
+    from torchtitan_seq.attention.kernels import select_kernel
+    from torchtitan_seq.runtime.kv_context import KVContext, Unit
+    from torchtitan_seq.runtime.partition import partition_sequence
 
     heads, kv_heads = MODEL["n_heads"], MODEL["n_kv_heads"]
     dim, dtype = MODEL["dim"] // heads, torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -320,11 +320,11 @@ def arena_steps(
     stage's passes (microbatches share arenas, every other one from the top: its slab descending) and
     not told (a slab of its own each, ascending); and the unit-layers whose slab is descending."""
     from torchtitan_seq.attention import SequenceAttention
-    from torchtitan_seq.kernels import select_kernel
-    from torchtitan_seq.kv_context import KVContext, Unit
-    from torchtitan_seq.ordering import stage_passes
-    from torchtitan_seq.partition import partition_sequence
+    from torchtitan_seq.attention.kernels import select_kernel
+    from torchtitan_seq.runtime.kv_context import KVContext, Unit
+    from torchtitan_seq.runtime.partition import partition_sequence
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+    from torchtitan_seq.schedules.ordering import stage_passes
 
     heads, kv_heads = MODEL["n_heads"], MODEL["n_kv_heads"]
     dim, dtype = MODEL["dim"] // heads, torch.bfloat16 if device.type == "cuda" else torch.float32

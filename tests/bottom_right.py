@@ -4,7 +4,7 @@ kernel do on a GPU.
 With it the unit attention takes the path those take (:mod:`torchtitan_seq.attention`): a unit reads
 its prefix and its own keys in one causal call where its slab is ascending (two calls on a descending
 one, and for the last unit, whose keys the slab does not hold), on a machine without a GPU. It is the
-:class:`~torchtitan_seq.kernels.AttentionKernel` protocol in plain float32 matrix products, exact
+:class:`~torchtitan_seq.attention.kernels.AttentionKernel` protocol in plain float32 matrix products, exact
 to round-off; every exactness variant runs its compared step with it as well as with torch's CPU kernel
 (``Variant.kernels``, tests/harness.py).
 """

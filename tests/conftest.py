@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_seq import cpu_compat
+from torchtitan_seq.titan import cpu_compat
 
 cpu_compat.apply()  # the tests' entry point, as torchtitan_seq.train is the trainer's
 
@@ -15,7 +15,7 @@ cpu_compat.apply()  # the tests' entry point, as torchtitan_seq.train is the tra
 # calibration) import from benchmarks/, and titan.py runs training through them.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from torchtitan_seq.titan_version import TITAN_03  # noqa: E402
+from torchtitan_seq.titan.version import TITAN_03  # noqa: E402
 
 if TITAN_03:
     # Under torchtitan 0.3 only tests/titan03/ runs: the other tests drive torchtitan 0.2.2 (its TOML

@@ -163,7 +163,7 @@ def _batches(v: Variant, vocab_size: int) -> list[Batch]:
     ]
     if not v.documents:
         return [Batch(tokens, labels) for tokens, labels in pairs]
-    from torchtitan_seq.documents import document_ids
+    from torchtitan_seq.runtime.documents import document_ids
 
     # the compared (last) batch has DOCUMENT_LAYOUTS' first rows; earlier ones others
     tokens = [packed_tokens(v.batch_size, v.seq_len, g, shift=len(pairs) - 1 - i) for i in range(len(pairs))]
@@ -203,16 +203,16 @@ def _kernel(name: str):
         return BottomRightCpuKernel()
     if name != "top_left":
         raise ValueError(f"unknown kernel {name!r}")
-    from torchtitan_seq.kernels import select_kernel
+    from torchtitan_seq.attention.kernels import select_kernel
 
     return select_kernel(torch.device("cpu"))
 
 
 def _stages(v: Variant, args, chunks, dims) -> list:
     """This rank's pipeline stages over ``chunks``, cut into the variant's units, with its first kernel."""
-    from torchtitan_seq.context_parallel import ContextShard
-    from torchtitan_seq.shape import JobShape
-    from torchtitan_seq.stage import SequencePipelineStage
+    from torchtitan_seq.runtime.context_parallel import ContextShard
+    from torchtitan_seq.runtime.shape import JobShape
+    from torchtitan_seq.schedules.stage import SequencePipelineStage
 
     # Cut as the runtime cuts: sequence parallelism shards every unit evenly over the TP ranks, CP
     # into 2 cp chunks.
@@ -272,8 +272,8 @@ class _PipelineRun:
     def __init__(self, v: Variant, chunks, stages: list, rows: slice, dims) -> None:
         from torch._dynamo.utils import counters
 
-        from torchtitan_seq.loss import TokenNormalizedLoss
-        from torchtitan_seq.memory import ActivationMemory
+        from torchtitan_seq.instrumentation.memory import ActivationMemory
+        from torchtitan_seq.runtime.loss import TokenNormalizedLoss
         from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 
         self.rows = rows
@@ -410,7 +410,7 @@ def _worker(rank: int, world: int, port: int, variants: list[Variant], out_dir: 
     import torch._functorch.config
     import torch._inductor.config
 
-    from torchtitan_seq import cpu_compat
+    from torchtitan_seq.titan import cpu_compat
 
     cpu_compat.apply()  # before torchtitan is imported
 

@@ -4,21 +4,21 @@ The harness itself is plain torch and torchtitan_seq; five things go through tor
 between 0.2.2 and 0.3: building the tiny Llama 3 (its args, its chunk-aware model), splitting it into
 this rank's chunks, parallelising each chunk with the version's parallelize function on its
 ``ParallelDims`` mesh, the summed cross-entropy loss, and the context a pipeline step runs in.
-:data:`TITAN` is the installed version's adapter (:data:`torchtitan_seq.titan_version.TITAN_03`):
+:data:`TITAN` is the installed version's adapter (:data:`torchtitan_seq.titan.version.TITAN_03`):
 
 - :class:`Titan022`: torchtitan 0.2.2's ``TransformerModelArgs``, torchtitan_seq's
-  :class:`~torchtitan_seq.models.llama3_seq.SeqTransformer`, chunks placed by
-  :func:`torchtitan_seq.pipeline.split_model` and parallelised by ``parallelize_llama`` with a
-  ``JobConfig`` (the CP ranks as FSDP's, :func:`~torchtitan_seq.pipeline.chunk_parallel_dims`).
+  :class:`~torchtitan_seq.titan.v022.models.llama3_seq.SeqTransformer`, chunks placed by
+  :func:`torchtitan_seq.titan.v022.pipeline.split_model` and parallelised by ``parallelize_llama`` with a
+  ``JobConfig`` (the CP ranks as FSDP's, :func:`~torchtitan_seq.titan.v022.pipeline.chunk_parallel_dims`).
 - :class:`Titan03`: torchtitan 0.3's Llama 3 built from configs with
-  :class:`~torchtitan_seq.titan03.model.SeqInnerAttention` in every layer (as
-  :func:`~torchtitan_seq.titan03.model.seq_llama3` builds a flavor), chunks cut by 0.3's
-  ``_split_module`` as :mod:`torchtitan_seq.titan03.pipeline` cuts them, parallelised by the model
+  :class:`~torchtitan_seq.titan.v03.model.SeqInnerAttention` in every layer (as
+  :func:`~torchtitan_seq.titan.v03.model.seq_llama3` builds a flavor), chunks cut by 0.3's
+  ``_split_module`` as :mod:`torchtitan_seq.titan.v03.pipeline` cuts them, parallelised by the model
   spec's ``parallelize_fn`` (keyword configs: ``training``, ``parallelism``, ``compile_config``,
   ``ac_config``), pipeline steps inside 0.3's SPMD context (its ``spmd_types`` backend, as the
   trainer's ``train_context``). 0.3's Llama 3 fuses wq, wk and wv into one ``wqkv``; the names the
   harness compares are each version's own, on both sides. CP is refused under 0.3 (as
-  :mod:`torchtitan_seq.titan03.job_check` refuses it).
+  :mod:`torchtitan_seq.titan.v03.job_check` refuses it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_seq.titan_version import TITAN_03
+from torchtitan_seq.titan.version import TITAN_03
 
 __all__ = ["TITAN", "Titan022", "Titan03", "DenseDocumentAttention", "init_test_weights"]
 
@@ -42,7 +42,7 @@ class DenseDocumentAttention(torch.nn.Module):
     output (B, heads, L, head_dim)."""
 
     def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True, documents=None):
-        from torchtitan_seq.documents import document_mask
+        from torchtitan_seq.runtime.documents import document_mask
 
         mask = None if documents is None else document_mask(documents)
         return torch.nn.functional.scaled_dot_product_attention(
@@ -72,7 +72,7 @@ class Titan022:
     def models(self, v) -> tuple[Any, torch.nn.Module, torch.nn.Module]:
         """``(args, whole, reference)``: the tiny model with the test weights, and its copy whose
         attention is SDPA over the whole sequence (with the dense document mask)."""
-        from torchtitan_seq.models.llama3_seq import SeqTransformer
+        from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer
 
         args = self.model_args(v.seq_len, v.layers)
         torch.manual_seed(0)
@@ -103,9 +103,9 @@ class Titan022:
         from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
         from torchtitan.models.llama3.infra.parallelize import parallelize_llama
 
-        from torchtitan_seq.cpu_compat import fsdp_for_gloo
-        from torchtitan_seq.pipeline import chunk_parallel_dims, split_model
         from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+        from torchtitan_seq.titan.cpu_compat import fsdp_for_gloo
+        from torchtitan_seq.titan.v022.pipeline import chunk_parallel_dims, split_model
 
         dims = ParallelDims(
             dp_replicate=1, dp_shard=v.dp_shard, cp=v.cp, tp=v.tp, pp=v.pp, ep=1, etp=1, world_size=v.world
@@ -155,20 +155,20 @@ class Titan03:
     version = "0.3"
 
     def model_args(self, seq_len: int, n_layers: int = 4):
-        """The tiny model's shape (torchtitan_seq's :class:`~torchtitan_seq.flavors.ModelShape`, which
+        """The tiny model's shape (torchtitan_seq's :class:`~torchtitan_seq.titan.flavors.ModelShape`, which
         the partition's cost model reads as it reads 0.2.2's args)."""
-        from torchtitan_seq.flavors import ModelShape
+        from torchtitan_seq.titan.flavors import ModelShape
 
         return ModelShape(DIM, n_layers, HEADS, KV_HEADS, VOCAB, MULTIPLE_OF, None)
 
     def model_config(self, v):
         """0.3's Llama 3 config of the tiny model, its inner attention torchtitan_seq's (as
-        :func:`~torchtitan_seq.titan03.model.seq_llama3` builds a flavor), block-causal with documents.
+        :func:`~torchtitan_seq.titan.v03.model.seq_llama3` builds a flavor), block-causal with documents.
         ``_build_llama3_layers`` and the initialisers are 0.3's private ones, its flavors'."""
         from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
         from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
 
-        from torchtitan_seq.titan03.model import SeqInnerAttention, SeqLlama3Model
+        from torchtitan_seq.titan.v03.model import SeqInnerAttention, SeqLlama3Model
 
         layers = _build_llama3_layers(
             fuse_qkv=True,
@@ -241,16 +241,16 @@ class Titan03:
 
     def pipeline_chunks(self, whole, args, v):
         """As :meth:`Titan022.pipeline_chunks`: chunks cut and placed as
-        :func:`torchtitan_seq.titan03.pipeline.pipeline_sequence_llm` does, parallelised by the
+        :func:`torchtitan_seq.titan.v03.pipeline.pipeline_sequence_llm` does, parallelised by the
         model spec's ``parallelize_fn``."""
         from torchtitan.distributed import ParallelDims
         from torchtitan.distributed import pipeline_parallel as titan_pp
         from torchtitan.distributed import utils as dist_utils
 
-        from torchtitan_seq.cpu_compat import fsdp_for_gloo
         from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
-        from torchtitan_seq.titan03.model import seq_llama3
-        from torchtitan_seq.titan03.pipeline import pipeline_sequence_llm
+        from torchtitan_seq.titan.cpu_compat import fsdp_for_gloo
+        from torchtitan_seq.titan.v03.model import seq_llama3
+        from torchtitan_seq.titan.v03.pipeline import pipeline_sequence_llm
 
         configs = self.configs(v)
         dist_utils.set_spmd_backend(configs["parallelism"].spmd_backend)  # as 0.3's trainer does

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from torchtitan_seq.kv_context import KVContext
+from torchtitan_seq.runtime.kv_context import KVContext
 
 __all__ = ["reads_during_units"]
 

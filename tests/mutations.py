@@ -30,7 +30,7 @@ class MutationContext:
 
 def _prefix_grads(keep_k: bool, keep_v: bool) -> list:
     """Later units' dK or dV never reach the prefix they read."""
-    from torchtitan_seq.kv_context import KVSlab
+    from torchtitan_seq.runtime.kv_context import KVSlab
 
     accumulate = KVSlab.accumulate
 
@@ -48,7 +48,7 @@ def _prefix_grads(keep_k: bool, keep_v: bool) -> list:
 
 def _prefix_dq(ctx: MutationContext) -> list:
     """The queries' gradient from the prefix blocks (the unmasked kernel calls) is dropped."""
-    from torchtitan_seq.kernels import CpuSdpaKernel
+    from torchtitan_seq.attention.kernels import CpuSdpaKernel
 
     backward = CpuSdpaKernel.backward
 
@@ -62,12 +62,12 @@ def _prefix_dq(ctx: MutationContext) -> list:
 def _model_module():
     """The module of the installed torchtitan's chunk-aware Llama 3, whose ``unit_positions`` its
     model looks up per call."""
-    from torchtitan_seq.titan_version import TITAN_03
+    from torchtitan_seq.titan.version import TITAN_03
 
     if TITAN_03:
-        from torchtitan_seq.titan03 import model
+        from torchtitan_seq.titan.v03 import model
     else:
-        from torchtitan_seq.models.llama3_seq import model
+        from torchtitan_seq.titan.v022.models.llama3_seq import model
     return model
 
 
@@ -85,8 +85,8 @@ def _rope_offset(ctx: MutationContext) -> list:
 def _backward_order(ctx: MutationContext) -> list:
     """Every backward kind runs in subsequence order on each stage (rule 2 broken); the
     validator that would refuse such lists is switched off."""
-    from torchtitan_seq.ordering import F
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, base
+    from torchtitan_seq.schedules.ordering import F
 
     cls = SEQUENCE_SCHEDULES[ctx.schedule]
     actions_fn = cls.actions_fn
@@ -116,7 +116,7 @@ def _backward_order(ctx: MutationContext) -> list:
 def _unit_mean_loss(ctx: MutationContext) -> list:
     """Each unit's loss is its token mean over the number of units, not its token sum over
     the step's tokens: the same for even units, wrong for uneven ones."""
-    from torchtitan_seq.loss import TokenNormalizedLoss
+    from torchtitan_seq.runtime.loss import TokenNormalizedLoss
 
     def unit_mean(self, pred, target):
         return self.loss_fn(pred, target) / target.numel() / ctx.units_per_step
@@ -131,7 +131,7 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
     import sys
 
     from torchtitan_seq.attention import unit_op
-    from torchtitan_seq.kv_context import Phase
+    from torchtitan_seq.runtime.kv_context import Phase
 
     calls = unit_op._calls
 
@@ -147,8 +147,8 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
 def _split_w_without_kv_grad(ctx: MutationContext) -> list:
     """With split backward, the input pass does not hand a unit the K/V gradient of later
     units, so its weight pass computes wk/wv gradients without it."""
-    from torchtitan_seq.kv_context import KVSlab
-    from torchtitan_seq.stage import SequencePipelineStage
+    from torchtitan_seq.runtime.kv_context import KVSlab
+    from torchtitan_seq.schedules.stage import SequencePipelineStage
 
     backward_one_chunk = SequencePipelineStage.backward_one_chunk
 
@@ -163,7 +163,7 @@ def _split_w_without_kv_grad(ctx: MutationContext) -> list:
 
 def _tp_wrong_shard(ctx: MutationContext) -> list:
     """Under tensor parallelism each rank's KV context keeps its TP neighbour's K/V heads."""
-    from torchtitan_seq.kv_context import KVSlab
+    from torchtitan_seq.runtime.kv_context import KVSlab
 
     write = KVSlab.write
     group = ctx.tp_group
@@ -183,7 +183,7 @@ def _tp_wrong_shard(ctx: MutationContext) -> list:
 def _slab_offset(ctx: MutationContext) -> list:
     """Every unit after the first writes its K/V into the slab one position early (its last
     key written twice, so no position is left unwritten)."""
-    from torchtitan_seq.kv_context import KVSlab
+    from torchtitan_seq.runtime.kv_context import KVSlab
 
     write = KVSlab.write
 
@@ -212,14 +212,14 @@ def _copies_not_synced(ctx: MutationContext) -> list:
 
 def _across_documents(ctx: MutationContext) -> list:
     """Packed documents: a unit's queries read the whole prefix, across document boundaries."""
-    from torchtitan_seq.documents import Documents
+    from torchtitan_seq.runtime.documents import Documents
 
     return [mock.patch.object(Documents, "start_of", lambda self, row, position: 0)]
 
 
 def _cp_shard_left_out(ctx: MutationContext) -> list:
     """Context parallelism: a unit's gathered K/V miss the last CP rank's share (zeros there)."""
-    from torchtitan_seq.context_parallel import ContextShard
+    from torchtitan_seq.runtime.context_parallel import ContextShard
 
     gather = ContextShard.gather
 
@@ -235,7 +235,7 @@ def _cp_shard_left_out(ctx: MutationContext) -> list:
 def _cp_kv_grads_local(ctx: MutationContext) -> list:
     """Context parallelism: each CP rank keeps its own queries' dK/dV of its positions; nothing is
     summed over the CP group."""
-    from torchtitan_seq.context_parallel import ContextShard
+    from torchtitan_seq.runtime.context_parallel import ContextShard
 
     return [mock.patch.object(ContextShard, "reduce_scatter", lambda self, whole: self.shard(whole, 2))]
 
@@ -268,7 +268,7 @@ def _bottom_right_descending(ctx: MutationContext) -> list:
 def _host_read_in_units(ctx: MutationContext) -> list:
     """Not a break of exactness: each unit reads a value of its keys on the host as it appends them (a
     device sync per unit and layer on a GPU), which every exactness test's host-read check refuses."""
-    from torchtitan_seq.kv_context import KVContext
+    from torchtitan_seq.runtime.kv_context import KVContext
 
     append = KVContext.append
 
@@ -308,7 +308,7 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
 def _guard_other_end_only() -> list:
     """The K/V arenas' overwrite guard looks only at the microbatch at the arena's other end, not at one
     that still holds the same end (a stage running its units out of the announced order)."""
-    from torchtitan_seq.kv_context import KVContext
+    from torchtitan_seq.runtime.kv_context import KVContext
 
     def other_end_only(self, unit, slab):
         capacity, placed = self._placed.get(unit.microbatch, (0, None))
@@ -329,7 +329,7 @@ def _guard_own_unit_left_out() -> list:
     """The guard counts the other microbatch's keys up to its last unit in flight, less that unit's own."""
     import itertools
 
-    from torchtitan_seq.kv_context import KVContext
+    from torchtitan_seq.runtime.kv_context import KVContext
 
     check_room = KVContext._check_room
 
@@ -348,7 +348,7 @@ def _shape_cp_tp_apart() -> list:
     divisible by TP (the same as lcm(.., 2 CP TP) when TP and 2 CP share no factor)."""
     import math
 
-    from torchtitan_seq.shape import JobShape
+    from torchtitan_seq.runtime.shape import JobShape
 
     multiple = property(lambda self: math.lcm(self.length_multiple, self.tp, 2 * self.cp if self.cp > 1 else 1))
     return [mock.patch.object(JobShape, "multiple", multiple)]
@@ -440,7 +440,7 @@ def _memory_arenas_unshared() -> list:
     """The memory model places every slab in an arena of its own, as if no two microbatches shared one."""
     import functools
 
-    from torchtitan_seq.kv_placement import plan_arenas
+    from torchtitan_seq.runtime.kv_placement import plan_arenas
     from torchtitan_seq.simulate.memory import arenas
 
     return [mock.patch.object(arenas, "plan_arenas", functools.partial(plan_arenas, alternate=False))]
@@ -460,7 +460,7 @@ def _memory_arenas_without_own() -> list:
 
 def _job_check_fsdp_without_cp() -> list:
     """The 0.2.2 job check counts FSDP's ranks without the CP ranks, which torchtitan shards over too."""
-    from torchtitan_seq import job_check
+    from torchtitan_seq.titan.v022 import job_check
 
     def without_cp(parallelism, world_size):
         par = parallelism
@@ -472,7 +472,7 @@ def _job_check_fsdp_without_cp() -> list:
 
 def _job_check_replicas_cast() -> list:
     """The 0.2.2 job check takes replicated data parallelism for FSDP (which casts the parameters)."""
-    from torchtitan_seq import job_check
+    from torchtitan_seq.titan.v022 import job_check
 
     def with_replicas(parallelism, world_size):
         return world_size // (parallelism.tensor_parallel_degree * parallelism.pipeline_parallel_degree)
@@ -482,7 +482,8 @@ def _job_check_replicas_cast() -> list:
 
 def _job_check_float32_units_on_cuda() -> list:
     """The job check takes float32 for a dtype the CUDA attention kernels accept."""
-    from torchtitan_seq import job_check, job_rules
+    from torchtitan_seq.titan import job_rules
+    from torchtitan_seq.titan.v022 import job_check
 
     rule = job_rules.check_unit_precision
 

@@ -1,7 +1,7 @@
 """The settings walk: each case the job check refuses, in this process, or 2 ranks train it a step.
 
 :func:`walk` takes cases (a name and torchtitan overrides on :data:`BASE` and the debug model's
-config). A case the job check (:func:`~torchtitan_seq.job_check.check_job`, for 2 processes)
+config). A case the job check (:func:`~torchtitan_seq.titan.v022.job_check.check_job`, for 2 processes)
 refuses is ``refused`` with its message; any other is trained for one step by 2 gloo ranks forked
 from the exactness harness's fork server (torch and torchtitan imported once, a process group of
 its own per case, so no state of one case reaches the next), and is ``trained`` when both ranks
@@ -53,8 +53,8 @@ def _rank(rank: int, port: int, overrides: list[str], dump_folder: str) -> None:
     """One rank of one case: train the step, write ``rank<r>.json`` into the dump folder."""
     import torch.distributed as dist
 
-    from torchtitan_seq.registration import register
-    from torchtitan_seq.trainer import SeqTrainer
+    from torchtitan_seq.titan.v022.registration import register
+    from torchtitan_seq.titan.v022.trainer import SeqTrainer
 
     register()
     os.environ.update(
@@ -92,7 +92,7 @@ def _train(overrides: list[str], dump_folder: Path) -> dict:
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
         return {"outcome": "crashed", "message": errors[0]}
-    # rank 0 keeps the metrics record (torchtitan_seq.metrics)
+    # rank 0 keeps the metrics record (torchtitan_seq.titan.v022.metrics)
     losses = [r["loss"] for r in read_record(dump_folder / "metrics.jsonl") if r["event"] == "step"]
     trained = all(r["steps"] == 1 for r in ranks) and len(losses) == 1 and math.isfinite(losses[0])
     return {"outcome": "trained" if trained else "crashed", "losses": losses, "steps": [r["steps"] for r in ranks]}
@@ -100,8 +100,8 @@ def _train(overrides: list[str], dump_folder: Path) -> dict:
 
 def walk(cases: dict[str, tuple[str, ...]], tmp_path: Path) -> dict[str, dict]:
     """Each case's outcome: ``refused`` (with the check's ``message``), ``trained`` or ``crashed``."""
-    from torchtitan_seq.job_check import check_job
-    from torchtitan_seq.registration import register
+    from torchtitan_seq.titan.v022.job_check import check_job
+    from torchtitan_seq.titan.v022.registration import register
 
     register()
     results = {}

@@ -5,7 +5,7 @@
 ``--parallelism.pipeline-parallel-schedule BSIPipe --sequence-pipeline.num-subsequences 8``. One
 function per TOML file of ``train_configs/`` (torchtitan 0.2.2), with the same settings: the Llama 3
 debug model and 8B at 32K tokens, causal and block-causal (packed documents). Each returns
-:class:`~torchtitan_seq.titan03.trainer.SeqTrainer`'s config; its ``sequence_pipeline`` section is
+:class:`~torchtitan_seq.titan.v03.trainer.SeqTrainer`'s config; its ``sequence_pipeline`` section is
 0.2.2's ``[sequence_pipeline]``. Needs torchtitan 0.3 (importing this module imports it).
 """
 
@@ -17,13 +17,13 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
-from .assets import TOKENIZER_DIR
-from .config import SequencePipeline
-from .data import DATASET_NAME, PACKED_DATASET_NAME
-from .titan03.metrics import SeqMetricsProcessor
-from .titan03.model import seq_llama3
-from .titan03.pipeline import pipeline_sequence_llm
-from .titan03.trainer import SeqTrainer
+from torchtitan_seq.assets import TOKENIZER_DIR
+from torchtitan_seq.titan.config import SequencePipeline
+from torchtitan_seq.titan.data import DATASET_NAME, PACKED_DATASET_NAME
+from torchtitan_seq.titan.v03.metrics import SeqMetricsProcessor
+from torchtitan_seq.titan.v03.model import seq_llama3
+from torchtitan_seq.titan.v03.pipeline import pipeline_sequence_llm
+from torchtitan_seq.titan.v03.trainer import SeqTrainer
 
 __all__ = [
     "llama3_debugmodel_seq1f1b",

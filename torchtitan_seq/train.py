@@ -19,8 +19,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .assets import TOKENIZER_DIR
-from .titan_version import TITAN_03
+from torchtitan_seq.assets import TOKENIZER_DIR
+from torchtitan_seq.titan.version import TITAN_03
 
 
 def _option(argv: list[str], toml: dict, section: str, key: str) -> str | None:
@@ -62,7 +62,7 @@ if __name__ == "__main__":
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from . import cpu_compat  # noqa: E402
+from torchtitan_seq.titan import cpu_compat  # noqa: E402
 
 cpu_compat.apply()  # before torchtitan is imported
 
@@ -71,14 +71,14 @@ from torchtitan.config import ConfigManager  # noqa: E402
 if TITAN_03:
     from torchtitan.train import main as titan_main
 
-    from .titan03.job_check import check_job
-    from .titan03.registration import register
+    from torchtitan_seq.titan.v03.job_check import check_job
+    from torchtitan_seq.titan.v03.registration import register
 else:
     from torchtitan.train import main as titan_main_022
 
-    from .job_check import check_job
-    from .registration import register
-    from .trainer import SeqTrainer
+    from torchtitan_seq.titan.v022.job_check import check_job
+    from torchtitan_seq.titan.v022.registration import register
+    from torchtitan_seq.titan.v022.trainer import SeqTrainer
 
     def titan_main() -> None:
         titan_main_022(SeqTrainer)

@@ -11,7 +11,7 @@ import bench
 import pytest
 
 from titan import assert_trained, run_train
-from torchtitan_seq import timeline
+from torchtitan_seq.instrumentation import timeline
 
 
 @pytest.mark.slow

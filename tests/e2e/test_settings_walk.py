@@ -16,8 +16,8 @@ import json
 import pytest
 
 from settings_walk import walk
-from torchtitan_seq.config import SequencePipeline
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES
+from torchtitan_seq.titan.config import SequencePipeline
 
 VAL = ("--validation.enable", "--validation.seq_len", "256", "--validation.steps", "1")
 SHIPPED_VAL = (*VAL, "--validation.dataset", "seqpp_text_validation")

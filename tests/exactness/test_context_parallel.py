@@ -2,8 +2,8 @@
 sequence schedule, against the single-process whole-sequence reference, on gloo ranks.
 
 Each CP rank computes two chunks of every unit's queries and gathers the unit's K/V
-(:mod:`torchtitan_seq.context_parallel`); torchtitan's ``parallelize_llama`` parallelises the chunks
-as inside torchtitan (:func:`~torchtitan_seq.pipeline.chunk_parallel_dims`: FSDP over data-parallel x
+(:mod:`torchtitan_seq.runtime.context_parallel`); torchtitan's ``parallelize_llama`` parallelises the chunks
+as inside torchtitan (:func:`~torchtitan_seq.titan.v022.pipeline.chunk_parallel_dims`: FSDP over data-parallel x
 CP ranks). The mutations (a share left out of the gather, K/V gradients not reduce-scattered, the
 second chunk's RoPE positions off) are in test_mutations.py.
 """

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from titan03_run import Run, run_train
 
-from torchtitan_seq import timeline
-from torchtitan_seq.titan_version import TITAN_03
+from torchtitan_seq.instrumentation import timeline
+from torchtitan_seq.titan.version import TITAN_03
 
 pytestmark = pytest.mark.skipif(not TITAN_03, reason="runs ./run_train.sh with torchtitan 0.3")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtitan_seq.titan_version import TITAN_03
+from torchtitan_seq.titan.version import TITAN_03
 
 pytestmark = pytest.mark.skipif(not TITAN_03, reason="torchtitan 0.3's Llama 3 needs torchtitan 0.3")
 
@@ -43,9 +43,9 @@ def _model(recipe: str):
 
 @pytest.mark.parametrize("recipe", ["llama3_debugmodel_seq1f1b", "llama3_debugmodel_block_causal_seq1f1b"])
 def test_a_seq1f1b_step_equals_the_whole_sequence(gloo_rank, recipe):
-    from torchtitan_seq.documents import document_ids
+    from torchtitan_seq.runtime.documents import document_ids
     from torchtitan_seq.schedules import ScheduleSeq1F1B
-    from torchtitan_seq.stage import SequencePipelineStage
+    from torchtitan_seq.schedules.stage import SequencePipelineStage
 
     model, loss = _model(recipe)
     torch.manual_seed(1)

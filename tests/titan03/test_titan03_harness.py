@@ -1,7 +1,7 @@
 """Under torchtitan 0.3 the sequence schedules are exact as under 0.2.2, checked by the same harness.
 
 The exactness harness (:mod:`harness`, its torchtitan side :mod:`harness_titan`) builds 0.3's Llama 3
-with torchtitan_seq's inner attention, cuts it as :mod:`torchtitan_seq.titan03.pipeline` does,
+with torchtitan_seq's inner attention, cuts it as :mod:`torchtitan_seq.titan.v03.pipeline` does,
 parallelises each chunk with the model spec's ``parallelize_fn`` and runs each variant on gloo ranks
 against the whole-sequence reference, with both kernels and the host-read check, as
 ``tests/exactness/`` does under 0.2.2 (whose variants these mirror). Mutations that must break
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from harness import TOL, Variant, assert_breaks_exactness, assert_exact, run_variants
-from torchtitan_seq.titan_version import TITAN_03
+from torchtitan_seq.titan.version import TITAN_03
 
 pytestmark = [pytest.mark.skipif(not TITAN_03, reason="the harness's 0.3 side needs torchtitan 0.3"), pytest.mark.slow]
 

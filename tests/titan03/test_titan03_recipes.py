@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchtitan_seq.titan_version import TITAN_03
+from torchtitan_seq.titan.version import TITAN_03
 
 pytestmark = pytest.mark.skipif(not TITAN_03, reason="torchtitan 0.3's config functions need torchtitan 0.3")
 
@@ -25,7 +25,7 @@ def _parse(*args: str):
 @pytest.mark.parametrize("name", RECIPES)
 def test_each_shipped_job_is_a_config_function(name):
     """One per TOML file of train_configs/, chosen with --module/--config as 0.3 chooses its own."""
-    from torchtitan_seq.titan03.trainer import SeqTrainer
+    from torchtitan_seq.titan.v03.trainer import SeqTrainer
 
     config = _parse("--config", name)
     assert isinstance(config, SeqTrainer.Config)
@@ -62,7 +62,7 @@ def test_the_sequence_pipeline_section_takes_overrides_as_0_3_takes_its_own():
         (["--parallelism.pipeline-parallel-schedule", "BSIPipe", "--training.local-batch-size", "3"], 2, "BSIPipe"),
         (["--parallelism.spmd-backend", "full_dtensor"], 2, "parallelism.spmd_backend = 'full_dtensor'"),
         (["--sequence-pipeline.activation-memory-freq", "-1"], 2, "activation_memory_freq = -1 is negative"),
-        # 0.2.2's rules (torchtitan_seq.job_rules)
+        # 0.2.2's rules (torchtitan_seq.titan.job_rules)
         (
             ["--compile.enable", "--sequence-pipeline.split-backward"],
             2,
@@ -89,7 +89,7 @@ def test_the_sequence_pipeline_section_takes_overrides_as_0_3_takes_its_own():
     ],
 )
 def test_the_job_check_refuses_in_one_line(args, world, match):
-    from torchtitan_seq.titan03.job_check import check_job
+    from torchtitan_seq.titan.v03.job_check import check_job
 
     config = _parse("--config", "llama3_debugmodel_seq1f1b", *args)
     with pytest.raises(ValueError, match=match) as e:
@@ -106,7 +106,7 @@ def test_the_job_check_refuses_in_one_line(args, world, match):
     ],
 )
 def test_the_job_check_passes_what_tests_titan03_compose_runs(args, world):
-    from torchtitan_seq.titan03.job_check import check_job
+    from torchtitan_seq.titan.v03.job_check import check_job
 
     check_job(_parse("--config", "llama3_debugmodel_seq1f1b", *args), world)
 
@@ -132,7 +132,7 @@ def test_the_8b_jobs_pass_the_check_on_8_processes_and_build_an_8b_model(name):
     compiled blocks) and the model, built on the meta device: Llama 3 8B's 8.03e9 parameters."""
     import torch
 
-    from torchtitan_seq.titan03.job_check import check_job
+    from torchtitan_seq.titan.v03.job_check import check_job
 
     config = _parse("--config", name)
     check_job(config, 8)
@@ -155,7 +155,7 @@ def test_the_job_check_decides_cuda_precision_as_0_3_casts(monkeypatch, device, 
     names the dtype setting in one line."""
     import torch
 
-    from torchtitan_seq.titan03.job_check import check_job
+    from torchtitan_seq.titan.v03.job_check import check_job
 
     args = ["--parallelism.pipeline-parallel-schedule", schedule, "--parallelism.pipeline-parallel-degree", str(pp)]
     args += ["--parallelism.data-parallel-shard-degree", str(shard), "--training.mixed-precision-param", param_dtype]

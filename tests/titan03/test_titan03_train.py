@@ -7,7 +7,7 @@ import shutil
 import pytest
 from titan03_run import run_train
 
-from torchtitan_seq.titan_version import TITAN_03
+from torchtitan_seq.titan.version import TITAN_03
 
 pytestmark = pytest.mark.skipif(not TITAN_03, reason="runs ./run_train.sh with torchtitan 0.3")
 

@@ -1,6 +1,6 @@
 """The K/V arenas' overwrite guard against a brute-force replay, over every schedule's pass orders.
 
-:meth:`KVContext._check_room <torchtitan_seq.kv_context.KVContext>` refuses a unit's K/V write that
+:meth:`KVContext._check_room <torchtitan_seq.runtime.kv_context.KVContext>` refuses a unit's K/V write that
 would land on keys another microbatch still reads: the stage ran its units in an order other than
 the one it announced (:meth:`KVContext.expect`). The replay here keeps, per arena cell, which
 microbatch's key lies there, and calls a write an overwrite when it covers a key of a microbatch
@@ -20,10 +20,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from torchtitan_seq.kv_context import KVContext, Unit
-from torchtitan_seq.kv_placement import Pass, plan_arenas, slab_extents
-from torchtitan_seq.ordering import stage_passes
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.kv_placement import Pass, plan_arenas, slab_extents
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+from torchtitan_seq.schedules.ordering import stage_passes
 
 LENGTHS = (5, 3, 4, 2, 2, 1, 3, 1)
 """Uneven unit lengths: the first k are a microbatch's cut."""

@@ -7,7 +7,7 @@ import pytest
 import torchtitan.hf_datasets.text_datasets as text_datasets
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from torchtitan_seq.data import (
+from torchtitan_seq.titan.data import (
     DATASET_NAME,
     PACKED_DATASET_NAME,
     PACKED_VALIDATION_DATASET_NAME,

@@ -11,9 +11,9 @@ from bottom_right import BottomRightCpuKernel
 from harness import TOL, init_test_weights, model_args
 from mutations import MutationContext, patches
 from torchtitan_seq.attention import bind_kv_context
-from torchtitan_seq.kernels import select_kernel
-from torchtitan_seq.kv_context import KVContext, Phase, Unit
-from torchtitan_seq.models.llama3_seq import SeqTransformer
+from torchtitan_seq.attention.kernels import select_kernel
+from torchtitan_seq.runtime.kv_context import KVContext, Phase, Unit
+from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer
 
 # torch's CPU kernel (causal masks aligned top-left: the prefix in calls apart) and one that aligns them
 # bottom-right (flash-attn's one-call path, on the CPU)
@@ -225,7 +225,7 @@ def _units_of_one_layer(kernel, lengths: list[int], ids: torch.Tensor | None):
     import torch.nn.functional as F
 
     from torchtitan_seq.attention import SequenceAttention
-    from torchtitan_seq.documents import Documents, document_mask
+    from torchtitan_seq.runtime.documents import Documents, document_mask
 
     seq_len = sum(lengths)
     g = torch.Generator().manual_seed(0)
@@ -268,7 +268,7 @@ def test_kernel_calls_per_unit(aligned, lengths, packed):
     per batch row: one causal call per document piece in the unit, plus (where two) one unmasked
     call where the document continuing into the unit started before it."""
     from harness import EOS, packed_tokens
-    from torchtitan_seq.documents import Documents, document_ids
+    from torchtitan_seq.runtime.documents import Documents, document_ids
 
     ids = document_ids(packed_tokens(5, 32, torch.Generator().manual_seed(0)), EOS) if packed else None
     kernel = CountingKernel(KERNELS[aligned]())

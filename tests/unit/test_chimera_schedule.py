@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from torchtitan_seq.ordering import validate_unit_order
 from torchtitan_seq.schedules import (
     SEQUENCE_SCHEDULES,
     BidirectionalLayout,
@@ -12,6 +11,7 @@ from torchtitan_seq.schedules import (
     chimera_actions,
     lower_chains,
 )
+from torchtitan_seq.schedules.ordering import validate_unit_order
 from torchtitan_seq.simulate import SimConfig, simulate
 
 CHIMERA = SEQUENCE_SCHEDULES["Chimera"]

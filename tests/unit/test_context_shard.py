@@ -1,4 +1,4 @@
-"""Context parallelism inside units (torchtitan_seq.context_parallel): a CP rank's share of a unit,
+"""Context parallelism inside units (torchtitan_seq.runtime.context_parallel): a CP rank's share of a unit,
 the collectives over the CP group, and unit attention over a share's two query chunks against
 whole-sequence attention, in every slab layout (ascending and descending arenas)."""
 
@@ -12,9 +12,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from torchtitan_seq.attention import SequenceAttention
-from torchtitan_seq.context_parallel import ContextShard
-from torchtitan_seq.kernels import select_kernel
-from torchtitan_seq.kv_context import KVContext, Unit
+from torchtitan_seq.attention.kernels import select_kernel
+from torchtitan_seq.runtime.context_parallel import ContextShard
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
 
 
 def test_a_rank_holds_one_chunk_from_each_end():

@@ -28,13 +28,19 @@ from torch import Tensor, nn
 from torch.distributed.pipelining.schedules import _Action
 from torch.utils._pytree import tree_map_only
 
-from torchtitan_seq import cpu_compat
-from torchtitan_seq.kernels import CpuSdpaKernel, CudaSdpaKernel, CudnnSdpaKernel, FlashAttnKernel, select_kernel
-from torchtitan_seq.ordering import B
-from torchtitan_seq.ordering import F as FWD
-from torchtitan_seq.render import busy_and_end
-from torchtitan_seq.timeline import StepTimeline
-from torchtitan_seq.torch_internals import SDPA_OPS, SdpaOps
+from torchtitan_seq.attention.kernels import (
+    CpuSdpaKernel,
+    CudaSdpaKernel,
+    CudnnSdpaKernel,
+    FlashAttnKernel,
+    select_kernel,
+)
+from torchtitan_seq.instrumentation.render import busy_and_end
+from torchtitan_seq.instrumentation.timeline import StepTimeline
+from torchtitan_seq.runtime.torch_internals import SDPA_OPS, SdpaOps
+from torchtitan_seq.schedules.ordering import B
+from torchtitan_seq.schedules.ordering import F as FWD
+from torchtitan_seq.titan import cpu_compat
 
 CUDA = torch.device("cuda", 0)  # a device object needs no GPU; nothing is allocated on it
 
@@ -398,8 +404,8 @@ def _units_over_documents(kernel, q, k, v, dout) -> list[Tensor]:
     forward in order and backward last unit first: out, dq, dk, dv. A document's calls read parts of
     a unit's queries, and so strided views of its out and lse."""
     from torchtitan_seq.attention import SequenceAttention
-    from torchtitan_seq.documents import Documents
-    from torchtitan_seq.kv_context import KVContext, Unit
+    from torchtitan_seq.runtime.documents import Documents
+    from torchtitan_seq.runtime.kv_context import KVContext, Unit
 
     ids = torch.tensor([[0] * 20 + [1] * 12 + [2] * 16])
     context = KVContext([24, 24])
@@ -535,8 +541,8 @@ def test_fsdp_sum_reduction_only_for_gloo(monkeypatch, cuda):
 def test_job_check_on_cuda_refuses_float32_units(monkeypatch, overrides, world, refused):
     from torchtitan.config import ConfigManager
 
-    from torchtitan_seq.job_check import check_job
-    from torchtitan_seq.registration import register
+    from torchtitan_seq.titan.v022.job_check import check_job
+    from torchtitan_seq.titan.v022.registration import register
     from torchtitan_seq.train import resolve_args
 
     register()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from harness import EOS, init_test_weights, model_args, packed_tokens
-from torchtitan_seq.documents import Documents, document_ids, document_mask
-from torchtitan_seq.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.documents import Documents, document_ids, document_mask
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
 
 
 def _tokens(batch: int = 5, seq_len: int = 32) -> torch.Tensor:
@@ -31,7 +31,7 @@ def test_block_causal_flavor_computes_torchtitans_flex_model():
     attention and a block-causal mask (forward only: flex has no CPU backward)."""
     from torchtitan.models.llama3 import Transformer
 
-    from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
+    from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer, seq_llama3_flavors
 
     assert {"debugmodel_flex_attn", "debugmodel_varlen_attn", "8B_flex", "8B_varlen"} <= set(seq_llama3_flavors)
     args = dataclasses.replace(model_args(32), attn_type="flex", attn_mask_type="block_causal")
@@ -67,7 +67,7 @@ def test_a_unit_reads_only_its_continuing_documents_keys():
     (one per microbatch and layer, room for the keys of every unit but the last) until the
     microbatch's backward is over."""
     from torchtitan_seq.attention import SequenceAttention
-    from torchtitan_seq.kernels import CpuSdpaKernel
+    from torchtitan_seq.attention.kernels import CpuSdpaKernel
 
     class Recording(CpuSdpaKernel):
         def __init__(self):

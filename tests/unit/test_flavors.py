@@ -7,8 +7,8 @@ from dataclasses import fields
 import pytest
 from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
-from torchtitan_seq.flavors import ModelShape, chunk_split, flavor_shapes
-from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
+from torchtitan_seq.titan.flavors import ModelShape, chunk_split, flavor_shapes
+from torchtitan_seq.titan.v022.models.llama3_seq import seq_llama3_flavors
 
 
 def test_every_flavor_has_torchtitans_shape():

@@ -11,11 +11,12 @@ import torch
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.train import Trainer
 
-from torchtitan_seq import metrics, timeline
-from torchtitan_seq.memory import ActivationMemory
-from torchtitan_seq.metrics import MetricsRecord, SeqMetricsProcessor
-from torchtitan_seq.ordering import F
-from torchtitan_seq.trainer import SeqTrainer
+from torchtitan_seq.instrumentation import timeline
+from torchtitan_seq.instrumentation.memory import ActivationMemory
+from torchtitan_seq.schedules.ordering import F
+from torchtitan_seq.titan.v022 import metrics
+from torchtitan_seq.titan.v022.metrics import MetricsRecord, SeqMetricsProcessor
+from torchtitan_seq.titan.v022.trainer import SeqTrainer
 
 
 def _processor(freq: int, log_freq: int = 1, meter: ActivationMemory | None = None) -> SeqMetricsProcessor:

@@ -7,8 +7,8 @@ import pytest
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import _add_send_recv, _simulate_comms_compute, _validate_schedule
 
-from torchtitan_seq.ordering import validate_unit_order
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape, interleaved_seq1f1b_actions
+from torchtitan_seq.schedules.ordering import validate_unit_order
 
 
 def _lower_and_run(order, p, v, n_units):
@@ -60,7 +60,7 @@ def test_schedule_class_describes_its_placement():
 )
 def test_stages_per_rank_as_torchtitan_picks_them(schedule, layers_per_stage, v):
     """6 layers + embeddings + output on 2 ranks: torchtitan's pipeline_llm arithmetic."""
-    from torchtitan_seq.pipeline_core import stages_per_rank
+    from torchtitan_seq.titan.pipeline_core import stages_per_rank
 
     assert stages_per_rank(_parallelism(schedule, layers_per_stage), 6, 2) == v
 
@@ -69,7 +69,7 @@ def test_stages_per_rank_as_torchtitan_picks_them(schedule, layers_per_stage, v)
     "schedule,layers_per_stage,pp", [("Seq1F1B", 2, 2), ("InterleavedSeq1F1B", 4, 2), ("InterleavedSeq1F1B", 1, 3)]
 )
 def test_stages_per_rank_rejects_a_layout_the_schedule_cannot_run(schedule, layers_per_stage, pp):
-    from torchtitan_seq.pipeline_core import stages_per_rank
+    from torchtitan_seq.titan.pipeline_core import stages_per_rank
 
     with pytest.raises(ValueError, match="parallelism.pipeline_parallel_layers_per_stage"):
         stages_per_rank(_parallelism(schedule, layers_per_stage), 6, pp)

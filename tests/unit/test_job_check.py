@@ -1,11 +1,11 @@
 """The job check refuses, in one message naming the setting, every setting that would pass it
-and then crash on the ranks (torchtitan_seq.job_check.check_job, in this process)."""
+and then crash on the ranks (torchtitan_seq.titan.v022.job_check.check_job, in this process)."""
 
 import pytest
 from torchtitan.config import ConfigManager
 
-from torchtitan_seq.job_check import check_job
-from torchtitan_seq.registration import register
+from torchtitan_seq.titan.v022.job_check import check_job
+from torchtitan_seq.titan.v022.registration import register
 from torchtitan_seq.train import resolve_args
 
 CONFIG = ("--job.config_file", "train_configs/debug_model.toml")

@@ -1,6 +1,6 @@
 """The job check (torchtitan 0.2.2) over a table of the settings a GPU job combines, on a faked CUDA
 device and on the CPU, against answers derived from what torchtitan and the kernels do with each
-setting, not from ``torchtitan_seq/job_check.py``.
+setting, not from ``torchtitan_seq/titan/v022/job_check.py``.
 
 Each row is a pipeline schedule (a sequence one or torch's 1F1B), the pipeline, FSDP shard and
 replicate, CP and TP degrees, the parameters' dtype, the attention backend (and whether flash-attn is
@@ -51,8 +51,8 @@ from test_job_check import REFUSALS
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 
-from torchtitan_seq import job_check
-from torchtitan_seq.registration import register
+from torchtitan_seq.titan.v022 import job_check
+from torchtitan_seq.titan.v022.registration import register
 from torchtitan_seq.train import resolve_args
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,10 +5,10 @@ import itertools
 import pytest
 import torch
 
-from torchtitan_seq.kv_context import KVContext, Unit
-from torchtitan_seq.kv_placement import plan_arenas, slab_extents
-from torchtitan_seq.ordering import stage_passes
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.kv_placement import plan_arenas, slab_extents
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+from torchtitan_seq.schedules.ordering import stage_passes
 
 SHAPES = [
     (name, p, n, k, split)
@@ -98,8 +98,8 @@ def test_context_in_a_shared_arena_is_exact(packed, bottom_right):
     from bottom_right import BottomRightCpuKernel
     from harness import EOS, packed_tokens
     from torchtitan_seq.attention import SequenceAttention
-    from torchtitan_seq.documents import Documents, document_ids, document_mask
-    from torchtitan_seq.kernels import select_kernel
+    from torchtitan_seq.attention.kernels import select_kernel
+    from torchtitan_seq.runtime.documents import Documents, document_ids, document_mask
 
     lengths, n, kk = [12, 9, 7, 4], 4, 4
     seq = sum(lengths)

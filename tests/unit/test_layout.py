@@ -11,24 +11,34 @@ from pathlib import Path
 import torchtitan_seq
 
 PACKAGE = Path(torchtitan_seq.__file__).parent
-RUNTIME = ["stage", "schedules", "trainer", "metrics", "pipeline", "kv_context", "attention", "kernels", "timeline"]
-CORE = [
-    "kv_context",
-    "attention",
-    "kernels",
-    "partition",
-    "shape",
-    "stage",
-    "schedules",
-    "loss",
-    "ordering",
-    "memory",
-    "timeline",
-    "render",
-    "pipeline_core",
-    "rope",
-    "job_rules",
-]
+LAYERS = {
+    # a module's folder: its layer; a module imports from its own layer and those below it only
+    "runtime": 0,
+    "attention": 1,
+    "instrumentation": 1,
+    "schedules": 2,
+    "titan": 3,
+    "titan.v022": 4,
+    "titan.v03": 4,
+    "": 4,  # the package root: the public API and the module paths users type
+    "simulate": 5,
+    "plan": 5,
+    "assets": 0,
+}
+TOOLS = ("simulate", "plan")
+ROOT_MODULES = 6
+CORE = ("runtime", "attention", "instrumentation", "schedules", "titan.job_rules", "titan.pipeline_core")
+"""What imports without torchtitan: the plain-torch runtime and what both torchtitan versions share
+without touching torchtitan."""
+
+
+def _layer_of(module: str) -> str:
+    """The folder of LAYERS that ``module`` (dotted, below torchtitan_seq) lies in."""
+    parts = module.split(".")[1:]
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return ".".join(parts[:n])
+    return ""
 
 
 def _modules() -> list[str]:
@@ -97,11 +107,23 @@ def _reachable(start: str, graph: dict[str, set[str]]) -> set[str]:
     return seen
 
 
-def test_the_runtime_never_imports_the_simulator():
-    graph = _graph()
-    for name in RUNTIME:
-        reached = _reachable(f"torchtitan_seq.{name}", graph)
-        assert not any(m.startswith("torchtitan_seq.simulate") for m in reached), (name, sorted(reached))
+def test_imports_point_down_the_layers():
+    """runtime <- attention, instrumentation <- schedules <- titan (shared) <- each version's layer and
+    the package root; the tools (simulate, plan) import the rest, and nothing imports them."""
+    graph, wrong = _graph(), []
+    for module, imported in graph.items():
+        layer = _layer_of(module)
+        for other in imported:
+            below = LAYERS[_layer_of(other)] <= LAYERS[layer]
+            into_tools = _layer_of(other) in TOOLS and layer not in TOOLS and module != "torchtitan_seq"
+            if not below or into_tools:
+                wrong.append(f"{module} ({layer or 'root'}) imports {other} ({_layer_of(other) or 'root'})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_package_root_keeps_the_public_api_and_the_paths_users_type():
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(modules) <= ROOT_MODULES and {"__init__.py", "train.py", "config.py", "recipes.py"} <= set(modules)
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -110,7 +132,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 # The integration layer of torchtitan 0.3 (this suite's tests run under torchtitan 0.2.2: tests/titan03
 # import these under 0.3).
-TITAN_03_LAYER = ("torchtitan_seq.titan03", "torchtitan_seq.recipes")
+TITAN_03_LAYER = ("torchtitan_seq.titan.v03", "torchtitan_seq.recipes")
 
 
 def test_importing_any_module_changes_nothing_in_torch_or_torchtitan():
@@ -142,13 +164,13 @@ import sys
 sys.modules["torchtitan"] = None  # any import of torchtitan now fails
 import os, torch, torch.distributed as dist
 from torch import nn
-for name in {sorted("torchtitan_seq." + m for m in CORE)!r}:
+for name in {sorted(m for m in ALL if m.removeprefix("torchtitan_seq.").startswith(CORE))!r}:
     __import__(name)
 from torchtitan_seq.attention import SequenceAttention
-from torchtitan_seq.loss import TokenNormalizedLoss
-from torchtitan_seq.partition import partition_sequence
+from torchtitan_seq.runtime.loss import TokenNormalizedLoss
+from torchtitan_seq.runtime.partition import partition_sequence
 from torchtitan_seq.schedules import ScheduleSeq1F1B
-from torchtitan_seq.stage import SequencePipelineStage
+from torchtitan_seq.schedules.stage import SequencePipelineStage
 
 class Tiny(nn.Module):
     # one causal attention layer without RoPE: enough to need the KV context
@@ -216,3 +238,26 @@ def test_no_function_runs_over_80_lines():
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80
     ]
     assert not long, "\n".join(long)
+
+
+def test_the_public_api_imports_from_the_package():
+    """What users import from ``torchtitan_seq``, whichever folder holds it now."""
+    code = """
+import sys, torchtitan_seq
+assert not any(m.startswith("torchtitan_seq.") for m in sys.modules), "importing the package imports its modules"
+for name in torchtitan_seq.__all__:
+    assert getattr(torchtitan_seq, name) is not None, name
+print("ok")
+"""
+    result = _python(code)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_every_module_says_its_concept():
+    """A module's docstring is where its one concept is written (docs/architecture.md names the folders)."""
+    bare = [
+        str(p.relative_to(PACKAGE))
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if not ast.get_docstring(ast.parse(p.read_text()))
+    ]
+    assert not bare, bare

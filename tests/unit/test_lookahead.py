@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from torchtitan_seq import lookahead
-from torchtitan_seq.lookahead import SKIP, Lookahead
+from torchtitan_seq.plan import lookahead
+from torchtitan_seq.plan.lookahead import SKIP, Lookahead
 
 pytestmark = pytest.mark.skipif(lookahead.available_processes() < 2, reason="needs fork and two CPUs")
 

@@ -8,7 +8,7 @@ import pytest
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from torchtitan_seq import simulate as sim
-from torchtitan_seq import torch_internals
+from torchtitan_seq.runtime import torch_internals
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.simulate.build import stages_by_rank
 

@@ -1,6 +1,6 @@
 """The memory model's K/V arenas against the runtime's own: along every rank's actions, the arenas the
 model counts (:func:`~torchtitan_seq.simulate.memory.arenas._arena_events`, in slabs) hold the bytes the
-KV context (:class:`~torchtitan_seq.kv_context.KVContext`) allocates when it runs those actions, with
+KV context (:class:`~torchtitan_seq.runtime.kv_context.KVContext`) allocates when it runs those actions, with
 and without context parallelism (CP: slabs hold the last unit's K/V too, ``with_own``)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_seq.kv_context import KVContext, Unit
-from torchtitan_seq.ordering import stage_passes
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.schedules.ordering import stage_passes
 from torchtitan_seq.simulate.memory import arenas
 from torchtitan_seq.simulate.memory.actions import _plan
 

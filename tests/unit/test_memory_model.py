@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from torchtitan_seq.attention import bind_kv_context
-from torchtitan_seq.kernels import select_kernel
-from torchtitan_seq.kv_context import KVContext, Unit
-from torchtitan_seq.memory import ActivationMemory
-from torchtitan_seq.models.llama3_seq import SeqTransformer, seq_llama3_flavors
-from torchtitan_seq.ordering import compute_leaves
-from torchtitan_seq.shape import JobShape
+from torchtitan_seq.attention.kernels import select_kernel
+from torchtitan_seq.instrumentation.memory import ActivationMemory
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.shape import JobShape
+from torchtitan_seq.schedules.ordering import compute_leaves
 from torchtitan_seq.simulate import SimConfig, simulate
 from torchtitan_seq.simulate import memory as mm
 from torchtitan_seq.simulate.build import build
 from torchtitan_seq.simulate.network import chunk_parameters
+from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer, seq_llama3_flavors
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.10  # issue #15: every schedule's predicted peak within 10% of the measured one

@@ -10,11 +10,11 @@ import pytest
 from torchtitan.models.llama3 import TransformerModelArgs
 
 from torchtitan_seq import simulate as sim
-from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
-from torchtitan_seq.ordering import F
-from torchtitan_seq.partition import UnitCost
+from torchtitan_seq.runtime.partition import UnitCost
 from torchtitan_seq.schedules import ScheduleShape, seq1f1b_actions
+from torchtitan_seq.schedules.ordering import F
 from torchtitan_seq.simulate.network import parameter_count
+from torchtitan_seq.titan.v022.models.llama3_seq import seq_llama3_flavors
 
 GPT_1_3B = TransformerModelArgs(dim=2048, n_layers=24, n_heads=16, vocab_size=50257)
 NVLINK = sim.Link(bandwidth=200e9, latency=5e-6)

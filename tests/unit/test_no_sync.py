@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from host_reads import reads_during_units
-from torchtitan_seq.documents import document_ids
-from torchtitan_seq.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.documents import document_ids
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
 
 EOS, VOCAB, SEQ_LEN = 3, 64, 32
 
@@ -36,12 +36,12 @@ def _schedule(name: str, k: int, block_causal: bool):
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
     from torchtitan.models.llama3 import TransformerModelArgs
 
-    from torchtitan_seq.loss import TokenNormalizedLoss
-    from torchtitan_seq.models.llama3_seq import SeqTransformer
-    from torchtitan_seq.partition import partition_sequence
-    from torchtitan_seq.pipeline import split_model
+    from torchtitan_seq.runtime.loss import TokenNormalizedLoss
+    from torchtitan_seq.runtime.partition import partition_sequence
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
-    from torchtitan_seq.stage import SequencePipelineStage
+    from torchtitan_seq.schedules.stage import SequencePipelineStage
+    from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer
+    from torchtitan_seq.titan.v022.pipeline import split_model
 
     cls = SEQUENCE_SCHEDULES[name]
     args = TransformerModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ_LEN)

@@ -3,8 +3,8 @@ import itertools
 import pytest
 from torch.distributed.pipelining.schedules import _Action
 
-from torchtitan_seq.ordering import B, F, ScheduleOrderError, validate_unit_order
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+from torchtitan_seq.schedules.ordering import B, F, ScheduleOrderError, validate_unit_order
 
 
 @pytest.mark.parametrize("name", sorted(SEQUENCE_SCHEDULES))

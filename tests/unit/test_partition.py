@@ -2,8 +2,8 @@ import itertools
 
 import pytest
 
-from torchtitan_seq.models.llama3_seq import seq_llama3_flavors
-from torchtitan_seq.partition import UnitCost, partition_sequence
+from torchtitan_seq.runtime.partition import UnitCost, partition_sequence
+from torchtitan_seq.titan.v022.models.llama3_seq import seq_llama3_flavors
 
 DEBUG = UnitCost.from_model_args(seq_llama3_flavors["debugmodel"])
 

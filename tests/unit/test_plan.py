@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_seq import lookahead
 from torchtitan_seq import plan as planner
 from torchtitan_seq import simulate as sim
-from torchtitan_seq.render import busy_and_end
+from torchtitan_seq.instrumentation.render import busy_and_end
+from torchtitan_seq.plan import lookahead
 from torchtitan_seq.simulate.costs import seconds_per_time_unit
 
 SMALL = ["--flavor", "debugmodel", "--seq-len", "2048", "--gpus", "4", "--local-batch-size", "8"]
@@ -357,7 +357,7 @@ def test_the_rows_that_do_not_fit_are_the_estimates_of_those_met_closest(capsys)
     ],
 )
 def test_the_search_answers_alike_in_one_process_or_more(argv, capsys, monkeypatch):
-    """Helpers forked ahead of the search (torchtitan_seq.lookahead) answer part of it, and the
+    """Helpers forked ahead of the search (torchtitan_seq.plan.lookahead) answer part of it, and the
     planner's output (plans, the rows that do not fit, a refusal) is the same as in one process."""
     answered = []
     take = lookahead._Helper.take

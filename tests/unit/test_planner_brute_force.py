@@ -26,13 +26,13 @@ import pytest
 from test_planner_exhaustive import _assert_same_rows, _table
 
 from torchtitan_seq import plan as planner
-from torchtitan_seq.flavors import flavor_shape
-from torchtitan_seq.partition import UnitCost, partition_sequence
 from torchtitan_seq.plan import measure, memory_check, search
+from torchtitan_seq.runtime.partition import UnitCost, partition_sequence
+from torchtitan_seq.runtime.shape import JobShape
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
-from torchtitan_seq.shape import JobShape
 from torchtitan_seq.simulate.build import SimConfig
 from torchtitan_seq.simulate.costs import subsequence_lengths
+from torchtitan_seq.simulate.flavors import flavor_shape
 from torchtitan_seq.simulate.memory import MemoryConfig
 from torchtitan_seq.simulate.network import Network
 

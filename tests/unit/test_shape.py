@@ -5,11 +5,11 @@ import sys
 
 import pytest
 
-from torchtitan_seq.flavors import flavor_shape
-from torchtitan_seq.partition import partition_sequence
-from torchtitan_seq.shape import LENGTH_MULTIPLE, JobShape
+from torchtitan_seq.runtime.partition import partition_sequence
+from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE, JobShape
 from torchtitan_seq.simulate.build import SimConfig
 from torchtitan_seq.simulate.costs import job_shape
+from torchtitan_seq.simulate.flavors import flavor_shape
 from torchtitan_seq.simulate.memory import MemoryConfig
 from torchtitan_seq.simulate.network import Network
 
@@ -51,9 +51,10 @@ def test_the_simulator_and_the_memory_model_cut_as_the_runtime():
 
 
 def test_it_imports_neither_torch_nor_torchtitan():
-    code = "import sys, torchtitan_seq.shape; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    code = "import sys, torchtitan_seq.runtime.shape; print(sorted(m for m in sys.modules if m.startswith('torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['torchtitan_seq', 'torchtitan_seq.partition', 'torchtitan_seq.shape']"
+    expected = ["torchtitan_seq"] + [f"torchtitan_seq.runtime{m}" for m in ("", ".partition", ".shape")]
+    assert out.strip() == str(expected)
 
 
 @pytest.mark.parametrize("multiple", [0, -4])

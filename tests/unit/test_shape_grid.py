@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from torchtitan_seq import plan as planner
-from torchtitan_seq.context_parallel import ContextShard
-from torchtitan_seq.flavors import flavor_shape
-from torchtitan_seq.pipeline import job_shape as runtime_shape
+from torchtitan_seq.runtime.context_parallel import ContextShard
 from torchtitan_seq.simulate.build import SimConfig
 from torchtitan_seq.simulate.costs import job_shape as simulator_shape
+from torchtitan_seq.simulate.flavors import flavor_shape
 from torchtitan_seq.simulate.memory import MemoryConfig
 from torchtitan_seq.simulate.network import Network
+from torchtitan_seq.titan.v022.pipeline import job_shape as runtime_shape
 
 FLAVOR = "debugmodel"
 SEQ_LENS = (768, 1536, 2048)
@@ -28,7 +28,7 @@ GRID = list(
 
 
 def _job_config(seq_len: int, tp: int, cp: int, multiple: int, k: int, partition: str) -> SimpleNamespace:
-    """What :func:`torchtitan_seq.pipeline.job_shape` reads of torchtitan's job config (Seq1F1B, N 4)."""
+    """What :func:`torchtitan_seq.titan.v022.pipeline.job_shape` reads of torchtitan's job config (Seq1F1B, N 4)."""
     parallelism = SimpleNamespace(
         context_parallel_degree=cp,
         tensor_parallel_degree=tp,

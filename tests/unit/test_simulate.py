@@ -11,8 +11,8 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime, get_schedule_class
 
 from torchtitan_seq import simulate as sim
-from torchtitan_seq.ordering import B, F, ScheduleOrderError, validate_unit_order
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape, SequenceSchedule, seq1f1b_actions
+from torchtitan_seq.schedules.ordering import B, F, ScheduleOrderError, validate_unit_order
 
 REPO = Path(__file__).resolve().parents[2]
 # Divisible by every k tested, so even subsequences are exactly S / k long.
@@ -340,7 +340,7 @@ def test_packed_documents_cost_less_attention_and_cut_more_evenly(capsys):
 
 @pytest.mark.parametrize("document_length", [None, 300.0])
 def test_the_fit_recovers_a_fixed_cost_per_unit_and_costs_per_token_and_pair(document_length):
-    from torchtitan_seq.partition import UnitCost
+    from torchtitan_seq.runtime.partition import UnitCost
     from torchtitan_seq.simulate.costs import fit_unit_costs
 
     pairs = UnitCost(0.0, 0.0, document_length).pairs

@@ -1,4 +1,4 @@
-"""torch's private names are reached through torchtitan_seq/torch_internals.py alone, each listed there
+"""torch's private names are reached through torchtitan_seq/runtime/torch_internals.py alone, each listed there
 with the reason the public API does not serve; and the features it bridges are what the installed
 torch has."""
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed.pipelining as pipelining
 
 import torchtitan_seq
-from torchtitan_seq import torch_internals
+from torchtitan_seq.runtime import torch_internals
 
 PACKAGE = pathlib.Path(torchtitan_seq.__file__).parent
 INTERNALS = pathlib.Path(torch_internals.__file__)

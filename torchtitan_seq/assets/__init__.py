@@ -2,7 +2,7 @@
 
 Built by ``tools/build_assets.py`` from the Python standard library's documentation: a
 byte-level BPE tokenizer (2048 ids) in HuggingFace layout under ``tokenizer/``, and gzipped
-JSON-lines corpora (key "text") under ``text/``, which :mod:`torchtitan_seq.data` names.
+JSON-lines corpora (key "text") under ``text/``, which :mod:`torchtitan_seq.titan.data` names.
 """
 
 from pathlib import Path

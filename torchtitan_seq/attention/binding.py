@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..kernels import AttentionKernel
-from ..kv_context import KVContext
-from ..torch_internals import dispatch_mode_active
-from .handles import _BINDINGS, _Binding
-from .unit_op import apply_unit_attention
-from .whole_sequence import _whole_sequence_attention
+from torchtitan_seq.attention.handles import _BINDINGS, _Binding
+from torchtitan_seq.attention.kernels import AttentionKernel
+from torchtitan_seq.attention.unit_op import apply_unit_attention
+from torchtitan_seq.attention.whole_sequence import _whole_sequence_attention
+from torchtitan_seq.runtime.kv_context import KVContext
+from torchtitan_seq.runtime.torch_internals import dispatch_mode_active
 
 __all__ = ["SequenceAttention", "bind_kv_context"]
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..documents import Documents
-from ..kernels import AttentionKernel
-from ..kv_context import _EVERY, KVSlab
-from .layouts import _new_lse
+from torchtitan_seq.attention.kernels import AttentionKernel
+from torchtitan_seq.attention.layouts import _new_lse
+from torchtitan_seq.runtime.documents import Documents
+from torchtitan_seq.runtime.kv_context import _EVERY, KVSlab
 
 
 def _merge_into(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> None:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..kernels import AttentionKernel
-from ..kv_context import KVContext
+from torchtitan_seq.attention.kernels import AttentionKernel
+from torchtitan_seq.runtime.kv_context import KVContext
 
 
 @dataclass(eq=False)

@@ -7,14 +7,14 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from ..context_parallel import ContextShard
-from ..kernels import AttentionKernel
-from ..kv_context import KVContext, KVSlab, Phase, Unit, _Stored
-from ..torch_internals import function_apply
-from .calls import _attention_backward, _attention_forward, _Call, _calls, _Keys
-from .handles import _Binding, _bound
-from .layouts import _fake_attention, _fake_gradients, _heads_inner, _lse_layout
-from .whole_sequence import _whole_sequence_backward, _whole_sequence_forward
+from torchtitan_seq.attention.calls import _attention_backward, _attention_forward, _Call, _calls, _Keys
+from torchtitan_seq.attention.handles import _Binding, _bound
+from torchtitan_seq.attention.kernels import AttentionKernel
+from torchtitan_seq.attention.layouts import _fake_attention, _fake_gradients, _heads_inner, _lse_layout
+from torchtitan_seq.attention.whole_sequence import _whole_sequence_backward, _whole_sequence_forward
+from torchtitan_seq.runtime.context_parallel import ContextShard
+from torchtitan_seq.runtime.kv_context import KVContext, KVSlab, Phase, Unit, _Stored
+from torchtitan_seq.runtime.torch_internals import function_apply
 
 __all__ = ["UnitAttention", "apply_unit_attention"]
 
@@ -150,7 +150,7 @@ class UnitAttention(torch.autograd.Function):
 
 apply_unit_attention = function_apply(UnitAttention, tensors=3)
 """``UnitAttention.apply``, without the Python wrapper torch had around it before 2.15
-(:func:`~torchtitan_seq.torch_internals.function_apply`)."""
+(:func:`~torchtitan_seq.runtime.torch_internals.function_apply`)."""
 
 
 # The custom ops, for torch.compile (which keeps them out of its graphs) and dispatch modes (under which

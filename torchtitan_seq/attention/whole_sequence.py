@@ -2,7 +2,7 @@
 causal by torch's SDPA, block-causal over packed documents by the custom op
 ``torchtitan_seq::document_attention`` and its autograd: one causal call per document piece at offset 0,
 the same calls as a unit's (:mod:`.calls`), no mask built. Document starts are read once per batch
-(:meth:`~torchtitan_seq.documents.Documents.of_batch`).
+(:meth:`~torchtitan_seq.runtime.documents.Documents.of_batch`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..documents import Documents
-from ..kernels import AttentionKernel, select_kernel
-from .calls import _attention_backward, _attention_forward, _calls, _Keys
-from .layouts import _fake_attention, _fake_gradients, _heads_inner, _lse_layout
+from torchtitan_seq.attention.calls import _attention_backward, _attention_forward, _calls, _Keys
+from torchtitan_seq.attention.kernels import AttentionKernel, select_kernel
+from torchtitan_seq.attention.layouts import _fake_attention, _fake_gradients, _heads_inner, _lse_layout
+from torchtitan_seq.runtime.documents import Documents
 
 
 def _whole_sequence_forward(

@@ -6,7 +6,7 @@ The search covers the pipeline, tensor-, context- and data-parallel (FSDP) degre
 schedule (torch's and the sequence schedules), k, the partition and the
 activation checkpointing mode (:data:`CHOICES` on every split of the GPUs); the
 stages per rank are each schedule's own, not searched. Every configuration is cut
-as the runtime cuts it (:class:`~torchtitan_seq.shape.JobShape`, ``--length-multiple``),
+as the runtime cuts it (:class:`~torchtitan_seq.runtime.shape.JobShape`, ``--length-multiple``),
 and a plan carries its lengths and sets ``length_multiple``. Memory is the memory model's
 (:mod:`torchtitan_seq.simulate.memory`, the fullest rank's total); time is the
 simulator's (:mod:`torchtitan_seq.simulate`) with the network's transfers and
@@ -31,7 +31,7 @@ simulate every combination at full size:
   heavier ones of its schedule choice and p are skipped (or dropped, where a near tie of
   bounds met one first), and when the heaviest-saving one of a CP degree (most TP, full
   AC) does not fit, none of that CP degree is kept (it is estimated once a candidate of
-  it fits). CP (:mod:`torchtitan_seq.context_parallel`) splits each unit's
+  it fits). CP (:mod:`torchtitan_seq.runtime.context_parallel`) splits each unit's
   compute over c GPUs of the same replica and adds K/V collectives, while data
   parallelism over them would run other sequences: a CP plan only enters the table
   where its twin without CP does not fit (long sequences, tight memory);
@@ -43,9 +43,9 @@ simulate every combination at full size:
   shape and reused across TP, AC and cost choices;
 - with more than one CPU, the search runs in up to 4 processes (``--processes``): forked helpers
   visit the candidates of their share of schedule shapes ahead of the search, which takes their
-  answers (:mod:`torchtitan_seq.lookahead`): the same plans, in less time.
+  answers (:mod:`torchtitan_seq.plan.lookahead`): the same plans, in less time.
 
-Unit times are the transformer cost model (:class:`~torchtitan_seq.partition.UnitCost`)
+Unit times are the transformer cost model (:class:`~torchtitan_seq.runtime.partition.UnitCost`)
 at ``--tflops`` achieved per GPU, plus a fixed cost per unit and layer
 (``--unit-overhead-ms``, by default :data:`H200_UNIT_OVERHEAD_S`, measured): what
 a unit costs beyond its share of the FLOPs, which makes many short units slower
@@ -80,22 +80,22 @@ if sys.argv[0] == "-m":
 
 # Beside __all__, every name the module had before the split into this package (the tests and the
 # benchmarks reach its helpers as torchtitan_seq.plan.<name>).
-from ..flavors import flavor_shape  # noqa: F401
-from ..partition import UnitCost  # noqa: F401
-from ..schedules import SEQUENCE_SCHEDULES  # noqa: F401
-from ..simulate.memory import gib  # noqa: F401
-from .bounds import _Candidate, _candidates, _lengths, _meshes  # noqa: F401
-from .choices import _RECOMPUTE, AC_MODES, CHOICES, CP_DEGREES, TP_DEGREES, ScheduleChoice, _choices  # noqa: F401
-from .cli import _table, main  # noqa: F401
-from .costs import _Costs, _network, _tp_seconds  # noqa: F401
-from .flops import _fill_flops, _path_flops, _stage_layers, _step_flops, _unit_flops  # noqa: F401
-from .job import H200_UNIT_OVERHEAD_S, Cluster, Job  # noqa: F401
-from .measure import _measure, _plan_of, _runs, _simulated_step, _Step, evaluate  # noqa: F401
-from .memory_check import _Group, _memory_config, _MemoryCheck, _Miss, memory  # noqa: F401
-from .record import Plan  # noqa: F401
-from .search import _search, _without_cycle_collection, plan  # noqa: F401
-from .shares import _ahead, _shares  # noqa: F401
-from .twins import _Kept, _no_heavier  # noqa: F401
+from torchtitan_seq.plan.bounds import _Candidate, _candidates, _lengths, _meshes  # noqa: F401
+from torchtitan_seq.plan.choices import _RECOMPUTE, AC_MODES, CHOICES, CP_DEGREES, TP_DEGREES, ScheduleChoice, _choices  # noqa: F401
+from torchtitan_seq.plan.cli import _table, main  # noqa: F401
+from torchtitan_seq.plan.costs import _Costs, _network, _tp_seconds  # noqa: F401
+from torchtitan_seq.plan.flops import _fill_flops, _path_flops, _stage_layers, _step_flops, _unit_flops  # noqa: F401
+from torchtitan_seq.plan.job import H200_UNIT_OVERHEAD_S, Cluster, Job  # noqa: F401
+from torchtitan_seq.plan.measure import _measure, _plan_of, _runs, _simulated_step, _Step, evaluate  # noqa: F401
+from torchtitan_seq.plan.memory_check import _Group, _memory_config, _MemoryCheck, _Miss, memory  # noqa: F401
+from torchtitan_seq.plan.record import Plan  # noqa: F401
+from torchtitan_seq.plan.search import _search, _without_cycle_collection, plan  # noqa: F401
+from torchtitan_seq.plan.shares import _ahead, _shares  # noqa: F401
+from torchtitan_seq.plan.twins import _Kept, _no_heavier  # noqa: F401
+from torchtitan_seq.runtime.partition import UnitCost  # noqa: F401
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: F401
+from torchtitan_seq.simulate.flavors import flavor_shape  # noqa: F401
+from torchtitan_seq.simulate.memory import gib  # noqa: F401
 
 __all__ = [
     "ScheduleChoice",

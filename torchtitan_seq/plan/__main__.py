@@ -3,7 +3,7 @@
 import os
 import sys
 
-from .cli import main
+from torchtitan_seq.plan.cli import main
 
 code = main()  # the cyclic collector off since the package's imports (see its top); plan() leaves it so
 # Out without the interpreter's teardown, which frees the search's cached action lists one object at

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..partition import UnitCost
-from ..schedules import SEQUENCE_SCHEDULES
-from ..simulate.memory import ACMode
-from .choices import _RECOMPUTE, AC_MODES, CP_DEGREES, TP_DEGREES, ScheduleChoice
-from .costs import _Costs, _network, _tp_seconds
-from .flops import _fill_flops, _path_flops, _step_flops, _unit_flops
-from .job import Cluster, Job
+from torchtitan_seq.plan.choices import _RECOMPUTE, AC_MODES, CP_DEGREES, TP_DEGREES, ScheduleChoice
+from torchtitan_seq.plan.costs import _Costs, _network, _tp_seconds
+from torchtitan_seq.plan.flops import _fill_flops, _path_flops, _step_flops, _unit_flops
+from torchtitan_seq.plan.job import Cluster, Job
+from torchtitan_seq.runtime.partition import UnitCost
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.memory import ACMode
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
-from ..partition import Partition
-from ..schedules import SEQUENCE_SCHEDULES
-from ..simulate.memory import ACMode
+from torchtitan_seq.runtime.partition import Partition
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.memory import ACMode
 
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
 # Forward passes recomputed per backward: torchtitan's 'selective' default checkpoints every 2nd layer.

@@ -17,10 +17,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..shape import LENGTH_MULTIPLE
-from .job import Cluster, Job
-from .record import Plan
-from .search import plan
+from torchtitan_seq.plan.job import Cluster, Job
+from torchtitan_seq.plan.record import Plan
+from torchtitan_seq.plan.search import plan
+from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
 
 
 def _table(plans: list[Plan]) -> str:

@@ -8,12 +8,12 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..partition import UnitCost
-from ..simulate.costs import fit_cost_files
-from ..simulate.network import Network
-from .choices import ScheduleChoice
-from .flops import _step_flops, _unit_flops
-from .job import Cluster, Job
+from torchtitan_seq.plan.choices import ScheduleChoice
+from torchtitan_seq.plan.flops import _step_flops, _unit_flops
+from torchtitan_seq.plan.job import Cluster, Job
+from torchtitan_seq.runtime.partition import UnitCost
+from torchtitan_seq.simulate.costs import fit_cost_files
+from torchtitan_seq.simulate.network import Network
 
 
 @dataclass(frozen=True)

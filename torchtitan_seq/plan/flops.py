@@ -4,8 +4,8 @@ of calibration files are made of."""
 
 from __future__ import annotations
 
-from ..partition import UnitCost
-from .choices import ScheduleChoice
+from torchtitan_seq.plan.choices import ScheduleChoice
+from torchtitan_seq.runtime.partition import UnitCost
 
 
 def _unit_flops(cost: UnitCost, lengths: list[int], recompute: float) -> list[tuple[float, float]]:

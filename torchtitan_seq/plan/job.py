@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..flavors import flavor_shape
-from ..schedules import SEQUENCE_SCHEDULES
-from ..shape import LENGTH_MULTIPLE, JobShape
-from ..simulate.memory import Device
-from ..simulate.network import Link
-from .choices import ScheduleChoice
+from torchtitan_seq.plan.choices import ScheduleChoice
+from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE, JobShape
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.flavors import flavor_shape
+from torchtitan_seq.simulate.memory import Device
+from torchtitan_seq.simulate.network import Link
 
 H200_UNIT_OVERHEAD_S = 1.393e-3
 """Seconds a unit's forward + backward costs per layer beyond its share of the FLOPs, measured on

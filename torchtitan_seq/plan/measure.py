@@ -7,19 +7,19 @@ import math
 from dataclasses import dataclass, replace
 from functools import cache
 
-from ..flavors import flavor_shape
-from ..render import busy_and_end
-from ..schedules import SEQUENCE_SCHEDULES, ScheduleShape
-from ..simulate.build import SimConfig, build
-from ..simulate.costs import seconds_per_time_unit, subsequence_lengths
-from ..simulate.engine import simulate
-from ..simulate.memory import ACMode, gib
-from .bounds import _Candidate
-from .choices import _RECOMPUTE, ScheduleChoice
-from .costs import _Costs, _network, _tp_seconds
-from .job import Cluster, Job
-from .memory_check import memory
-from .record import Plan
+from torchtitan_seq.instrumentation.render import busy_and_end
+from torchtitan_seq.plan.bounds import _Candidate
+from torchtitan_seq.plan.choices import _RECOMPUTE, ScheduleChoice
+from torchtitan_seq.plan.costs import _Costs, _network, _tp_seconds
+from torchtitan_seq.plan.job import Cluster, Job
+from torchtitan_seq.plan.memory_check import memory
+from torchtitan_seq.plan.record import Plan
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+from torchtitan_seq.simulate.build import SimConfig, build
+from torchtitan_seq.simulate.costs import seconds_per_time_unit, subsequence_lengths
+from torchtitan_seq.simulate.engine import simulate
+from torchtitan_seq.simulate.flavors import flavor_shape
+from torchtitan_seq.simulate.memory import ACMode, gib
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..simulate.memory import ACMode, MemoryConfig, MemoryEstimate, gib, memory_floor, predict_memory
-from .bounds import _Candidate, _lengths
-from .choices import ScheduleChoice
-from .job import Cluster, Job
+from torchtitan_seq.plan.bounds import _Candidate, _lengths
+from torchtitan_seq.plan.choices import ScheduleChoice
+from torchtitan_seq.plan.job import Cluster, Job
+from torchtitan_seq.simulate.memory import ACMode, MemoryConfig, MemoryEstimate, gib, memory_floor, predict_memory
 
 
 def _memory_config(

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..partition import Partition
-from ..schedules import SEQUENCE_SCHEDULES
-from ..shape import LENGTH_MULTIPLE
-from ..simulate.memory import ACMode
+from torchtitan_seq.runtime.partition import Partition
+from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.memory import ACMode
 
 # torchtitan 0.3's activation checkpointing, a config class per mode (None: off).
 _AC_03 = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}
@@ -69,8 +69,8 @@ class Plan:
         lines = [
             "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401",
             f"from torchtitan_seq.recipes import {base}{block_causal}_seq1f1b",
-            "from torchtitan_seq.titan03.model import seq_llama3",
-            "from torchtitan_seq.titan03.pipeline import pipeline_sequence_llm",
+            "from torchtitan_seq.titan.v03.model import seq_llama3",
+            "from torchtitan_seq.titan.v03.pipeline import pipeline_sequence_llm",
             "",
             "",
             "def plan():",

@@ -8,18 +8,19 @@ import gc
 import math
 from collections.abc import Iterator
 
-from ..flavors import flavor_shape, flavor_shapes
-from ..lookahead import Lookahead, available_processes
-from ..partition import UnitCost
-from .bounds import _candidates, _meshes
-from .choices import CHOICES, ScheduleChoice
-from .costs import _Costs
-from .job import Cluster, Job
-from .measure import _measure, _plan_of, _runs
-from .memory_check import _MemoryCheck
-from .record import Plan
-from .shares import _ahead, _shares
-from .twins import _Kept, _no_heavier
+from torchtitan_seq.plan.bounds import _candidates, _meshes
+from torchtitan_seq.plan.choices import CHOICES, ScheduleChoice
+from torchtitan_seq.plan.costs import _Costs
+from torchtitan_seq.plan.job import Cluster, Job
+from torchtitan_seq.plan.lookahead import Lookahead, available_processes
+from torchtitan_seq.plan.measure import _measure, _plan_of, _runs
+from torchtitan_seq.plan.memory_check import _MemoryCheck
+from torchtitan_seq.plan.record import Plan
+from torchtitan_seq.plan.shares import _ahead, _shares
+from torchtitan_seq.plan.twins import _Kept, _no_heavier
+from torchtitan_seq.runtime.partition import UnitCost
+from torchtitan_seq.simulate.flavors import flavor_shape
+from torchtitan_seq.titan.flavors import flavor_shapes
 
 
 @contextlib.contextmanager
@@ -41,7 +42,7 @@ def plan(job: Job, cluster: Cluster, top: int = 10, processes: int | None = None
     """The ``top`` fastest configurations that fit, best first, followed by the three
     configurations closest to fitting when fewer fit.
 
-    ``processes``: how many the search runs in at most (:mod:`~torchtitan_seq.lookahead`; the same
+    ``processes``: how many the search runs in at most (:mod:`~torchtitan_seq.plan.lookahead`; the same
     plans in any number), and no more than one per CPU; default 4.
 
     Raises ValueError, naming the setting, for an unknown flavor, GPU counts no

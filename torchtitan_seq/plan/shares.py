@@ -1,14 +1,14 @@
 """The search in several processes: which process visits each candidate, and a helper's visit of its
-share ahead of the search (:mod:`torchtitan_seq.lookahead`)."""
+share ahead of the search (:mod:`torchtitan_seq.plan.lookahead`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..lookahead import SKIP
-from .bounds import _Candidate
-from .record import Plan
-from .twins import _Kept
+from torchtitan_seq.plan.bounds import _Candidate
+from torchtitan_seq.plan.lookahead import SKIP
+from torchtitan_seq.plan.record import Plan
+from torchtitan_seq.plan.twins import _Kept
 
 
 def _shares(candidates: list[_Candidate], processes: int) -> list[int]:

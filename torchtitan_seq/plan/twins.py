@@ -3,8 +3,8 @@ more TP, CP and recomputation, so once one fits its heavier twins are left out."
 
 from __future__ import annotations
 
-from .bounds import _Candidate
-from .choices import AC_MODES, ScheduleChoice
+from torchtitan_seq.plan.bounds import _Candidate
+from torchtitan_seq.plan.choices import AC_MODES, ScheduleChoice
 
 
 def _no_heavier(lighter: tuple[int, int, int], degrees: tuple[int, int, int]) -> bool:

@@ -13,7 +13,7 @@ units, ``unit id = m * k + j``, plus a thin subclass of the runtime. With plain 
 
 ``loss_fn(output, target)`` receives one unit and must return that unit's share of the step's loss:
 the *sum* of its token losses divided by the step's token count
-(:class:`torchtitan_seq.loss.TokenNormalizedLoss`), so that summing units is exact for uneven
+(:class:`torchtitan_seq.runtime.loss.TokenNormalizedLoss`), so that summing units is exact for uneven
 subsequences. ``losses`` receives one loss per microbatch, as with torch's schedules.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from torch.distributed.pipelining import schedules as _torch_schedules
 
-from .base import ActionLists, ScheduleShape, SequenceSchedule, StagePlacement
-from .bidirectional import (
+from torchtitan_seq.schedules.base import ActionLists, ScheduleShape, SequenceSchedule, StagePlacement
+from torchtitan_seq.schedules.bidirectional import (
     PLACEMENTS,
     BidirectionalLayout,
     BidirectionalSchedule,
@@ -30,10 +30,10 @@ from .bidirectional import (
     Placement,
     lower_chains,
 )
-from .bsipipe import ScheduleBSIPipe, bsipipe_actions
-from .chimera import ScheduleChimera, chimera_actions
-from .interleaved import ScheduleInterleavedSeq1F1B, interleaved_seq1f1b_actions
-from .seq1f1b import ScheduleSeq1F1B, ScheduleTeraPipe, seq1f1b_actions, terapipe_actions
+from torchtitan_seq.schedules.bsipipe import ScheduleBSIPipe, bsipipe_actions
+from torchtitan_seq.schedules.chimera import ScheduleChimera, chimera_actions
+from torchtitan_seq.schedules.interleaved import ScheduleInterleavedSeq1F1B, interleaved_seq1f1b_actions
+from torchtitan_seq.schedules.seq1f1b import ScheduleSeq1F1B, ScheduleTeraPipe, seq1f1b_actions, terapipe_actions
 
 __all__ = [
     "ActionLists",

@@ -2,7 +2,7 @@
 
 A schedule class names its pure action-list function (``actions_fn``) and tells the pipeline builder
 and the trainer what they need through class attributes and hooks (the class's members below). The
-lists are checked against :mod:`torchtitan_seq.ordering`'s rules; lowering (send/recv, FSDP
+lists are checked against :mod:`torchtitan_seq.schedules.ordering`'s rules; lowering (send/recv, FSDP
 unshard/reshard, gradient reduction) and execution are torch's.
 """
 
@@ -14,10 +14,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..documents import Documents
-from ..ordering import validate_unit_order
-from ..stage import SequencePipelineStage
-from ..torch_internals import Action, UnitScheduleRuntime, allow_recompiles
+from torchtitan_seq.runtime.documents import Documents
+from torchtitan_seq.runtime.torch_internals import Action, UnitScheduleRuntime, allow_recompiles
+from torchtitan_seq.schedules.ordering import validate_unit_order
+from torchtitan_seq.schedules.stage import SequencePipelineStage
 
 __all__ = ["ActionLists", "ScheduleShape", "SequenceSchedule", "StagePlacement"]
 
@@ -171,7 +171,7 @@ class SequenceSchedule(UnitScheduleRuntime):
 
         args: the first stage's inputs, each (batch, seq_len, ...); empty on other ranks. target:
         (batch, seq_len) on the rank of the last stage. attention_masks: packed documents, (batch,
-        seq_len) document ids (:func:`~torchtitan_seq.documents.document_ids`), on every rank, as
+        seq_len) document ids (:func:`~torchtitan_seq.runtime.documents.document_ids`), on every rank, as
         torchtitan passes its block-causal flavors' masks; None: causal. Or, instead of those, one entry
         per microbatch: ``arg_mbs`` (tuples of (batch / N, seq_len, ...)), ``kwarg_mbs`` (dicts, with
         at most ``attention_masks``) and ``target_mbs``. Under context parallelism every CP rank gets

@@ -30,10 +30,10 @@ from torch import nn
 from torch.distributed.pipelining.schedules import RECV_B, RECV_F, SEND_B, SEND_F
 from torch.distributed.tensor import DTensor
 
-from ..ordering import B, F, I, fed_by, feeds
-from ..stage import SequencePipelineStage
-from ..torch_internals import Action, add_reduce_grad, add_send_waits, add_unshard_reshard
-from .base import ScheduleShape, SequenceSchedule, StagePlacement
+from torchtitan_seq.runtime.torch_internals import Action, add_reduce_grad, add_send_waits, add_unshard_reshard
+from torchtitan_seq.schedules.base import ScheduleShape, SequenceSchedule, StagePlacement
+from torchtitan_seq.schedules.ordering import B, F, I, fed_by, feeds
+from torchtitan_seq.schedules.stage import SequencePipelineStage
 
 __all__ = ["Placement", "PLACEMENTS", "BidirectionalLayout", "lower_chains", "MirroredCopies", "BidirectionalSchedule"]
 

@@ -10,11 +10,11 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..ordering import B, F, fed_by, feeds
-from ..torch_internals import Action
-from .base import ActionLists, ScheduleShape
-from .bidirectional import BidirectionalLayout, BidirectionalSchedule
-from .seq1f1b import unit_orders
+from torchtitan_seq.runtime.torch_internals import Action
+from torchtitan_seq.schedules.base import ActionLists, ScheduleShape
+from torchtitan_seq.schedules.bidirectional import BidirectionalLayout, BidirectionalSchedule
+from torchtitan_seq.schedules.ordering import B, F, fed_by, feeds
+from torchtitan_seq.schedules.seq1f1b import unit_orders
 
 __all__ = ["Priority", "PRIORITIES", "ListSchedule", "list_schedule", "bsipipe_actions", "ScheduleBSIPipe"]
 

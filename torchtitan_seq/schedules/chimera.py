@@ -5,11 +5,11 @@ Layout, lowering and mirrored copies: :mod:`~torchtitan_seq.schedules.bidirectio
 
 from __future__ import annotations
 
-from ..ordering import B, F
-from ..torch_internals import Action
-from .base import ActionLists, ScheduleShape
-from .bidirectional import BidirectionalSchedule
-from .seq1f1b import unit_orders
+from torchtitan_seq.runtime.torch_internals import Action
+from torchtitan_seq.schedules.base import ActionLists, ScheduleShape
+from torchtitan_seq.schedules.bidirectional import BidirectionalSchedule
+from torchtitan_seq.schedules.ordering import B, F
+from torchtitan_seq.schedules.seq1f1b import unit_orders
 
 __all__ = ["chimera_actions", "ScheduleChimera"]
 

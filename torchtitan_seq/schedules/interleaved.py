@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import ActionLists, ScheduleShape, SequenceSchedule
-from .seq1f1b import one_f_one_b, unit_orders
+from torchtitan_seq.schedules.base import ActionLists, ScheduleShape, SequenceSchedule
+from torchtitan_seq.schedules.seq1f1b import one_f_one_b, unit_orders
 
 __all__ = ["interleaved_seq1f1b_actions", "ScheduleInterleavedSeq1F1B"]
 

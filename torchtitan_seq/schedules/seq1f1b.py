@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..ordering import B, F, I, W
-from ..torch_internals import Action
-from .base import ActionLists, ScheduleShape, SequenceSchedule
+from torchtitan_seq.runtime.torch_internals import Action
+from torchtitan_seq.schedules.base import ActionLists, ScheduleShape, SequenceSchedule
+from torchtitan_seq.schedules.ordering import B, F, I, W
 
 __all__ = ["unit_orders", "one_f_one_b", "seq1f1b_actions", "terapipe_actions", "ScheduleSeq1F1B", "ScheduleTeraPipe"]
 

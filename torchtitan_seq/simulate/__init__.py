@@ -5,14 +5,14 @@
 * :mod:`.network`: communication: intra- and inter-node links (bandwidth, latency), the bytes a
   SEND carries, the end-of-step all-reduces of BSIPipe's and Chimera's parameter copies;
 * :mod:`.engine`: the timing model and deadlock detection: :func:`simulate` returns a
-  :class:`SimResult`, a :class:`torchtitan_seq.render.Timeline` plus the simulator's own fields;
+  :class:`SimResult`, a :class:`torchtitan_seq.instrumentation.render.Timeline` plus the simulator's own fields;
 * :mod:`.memory`: bytes per rank (parameters, gradients, optimizer, activations, KV context,
   workspace, receive buffers) by arithmetic on the built lists: :func:`~.memory.predict_memory`
   (imported from the submodule, not re-exported here: it looks flavors up in torchtitan);
 * :mod:`.regenerate`: the committed ``schedules/`` folder; :mod:`.cli`: the command line.
 
-The writers (SVG, Chrome trace, CSV) are :mod:`torchtitan_seq.render`'s, shared with the
-measured timelines of :mod:`torchtitan_seq.timeline`.
+The writers (SVG, Chrome trace, CSV) are :mod:`torchtitan_seq.instrumentation.render`'s, shared with the
+measured timelines of :mod:`torchtitan_seq.instrumentation.timeline`.
 
 Usage::
 
@@ -24,15 +24,15 @@ Usage::
         --intra-node-bandwidth 200e9 --inter-node-bandwidth 25e9 --flops-per-gpu 150e12
 """
 
-from ..render import chrome_trace, compute_csv, render_svg
-from ..schedules import TORCH_SCHEDULES
-from ..torch_internals import MockStage
-from .build import SimConfig
-from .cli import main
-from .costs import UnitTimes, transformer_times, unit_times
-from .engine import Deadlock, SimResult, StuckRank, simulate, simulate_order
-from .network import Link, Network, Transfers
-from .regenerate import regenerate, standard_configs
+from torchtitan_seq.instrumentation.render import chrome_trace, compute_csv, render_svg
+from torchtitan_seq.runtime.torch_internals import MockStage
+from torchtitan_seq.schedules import TORCH_SCHEDULES
+from torchtitan_seq.simulate.build import SimConfig
+from torchtitan_seq.simulate.cli import main
+from torchtitan_seq.simulate.costs import UnitTimes, transformer_times, unit_times
+from torchtitan_seq.simulate.engine import Deadlock, SimResult, StuckRank, simulate, simulate_order
+from torchtitan_seq.simulate.network import Link, Network, Transfers
+from torchtitan_seq.simulate.regenerate import regenerate, standard_configs
 
 __all__ = [
     "TORCH_SCHEDULES",
@@ -54,5 +54,5 @@ __all__ = [
     "main",
     "render_svg",
     "chrome_trace",
-    "compute_csv",  # torchtitan_seq.render's, for SimResults
+    "compute_csv",  # torchtitan_seq.instrumentation.render's, for SimResults
 ]

@@ -1,5 +1,5 @@
 """``python -m torchtitan_seq.simulate``: see :mod:`.cli`."""
 
-from .cli import main
+from torchtitan_seq.simulate.cli import main
 
 raise SystemExit(main())

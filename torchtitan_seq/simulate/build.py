@@ -3,13 +3,13 @@
 A schedule is first written as compute-only per-rank lists (F, B, I, W and
 DualPipeV's OVERLAP_F_B): for a sequence schedule of
 :data:`torchtitan_seq.schedules.SEQUENCE_SCHEDULES` by its ``actions_fn`` and
-checked with :func:`~torchtitan_seq.ordering.validate_unit_order`; for one of
+checked with :func:`~torchtitan_seq.schedules.ordering.validate_unit_order`; for one of
 torch's (:data:`TORCH_SCHEDULES`) by instantiating torch's class on mock
 stages and reading its ``pipeline_order`` (1F1B and GPipe run their own loop:
 their IR is renumbered the way that loop counts microbatches, see
 ``_executed_order``). The lists are then lowered by torch's own
 ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` on stand-in stages
-(:func:`~torchtitan_seq.torch_internals.torch_lowering`: whatever passes the
+(:func:`~torchtitan_seq.runtime.torch_internals.torch_lowering`: whatever passes the
 installed torch runs, 2.15's send waits included), and the lowered lists are
 what :mod:`.engine` runs. Units are numbered ``m * k + j``
 (microbatch m, subsequence j); torch's schedules have k = 1.
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 from torch.distributed.pipelining.schedules import SEND_B, SEND_F, PipelineScheduleSingle, get_schedule_class
 
-from ..ordering import B, F, compute_leaves, feeds, validate_unit_order
-from ..partition import Partition
-from ..schedules import (
+from torchtitan_seq.runtime.partition import Partition
+from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
+from torchtitan_seq.runtime.torch_internals import Action, MockStage, stage_to_rank_mapping, torch_lowering
+from torchtitan_seq.schedules import (
     PLACEMENTS,
     SEQUENCE_SCHEDULES,
     TORCH_SCHEDULES,
@@ -34,9 +35,8 @@ from ..schedules import (
     ScheduleShape,
     lower_chains,
 )
-from ..shape import LENGTH_MULTIPLE
-from ..torch_internals import Action, MockStage, stage_to_rank_mapping, torch_lowering
-from .network import Network
+from torchtitan_seq.schedules.ordering import B, F, compute_leaves, feeds, validate_unit_order
+from torchtitan_seq.simulate.network import Network
 
 __all__ = ["SimConfig", "Built", "build", "stages_by_rank", "lower", "send_after_compute", "check_placement"]
 
@@ -68,13 +68,13 @@ class SimConfig:
     seq_len: int = 2048
     """S, tokens per sequence."""
     partition: Partition = "even"
-    """How sequences are cut: 'even', 'compute' or 'latency' (torchtitan_seq.partition)."""
+    """How sequences are cut: 'even', 'compute' or 'latency' (torchtitan_seq.runtime.partition)."""
     document_length: float = 0.0
     """Packed documents (block-causal attention): expected tokens per document, for the
     'transformer' cost and the partitions; 0: causal."""
     length_multiple: int = LENGTH_MULTIPLE
     """Every subsequence length is a multiple of this and of ``network.tensor_parallel``, as
-    ``sequence_pipeline.length_multiple`` makes the runtime cut (:class:`~torchtitan_seq.shape.JobShape`)."""
+    ``sequence_pipeline.length_multiple`` makes the runtime cut (:class:`~torchtitan_seq.runtime.shape.JobShape`)."""
     recompute: float = 0.0
     """Forwards recomputed per backward under activation checkpointing: 1 for ``full``,
     1/n for torchtitan's layer-level ``selective`` (every n-th block); added to B and I."""

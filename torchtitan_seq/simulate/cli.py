@@ -23,14 +23,14 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from ..partition import PARTITIONS
-from ..render import chrome_trace, compute_csv, render_svg
-from ..schedules import PLACEMENTS, SEQUENCE_SCHEDULES, TORCH_SCHEDULES
-from ..shape import LENGTH_MULTIPLE
-from .build import SimConfig
-from .engine import simulate
-from .network import Link, Network
-from .regenerate import regenerate
+from torchtitan_seq.instrumentation.render import chrome_trace, compute_csv, render_svg
+from torchtitan_seq.runtime.partition import PARTITIONS
+from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
+from torchtitan_seq.schedules import PLACEMENTS, SEQUENCE_SCHEDULES, TORCH_SCHEDULES
+from torchtitan_seq.simulate.build import SimConfig
+from torchtitan_seq.simulate.engine import simulate
+from torchtitan_seq.simulate.network import Link, Network
+from torchtitan_seq.simulate.regenerate import regenerate
 
 __all__ = ["main"]
 

@@ -5,7 +5,7 @@ the layers (:mod:`.engine` scales to 1/V of a rank's layers, V stages per
 rank). Unit j of length L_j after a prefix P_j costs:
 
 - ``uniform``: F = L_j / S, B = 2 F, I = W = F (S the sequence length);
-- ``transformer``: :class:`~torchtitan_seq.partition.UnitCost` of the model
+- ``transformer``: :class:`~torchtitan_seq.runtime.partition.UnitCost` of the model
   flavor: F = forward(L_j, P_j), I = backward_input, W = backward_weight,
   B = I + W, divided by forward(S, 0); with ``document_length`` D > 0 attention
   scores the pairs of packed documents D tokens long on average;
@@ -50,12 +50,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..flavors import ModelShape, flavor_shape, flavor_shapes
-from ..ordering import B, F, I, W
-from ..partition import UnitCost
-from ..schedules import SEQUENCE_SCHEDULES
-from ..shape import JobShape
-from .build import SimConfig
+from torchtitan_seq.runtime.partition import UnitCost
+from torchtitan_seq.runtime.shape import JobShape
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.schedules.ordering import B, F, I, W
+from torchtitan_seq.simulate.build import SimConfig
+from torchtitan_seq.simulate.flavors import flavor_shape
+from torchtitan_seq.titan.flavors import ModelShape, flavor_shapes
 
 if TYPE_CHECKING:
     from torchtitan.models.llama3 import TransformerModelArgs
@@ -196,7 +197,7 @@ def transformer_times(cost: UnitCost, lengths: list[int]) -> UnitTimes:
 class UnitCostFit:
     """A unit's forward + backward time as ``fixed + per_token * s + per_pair * pairs(s, P)``
     for s tokens after a prefix of P, pairs being the (query, key) pairs attention scores
-    (:meth:`~torchtitan_seq.partition.UnitCost.pairs`: causal, or packed documents of
+    (:meth:`~torchtitan_seq.runtime.partition.UnitCost.pairs`: causal, or packed documents of
     ``document_length`` tokens on average). ``fixed`` is what a unit costs beyond its share
     of the sequence: launches, host work, per-call merges, whatever does not shrink with it."""
 
@@ -298,7 +299,7 @@ def _parse(data: dict, k: int, path: str) -> UnitTimes:
 
 
 def model_args(config: SimConfig) -> ModelShape | TransformerModelArgs:
-    """The shape of ``config.flavor`` (:func:`~torchtitan_seq.flavors.flavor_shape`)."""
+    """The shape of ``config.flavor`` (:func:`~torchtitan_seq.titan.flavors.flavor_shape`)."""
     if (shape := flavor_shape(config.flavor)) is None:
         raise ValueError(f"unknown flavor {config.flavor!r}: use one of {sorted(flavor_shapes)}")
     return shape
@@ -323,7 +324,7 @@ def seconds_per_time_unit(config: SimConfig) -> float:
 
 
 def job_shape(config: SimConfig) -> JobShape:
-    """``config``'s :class:`~torchtitan_seq.shape.JobShape`: its cut as the runtime makes it (TP from
+    """``config``'s :class:`~torchtitan_seq.runtime.shape.JobShape`: its cut as the runtime makes it (TP from
     ``config.network``); torch's schedules run whole sequences."""
     cost = _model_cost(config) if config.partition != "even" else None
     return JobShape(

@@ -5,7 +5,7 @@ like the runtime's loop. A compute action starts when the rank is free and
 its inputs exist:
 
 - F of stage s needs the output of the stage before it in its chain
-  (:func:`~torchtitan_seq.ordering.fed_by`): the forward on the same rank, or
+  (:func:`~torchtitan_seq.schedules.ordering.fed_by`): the forward on the same rank, or
   the matching SEND_F on the rank that holds it, plus the transfer time;
 - B or I of stage s needs its own F and the input gradient of the stage after
   it (B/I on the same rank, or the matching SEND_B plus the transfer time);
@@ -40,12 +40,12 @@ from typing import Any
 
 from torch.distributed.pipelining.schedules import SEND_B, SEND_F
 
-from ..ordering import B, F, I, W, compute_leaves, fed_by
-from ..render import Interval
-from ..schedules import ActionLists
-from ..torch_internals import Action
-from .build import SimConfig, build, check_placement, lower, send_after_compute
-from .costs import (
+from torchtitan_seq.instrumentation.render import Interval
+from torchtitan_seq.runtime.torch_internals import Action
+from torchtitan_seq.schedules import ActionLists
+from torchtitan_seq.schedules.ordering import B, F, I, W, compute_leaves, fed_by
+from torchtitan_seq.simulate.build import SimConfig, build, check_placement, lower, send_after_compute
+from torchtitan_seq.simulate.costs import (
     ChunkTimes,
     UnitTimes,
     model_args,
@@ -54,8 +54,8 @@ from .costs import (
     subsequence_lengths,
     unit_and_chunk_times,
 )
-from .network import Transfers
-from .result import Deadlock, SimResult, StuckRank
+from torchtitan_seq.simulate.network import Transfers
+from torchtitan_seq.simulate.result import Deadlock, SimResult, StuckRank
 
 __all__ = ["simulate", "simulate_order"]
 
@@ -260,7 +260,7 @@ def _deadlock(
 def simulate(config: SimConfig) -> SimResult:
     """Build, validate, lower and time ``config``'s schedule.
 
-    Raises :class:`~torchtitan_seq.ordering.ScheduleOrderError` for a sequence
+    Raises :class:`~torchtitan_seq.schedules.ordering.ScheduleOrderError` for a sequence
     schedule that breaks an ordering rule, ValueError for a shape the schedule
     does not support; a deadlock is reported in the result.
     """

@@ -14,7 +14,7 @@ applies it to one simulated step:
   rank ``latency + bytes / bandwidth`` after the SEND, over the link between
   the two ranks; transfers do not contend (each GPU has its own NIC and
   NVLink lanes; links are full duplex).
-- under context parallelism (``context_parallel`` c, :mod:`torchtitan_seq.context_parallel`) a rank
+- under context parallelism (``context_parallel`` c, :mod:`torchtitan_seq.runtime.context_parallel`) a rank
   computes 1/c of every unit and sends its share; in each layer it all-gathers the unit's K/V over
   its CP group and reduce-scatters their gradient in backward (:meth:`Network.kv_collective_seconds`:
   a ring of c - 1 steps, each one rank's share of K/V over the CP link). CP ranks are ``tensor_parallel``
@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..partition import UnitCost, ffn_hidden_dim
+from torchtitan_seq.runtime.partition import UnitCost, ffn_hidden_dim
 
 if TYPE_CHECKING:
     from torchtitan.models.llama3 import TransformerModelArgs

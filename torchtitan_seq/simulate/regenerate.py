@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..render import compute_csv, render_svg
-from ..schedules import SEQUENCE_SCHEDULES
-from .build import SimConfig
-from .engine import SimResult, simulate
+from torchtitan_seq.instrumentation.render import compute_csv, render_svg
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.build import SimConfig
+from torchtitan_seq.simulate.engine import SimResult, simulate
 
 __all__ = ["standard_configs", "regenerate"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from ..ordering import B, F, W
-from ..render import Interval, Timeline
-from ..torch_internals import Action
+from torchtitan_seq.instrumentation.render import Interval, Timeline
+from torchtitan_seq.runtime.torch_internals import Action
+from torchtitan_seq.schedules.ordering import B, F, W
 
 __all__ = ["StuckRank", "Deadlock", "SimResult"]
 

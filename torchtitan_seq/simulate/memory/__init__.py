@@ -1,7 +1,7 @@
 """Memory model in bytes: what one pipeline rank holds at its peak, by arithmetic.
 
 :func:`predict_memory` takes a :class:`MemoryConfig` (a torchtitan Llama 3 flavor or
-``TransformerModelArgs``, the job's :class:`~torchtitan_seq.shape.JobShape`, schedule, parallel
+``TransformerModelArgs``, the job's :class:`~torchtitan_seq.runtime.shape.JobShape`, schedule, parallel
 degrees, activation checkpointing, dtypes) and returns a :class:`MemoryEstimate`: per rank and for the
 fullest rank, parameters, gradients, optimizer states, activations, the KV context's
 extra, a transient workspace and the pipeline's receive buffers, in bytes. No model is
@@ -11,7 +11,7 @@ lists the runtime executes; memory on a rank depends only on the order of its ow
 actions, not on their timing).
 
 Notation: D = ``dim``, H and Hkv query and K/V heads, hd = D / H, F = the MLP width
-(:func:`~torchtitan_seq.partition.ffn_hidden_dim`), V = vocabulary, t = TP degree, a =
+(:func:`~torchtitan_seq.runtime.partition.ffn_hidden_dim`), V = vocabulary, t = TP degree, a =
 bytes of the compute dtype, b = microbatch size, L_j = tokens of unit j (the whole
 sequence for torch's schedules).
 
@@ -29,20 +29,26 @@ from __future__ import annotations
 
 # Beside __all__, every name the module had before the split into this package (the tests reach its
 # helpers as torchtitan_seq.simulate.memory.<name>).
-from ...kv_placement import plan_arenas  # noqa: F401
-from ...partition import ffn_hidden_dim  # noqa: F401
-from .actions import _all_forwards_first, _Events, _events, _Plan, _plan  # noqa: F401
-from .activations import _kv_width, _layer_bytes, _norm_bytes, _recomputed_fraction, _saved_per_token  # noqa: F401
-from .arenas import _arena_events  # noqa: F401
-from .buffers import _buffer_bytes_per_token, _buffers  # noqa: F401
-from .chunks import _chunk_kinds, _chunk_layout, _chunk_split, _ChunkLayout  # noqa: F401
-from .config import DTYPE_BYTES, ACMode, Device, DType, MemoryConfig, _bytes  # noqa: F401
-from .estimate import MemoryEstimate, RankMemory, gib, predict_memory  # noqa: F401
-from .floor import memory_floor  # noqa: F401
-from .stage_bytes import _stage_bytes, _StageBytes  # noqa: F401
-from .states import _state_bytes, _state_rates, _StateRates  # noqa: F401
-from .walk import _walks  # noqa: F401
-from .workspace import _workspace, _workspace_per_token  # noqa: F401
+from torchtitan_seq.runtime.kv_placement import plan_arenas  # noqa: F401
+from torchtitan_seq.runtime.partition import ffn_hidden_dim  # noqa: F401
+from torchtitan_seq.simulate.memory.actions import _all_forwards_first, _Events, _events, _Plan, _plan  # noqa: F401
+from torchtitan_seq.simulate.memory.activations import (  # noqa: F401
+    _kv_width,
+    _layer_bytes,
+    _norm_bytes,
+    _recomputed_fraction,
+    _saved_per_token,
+)
+from torchtitan_seq.simulate.memory.arenas import _arena_events  # noqa: F401
+from torchtitan_seq.simulate.memory.buffers import _buffer_bytes_per_token, _buffers  # noqa: F401
+from torchtitan_seq.simulate.memory.chunks import _chunk_kinds, _chunk_layout, _chunk_split, _ChunkLayout  # noqa: F401
+from torchtitan_seq.simulate.memory.config import DTYPE_BYTES, ACMode, Device, DType, MemoryConfig, _bytes  # noqa: F401
+from torchtitan_seq.simulate.memory.estimate import MemoryEstimate, RankMemory, gib, predict_memory  # noqa: F401
+from torchtitan_seq.simulate.memory.floor import memory_floor  # noqa: F401
+from torchtitan_seq.simulate.memory.stage_bytes import _stage_bytes, _StageBytes  # noqa: F401
+from torchtitan_seq.simulate.memory.states import _state_bytes, _state_rates, _StateRates  # noqa: F401
+from torchtitan_seq.simulate.memory.walk import _walks  # noqa: F401
+from torchtitan_seq.simulate.memory.workspace import _workspace, _workspace_per_token  # noqa: F401
 
 __all__ = [
     "MemoryConfig",

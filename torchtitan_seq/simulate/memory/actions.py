@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...kv_placement import Pass
-from ...ordering import B, F, I, W, compute_leaves, stage_passes
-from ..build import SimConfig, build
-from .arenas import _arena_events
-from .chunks import _chunk_kinds
+from torchtitan_seq.runtime.kv_placement import Pass
+from torchtitan_seq.schedules.ordering import B, F, I, W, compute_leaves, stage_passes
+from torchtitan_seq.simulate.build import SimConfig, build
+from torchtitan_seq.simulate.memory.arenas import _arena_events
+from torchtitan_seq.simulate.memory.chunks import _chunk_kinds
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class _Plan:
         return self.merged[k]
 
     def passes_of(self, rank: int, k: int) -> list[tuple[list[int], tuple[Pass, ...]]]:
-        """Per stage of ``rank``, :func:`~torchtitan_seq.ordering.stage_passes` with k subsequences,
+        """Per stage of ``rank``, :func:`~torchtitan_seq.schedules.ordering.stage_passes` with k subsequences,
         found once: every cut of the sequence with k units walks the same passes."""
         if (rank, k) not in self.passes:
             actions = self.order[rank]

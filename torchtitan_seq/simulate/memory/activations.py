@@ -2,7 +2,7 @@
 (notation: the package's docstring).
 
 **Activations** (what autograd saves for backward, the figure
-:class:`torchtitan_seq.memory.ActivationMemory` measures). Per token and layer, as
+:class:`torchtitan_seq.instrumentation.memory.ActivationMemory` measures). Per token and layer, as
 torchtitan's ``TransformerBlock`` saves it with the project's attention (checked against
 autograd's saved tensors on the CPU, ``tests/unit/test_memory_model.py``):
 
@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...partition import ffn_hidden_dim
-from .config import MemoryConfig
+from torchtitan_seq.runtime.partition import ffn_hidden_dim
+from torchtitan_seq.simulate.memory.config import MemoryConfig
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs

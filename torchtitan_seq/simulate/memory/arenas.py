@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...kv_placement import Pass, plan_arenas
+from torchtitan_seq.runtime.kv_placement import Pass, plan_arenas
 
 
 def _arena_events(
@@ -14,7 +14,7 @@ def _arena_events(
 ) -> np.ndarray:
     """Per action of a rank (``count`` of them), the K/V arenas that the KV context allocates (+) or
     lets go (-) there, in slabs (a slab: the keys later units read; ``with_own``, under CP, the last
-    unit's too): each stage's arenas as it plans them (:func:`~torchtitan_seq.kv_placement.plan_arenas`)
+    unit's too): each stage's arenas as it plans them (:func:`~torchtitan_seq.runtime.kv_placement.plan_arenas`)
     from its passes (``stages``: where the rank runs each, and the passes), from a write into an empty
     one to the end of the last backward of a slab in it."""
     size = sum(lengths[: None if with_own else -1])

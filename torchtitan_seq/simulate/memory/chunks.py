@@ -2,7 +2,7 @@
 
 sequence for torch's schedules). A chunk is the part of the model a stage runs: torchtitan's
 ``generate_llm_fqn_per_model_part`` split (embeddings and norm + output weighted as one
-layer each; :func:`~torchtitan_seq.flavors.chunk_split` computes it without torchtitan), or, when
+layer each; :func:`~torchtitan_seq.titan.flavors.chunk_split` computes it without torchtitan), or, when
 that split has an empty chunk (more chunks than layers), an even real-valued share of the layers,
 embeddings on the first chunk and the output on the last.
 """
@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...flavors import chunk_split
-from ...schedules import SEQUENCE_SCHEDULES
-from ..build import stages_by_rank
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.build import stages_by_rank
+from torchtitan_seq.titan.flavors import chunk_split
 
 
 @functools.lru_cache(maxsize=256)

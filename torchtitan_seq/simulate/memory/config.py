@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
-from ...flavors import ModelShape, flavor_shape, flavor_shapes
-from ...schedules import SEQUENCE_SCHEDULES
-from ...shape import JobShape
+from torchtitan_seq.runtime.shape import JobShape
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.flavors import flavor_shape
+from torchtitan_seq.titan.flavors import ModelShape, flavor_shapes
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs
@@ -31,7 +32,7 @@ class MemoryConfig:
     model: str | TransformerModelArgs
     """A ``llama3_seq`` flavor name (``seq_llama3_flavors``) or the model's arguments."""
     shape: JobShape
-    """The job's shape as the runtime derives it (:class:`~torchtitan_seq.shape.JobShape`): S, the cut
+    """The job's shape as the runtime derives it (:class:`~torchtitan_seq.runtime.shape.JobShape`): S, the cut
     into k units (1 for torch's schedules), the TP degree (with sequence parallel, as torchtitan applies
     it), N microbatches per step and pipeline, v (None: the schedule's own). Its ``whole`` follows
     ``schedule``: torch's schedules run each sequence uncut."""

@@ -5,15 +5,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ...schedules import SEQUENCE_SCHEDULES
-from .actions import _plan
-from .buffers import _buffers
-from .chunks import _chunk_split
-from .config import MemoryConfig, _bytes
-from .stage_bytes import _stage_bytes
-from .states import _state_bytes
-from .walk import _walks
-from .workspace import _workspace
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.memory.actions import _plan
+from torchtitan_seq.simulate.memory.buffers import _buffers
+from torchtitan_seq.simulate.memory.chunks import _chunk_split
+from torchtitan_seq.simulate.memory.config import MemoryConfig, _bytes
+from torchtitan_seq.simulate.memory.stage_bytes import _stage_bytes
+from torchtitan_seq.simulate.memory.states import _state_bytes
+from torchtitan_seq.simulate.memory.walk import _walks
+from torchtitan_seq.simulate.memory.workspace import _workspace
 
 
 def gib(nbytes: float) -> float:

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...schedules import SEQUENCE_SCHEDULES
-from ..network import chunk_parameters
-from .actions import _plan
-from .buffers import _buffer_bytes_per_token
-from .chunks import _chunk_layout
-from .config import MemoryConfig, _bytes
-from .stage_bytes import _stage_bytes
-from .states import _state_rates
-from .workspace import _workspace_per_token
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.memory.actions import _plan
+from torchtitan_seq.simulate.memory.buffers import _buffer_bytes_per_token
+from torchtitan_seq.simulate.memory.chunks import _chunk_layout
+from torchtitan_seq.simulate.memory.config import MemoryConfig, _bytes
+from torchtitan_seq.simulate.memory.stage_bytes import _stage_bytes
+from torchtitan_seq.simulate.memory.states import _state_rates
+from torchtitan_seq.simulate.memory.workspace import _workspace_per_token
+from torchtitan_seq.simulate.network import chunk_parameters
 
 
 def memory_floor(config: MemoryConfig, walked: bool = False) -> float:

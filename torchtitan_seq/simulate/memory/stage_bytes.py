@@ -1,11 +1,11 @@
 """What a stage's units and microbatches weigh: the units' saved activations, the KV context's slab and its
 gradient, under context parallelism too (notation: the package's docstring).
 
-**KV context** (:mod:`torchtitan_seq.kv_context`): per stage, microbatch and layer one K/V
+**KV context** (:mod:`torchtitan_seq.runtime.kv_context`): per stage, microbatch and layer one K/V
 slab of the keys later units read, S - L_{k-1} tokens at 2 Hkv hd a / t bytes each (whatever the
 kernel: the last unit keeps its own K/V), in arenas the
 context plans from the stage's pass order as the runtime does
-(:func:`~torchtitan_seq.kv_placement.plan_arenas`: a microbatch in backward and the next in
+(:func:`~torchtitan_seq.runtime.kv_placement.plan_arenas`: a microbatch in backward and the next in
 forward share one arena from its two ends), each allocated by a write into it while it holds no
 slab in use and let go at the end of the last backward (B, or W where backward is split) of a
 slab in it:
@@ -15,11 +15,11 @@ slab in it:
   (:mod:`.activations`) less 2 Hkv hd a / t a layer);
 * under checkpointing (``full``, op-level ``selective``, and the checkpointed 1/n of
   layer-level ``selective``) the context alone keeps it;
-* in every mode, the slab's gradient (:meth:`~torchtitan_seq.kv_context.KVSlab.accumulate`):
+* in every mode, the slab's gradient (:meth:`~torchtitan_seq.runtime.kv_context.KVSlab.accumulate`):
   the keys before the last unit, S - L_{k-1} tokens, from the microbatch's first backward
   (its input-gradient pass) to the slab's end.
 
-**Context parallelism** (the shape's ``cp`` = c, :mod:`torchtitan_seq.context_parallel`): a rank
+**Context parallelism** (the shape's ``cp`` = c, :mod:`torchtitan_seq.runtime.context_parallel`): a rank
 computes 1/c of every unit's tokens, so every per-token figure (activations, workspace, receive
 buffers) counts b L_j / c tokens, but its slab holds the whole sequence's K/V, S tokens (the last
 unit's too: other CP ranks' queries read it as their prefix), as does the slab's gradient; the
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from .activations import _kv_width, _recomputed_fraction, _saved_per_token
-from .config import MemoryConfig
+from torchtitan_seq.simulate.memory.activations import _kv_width, _recomputed_fraction, _saved_per_token
+from torchtitan_seq.simulate.memory.config import MemoryConfig
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..network import chunk_parameters
-from .actions import _Plan
-from .config import MemoryConfig, _bytes
+from torchtitan_seq.simulate.memory.actions import _Plan
+from torchtitan_seq.simulate.memory.config import MemoryConfig, _bytes
+from torchtitan_seq.simulate.network import chunk_parameters
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs

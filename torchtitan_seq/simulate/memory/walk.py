@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .actions import _Plan
-from .stage_bytes import _StageBytes
+from torchtitan_seq.simulate.memory.actions import _Plan
+from torchtitan_seq.simulate.memory.stage_bytes import _StageBytes
 
 
 def _walks(

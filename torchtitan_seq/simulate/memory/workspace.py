@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...partition import ffn_hidden_dim
-from .actions import _Plan
-from .activations import _kv_width
-from .config import MemoryConfig
+from torchtitan_seq.runtime.partition import ffn_hidden_dim
+from torchtitan_seq.simulate.memory.actions import _Plan
+from torchtitan_seq.simulate.memory.activations import _kv_width
+from torchtitan_seq.simulate.memory.config import MemoryConfig
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs

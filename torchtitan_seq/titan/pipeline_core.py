@@ -1,0 +1,156 @@
+"""The torchtitan-free half of building a sequence pipeline, shared by each torchtitan version's
+pipelining function (0.2.2: :mod:`torchtitan_seq.titan.v022.pipeline`; 0.3: :mod:`torchtitan_seq.titan.v03.pipeline`).
+
+Both versions describe the pipeline with the same ``parallelism`` fields (``pipeline_parallel_*``,
+``context_parallel_degree``) and ``training`` fields (``seq_len``, ``local_batch_size``), which these
+functions read; splitting the model into chunks and parallelising each is the version's own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan_seq.attention.kernels import select_kernel
+from torchtitan_seq.runtime.context_parallel import ContextShard
+from torchtitan_seq.runtime.shape import JobShape
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, SequenceSchedule
+from torchtitan_seq.schedules.stage import SequencePipelineStage
+from torchtitan_seq.titan.config import SequencePipeline
+
+__all__ = ["job_shape", "stages_per_rank", "describe_shape", "chunk_module_names", "build_sequence_schedule"]
+
+
+def stages_per_rank(parallelism: Any, n_layers: int, pp_degree: int) -> int:
+    """v, the sequence schedule's model chunks per rank, chosen as torchtitan's ``pipeline_llm`` does
+    (inside, with no function to call): with ``parallelism.pipeline_parallel_layers_per_stage`` set, the
+    model is cut into ceil((layers + first- and last-stage weights) / layers per stage) stages; otherwise a
+    single-stage schedule gets 1 stage per rank and a multi-stage one 2."""
+    par = parallelism
+    name, per_stage = par.pipeline_parallel_schedule, par.pipeline_parallel_layers_per_stage
+    cls = SEQUENCE_SCHEDULES[name]
+    default = cls.stages_per_rank
+    if per_stage is None:
+        return default
+    weights = n_layers + par.pipeline_parallel_first_stage_less_layers + par.pipeline_parallel_last_stage_less_layers
+    num_stages = math.ceil(weights / per_stage)
+    cut = f"parallelism.pipeline_parallel_layers_per_stage = {per_stage} cuts the {n_layers} layers into {num_stages}"
+    if cls.parameter_copies > 1:
+        chunks = pp_degree * default // cls.parameter_copies
+        if num_stages != chunks:
+            raise ValueError(
+                f"{cut} chunks, but {name} runs exactly {chunks} ({default // cls.parameter_copies} per pipeline "
+                "rank and direction): change it (or leave it unset)"
+            )
+        return default
+    v = num_stages // pp_degree
+    if num_stages % pp_degree or (v > 1) != (default > 1):
+        need = "at least 2 stages" if default > 1 else "exactly 1 stage"
+        raise ValueError(
+            f"{cut} stages, but {name} needs {need} on each of the {pp_degree} pipeline ranks: "
+            "change it (or leave it unset)"
+        )
+    return v
+
+
+def job_shape(
+    sequence_pipeline: SequencePipeline,
+    parallelism: Any,
+    training: Any,
+    model_args: Any,
+    tp_degree: int,
+    pp_degree: int,
+) -> JobShape:
+    """The job's :class:`~torchtitan_seq.runtime.shape.JobShape`: ``sequence_pipeline`` over ``training.seq_len``,
+    N = local batch / microbatch size and v (:func:`stages_per_rank`) of a sequence schedule, its
+    lengths cut for TP and CP (``parallelism.context_parallel_degree``). ``model_args``: the fields of
+    :class:`~torchtitan_seq.titan.flavors.ModelShape` (torchtitan 0.2.2's ``TransformerModelArgs`` has them)."""
+    cfg, par = sequence_pipeline, parallelism
+    return JobShape.of_model(
+        model_args,
+        training.seq_len,
+        cfg.num_subsequences,
+        cfg.partition,
+        document_length=cfg.expected_document_length,
+        length_multiple=cfg.length_multiple,
+        tp=tp_degree,
+        cp=par.context_parallel_degree,
+        microbatches=training.local_batch_size // par.pipeline_parallel_microbatch_size,
+        stages_per_rank=stages_per_rank(par, model_args.n_layers, pp_degree),
+    )
+
+
+def describe_shape(name: str, shape: JobShape, partition: str) -> str:
+    """The line the trainer logs for a sequence schedule's cut of the job."""
+    return (
+        f"Sequence pipeline {name}: {shape.microbatches} microbatches x {len(shape.lengths)} "
+        f"subsequences, '{partition}' partition, lengths {shape.lengths}"
+    )
+
+
+def chunk_module_names(
+    name: str,
+    shape: JobShape,
+    parallelism: Any,
+    n_layers: int,
+    pp_degree: int,
+    generate: Callable[[int, int, int, int], list[list[str]]],
+) -> tuple[int, list[list[str]]]:
+    """(stages in the pipeline, the module names of each model chunk in model order) for schedule
+    ``name``: ``parallelism.module_fqns_per_model_part`` where set, else torchtitan's cut
+    (``generate(chunks, layers, first-stage less layers, last-stage less layers)``, the version's
+    ``generate_llm_fqn_per_model_part``). A schedule with parameter copies runs each chunk on as many stages."""
+    num_stages = pp_degree * shape.stages_per_rank
+    names = parallelism.module_fqns_per_model_part or generate(
+        num_stages // SEQUENCE_SCHEDULES[name].parameter_copies,
+        n_layers,
+        parallelism.pipeline_parallel_first_stage_less_layers,
+        parallelism.pipeline_parallel_last_stage_less_layers,
+    )
+    return num_stages, names
+
+
+def build_sequence_schedule(
+    name: str,
+    chunks: list[tuple[int, int, nn.Module]],
+    parallelize: Callable[[nn.Module], nn.Module],
+    *,
+    shape: JobShape,
+    num_stages: int,
+    sequence_pipeline: SequencePipeline,
+    device: torch.device,
+    pp_group: Any,
+    cp_group: Any,
+    loss_fn: Callable[..., torch.Tensor],
+) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
+    """torchtitan's ``pipelining_fn`` result, (schedule, model parts, has first, has last stage), for
+    this rank's ``chunks`` [(stage index, chain length, chunk)]: each chunk parallelised by
+    ``parallelize`` and wrapped in a :class:`~torchtitan_seq.schedules.stage.SequencePipelineStage` cut as
+    ``shape`` says; ``cp_group``: the context-parallel group (None without CP)."""
+    cls, cfg = SEQUENCE_SCHEDULES[name], sequence_pipeline
+    kernel = select_kernel(torch.device(device), cfg.attention_backend)
+    shard = ContextShard.of_group(cp_group)
+    stages, model_parts = [], []
+    for index, chain_length, chunk in chunks:
+        model_parts.append(parallelize(chunk))
+        stages.append(
+            SequencePipelineStage(
+                model_parts[-1],
+                index,
+                num_stages,
+                device,
+                lengths=shape.lengths,
+                kernel=kernel,
+                chain_length=chain_length,
+                context_shard=shard,
+                group=pp_group,
+            )
+        )
+    schedule = cls(
+        stages, shape.microbatches, loss_fn, split_backward=cfg.split_backward, **cls.options_from_config(cfg)
+    )
+    return schedule, model_parts, any(s.is_first for s in stages), any(s.is_last for s in stages)

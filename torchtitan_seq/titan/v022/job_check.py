@@ -1,0 +1,318 @@
+"""The job check: refuse, before anything is built, a job that would fail on its ranks.
+
+:func:`check_job` runs one named check per concern; each raises ``ValueError`` with one line that
+names the setting at fault and the fix. torch's own schedules get the checks that hold for any job
+(schedule name, parallel degrees, flavor, compile); a sequence schedule gets its own too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from torchtitan.config import JobConfig
+from torchtitan.hf_datasets.text_datasets import DATASETS
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
+
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+from torchtitan_seq.titan.job_rules import (
+    check_compile,
+    check_degrees,
+    check_instrumentation,
+    check_schedule_name,
+    check_split_backward_ac,
+    check_unit_precision,
+)
+from torchtitan_seq.titan.v022.pipeline import job_shape, pipeline_sequence_llm
+
+__all__ = ["check_job"]
+
+
+def check_job(job_config: JobConfig, world_size: int) -> None:
+    """Reject a job that cannot run on ``world_size`` processes (see the module docstring)."""
+    name = job_config.parallelism.pipeline_parallel_schedule
+    check_schedule_name(name)
+    check_degrees(job_config.parallelism, world_size)
+    _check_replicate(job_config, world_size)
+    spec = get_train_spec(job_config.model.name)
+    _check_flavor(job_config, spec)
+    _check_compile(job_config)
+    check_instrumentation(job_config.sequence_pipeline.activation_memory_freq)
+    _check_converters(job_config)
+    if name in SEQUENCE_SCHEDULES:
+        _check_sequence_model(job_config, spec)
+        _check_attention_backend(job_config)
+        _check_cuda_precision(job_config, world_size)
+        n_microbatches = _check_microbatches(job_config)
+        _check_validation(job_config, n_microbatches)
+        _check_activation_checkpointing(job_config)
+        _check_documents(job_config, spec)
+        _check_context_parallel(job_config)
+        if job_config.parallelism.pipeline_parallel_degree == 1:
+            _check_torch_context_parallel(job_config, spec)
+        _check_shape(job_config, spec)
+    else:
+        _check_torch_accelerator(job_config)
+        _check_torch_context_parallel(job_config, spec)
+    _check_datasets(job_config)  # last: a setting at odds with another is the likelier fault
+
+
+def _check_flavor(job_config: JobConfig, spec: TrainSpec) -> None:
+    flavor = job_config.model.flavor
+    if flavor not in spec.model_args:
+        raise ValueError(
+            f"model.flavor = {flavor!r} is not a flavor of model.name = {job_config.model.name!r}: "
+            f"use one of {', '.join(spec.model_args)}"
+        )
+
+
+def _check_compile(job_config: JobConfig) -> None:
+    """torchtitan's memory-budget AC is a compile pass; compiled blocks run no split backward, nor
+    tensor parallelism in a pipeline (torch 2.13 to 2.15: tried on each)."""
+    par, ac = job_config.parallelism, job_config.activation_checkpoint
+    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    check_compile(
+        compile_model,
+        split_backward=job_config.sequence_pipeline.split_backward,
+        sequence=par.pipeline_parallel_schedule in SEQUENCE_SCHEDULES,
+        tp_degree=par.tensor_parallel_degree,
+        pp_degree=par.pipeline_parallel_degree,
+    )
+    if ac.mode == "memory_budget" and not compile_model:
+        raise ValueError(
+            "activation_checkpoint.mode = 'memory_budget' needs torch.compile of the model: set "
+            "compile.enable = true with 'model' in compile.components, or use activation_checkpoint.mode "
+            "'full', 'selective' or 'none'"
+        )
+
+
+def _check_converters(job_config: JobConfig) -> None:
+    """torchtitan's quantizing converters (float8, MX) import torchao, and float8 runs on SM89 GPUs or,
+    emulated and eager, anywhere; MX on CUDA only."""
+    converters = job_config.model.converters
+    if not converters:
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError(
+            f"model.converters = {converters} need torchao, which is not installed: pip install torchao, or "
+            "clear model.converters"
+        )
+    if torch.cuda.is_available():
+        return
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    for name in converters:
+        emulated = name == "quantize.linear.float8" and job_config.quantize.linear.float8.emulate and not compiled
+        if not emulated:
+            raise ValueError(
+                f"model.converters = {converters}: {name!r} needs a CUDA GPU (SM89 or newer for float8); on a CPU "
+                "only quantize.linear.float8 runs, with quantize.linear.float8.emulate = true and compile off"
+            )
+
+
+def _check_datasets(job_config: JobConfig) -> None:
+    """The datasets the job reads are registered and, offline (``HF_DATASETS_OFFLINE=1``, which
+    ``torchtitan_seq.train`` sets unless told otherwise), on this machine: the shipped ones, or a
+    ``dataset_path`` that exists."""
+    val = job_config.validation
+    sections = [("training", job_config.training)] + ([("validation", val)] if val.enable else [])
+    for section, cfg in sections:
+        if cfg.dataset not in DATASETS:
+            raise ValueError(f"{section}.dataset = {cfg.dataset!r} is unknown: use one of {', '.join(DATASETS)}")
+        path = cfg.dataset_path or DATASETS[cfg.dataset].path
+        if os.environ.get("HF_DATASETS_OFFLINE") == "1" and not os.path.exists(path):
+            raise ValueError(
+                f"{section}.dataset = {cfg.dataset!r} is read from the Hugging Face Hub ({path}), but jobs run "
+                f"offline (HF_DATASETS_OFFLINE=1): use a shipped dataset (e.g. {section}.dataset = "
+                f"'{'seqpp_text' if section == 'training' else 'seqpp_text_validation'}') or set "
+                f"{section}.dataset_path to a local copy, or HF_DATASETS_OFFLINE=0 to stream it"
+            )
+
+
+def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
+    """A sequence schedule needs chunk-aware attention."""
+    name = job_config.parallelism.pipeline_parallel_schedule
+    if spec.pipelining_fn is not pipeline_sequence_llm:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule = {name!r} needs a model with chunk-aware attention, "
+            f'but model.name = {job_config.model.name!r} has none: set [model] name = "llama3_seq"'
+        )
+
+
+def _check_attention_backend(job_config: JobConfig) -> None:
+    """'flash' is flash-attn 2, a CUDA library and an optional extra
+    (:func:`~torchtitan_seq.attention.kernels.select_kernel`)."""
+    if job_config.sequence_pipeline.attention_backend != "flash":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "sequence_pipeline.attention_backend = 'flash' needs a CUDA device (flash-attn has no CPU kernel): "
+            "use 'auto' or 'sdpa' on the CPU"
+        )
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError(
+            "sequence_pipeline.attention_backend = 'flash' but flash-attn is not installed: pip install "
+            "flash-attn, or use 'auto' or 'sdpa'"
+        )
+
+
+def _check_torch_accelerator(job_config: JobConfig) -> None:
+    """torchtitan registers its expert-parallel overlap callback with torch's DualPipeV, and the callback
+    asks for accelerator streams."""
+    par = job_config.parallelism
+    dual_pipe = par.pipeline_parallel_schedule.lower() == "dualpipev"
+    if dual_pipe and par.pipeline_parallel_expert_parallel_overlap and not torch.cuda.is_available():
+        raise ValueError(
+            "parallelism.pipeline_parallel_schedule = 'DualPipeV' on a CPU needs "
+            "parallelism.pipeline_parallel_expert_parallel_overlap = false: torchtitan's overlap callback runs on "
+            "accelerator streams; set it false, or use another schedule"
+        )
+
+
+def _fsdp_degree(parallelism, world_size: int) -> int:
+    """The ranks torchtitan 0.2.2's FSDP shards over, the data-parallel shard ranks times the CP ranks:
+    1 is no FSDP, so no cast of the parameters to ``training.mixed_precision_param``."""
+    par = parallelism
+    fixed = par.data_parallel_replicate_degree * par.tensor_parallel_degree * par.pipeline_parallel_degree
+    return world_size // fixed
+
+
+def _check_replicate(job_config: JobConfig, world_size: int) -> None:
+    """Replicated data parallelism without FSDP is torchtitan 0.2.2's DDP, which it applies only as the
+    job's one dimension (its ``parallelize_fn`` raises "DDP has not supported > 1D parallelism")."""
+    par = job_config.parallelism
+    replicate = par.data_parallel_replicate_degree
+    if replicate > 1 and _fsdp_degree(par, world_size) == 1 and replicate != world_size:
+        raise ValueError(
+            f"parallelism.data_parallel_replicate_degree = {replicate} without FSDP is torchtitan's DDP, which "
+            "runs only alone (not with pipeline or tensor parallelism): shard as well "
+            "(parallelism.data_parallel_shard_degree > 1: HSDP) or set it to 1"
+        )
+
+
+def _check_cuda_precision(job_config: JobConfig, world_size: int) -> None:
+    """torchtitan 0.2.2 trains a pipeline in float32 unless FSDP casts the parameters."""
+    par, param = job_config.parallelism, job_config.training.mixed_precision_param
+    fsdp = _fsdp_degree(par, world_size) > 1
+    no_fsdp = "without FSDP torchtitan trains pipelines in float32"
+    why = f"training.mixed_precision_param = {param!r}" if fsdp else no_fsdp
+    check_unit_precision(
+        par.pipeline_parallel_schedule,
+        par.pipeline_parallel_degree,
+        param if fsdp else "float32",
+        why,
+        "train in bf16 with FSDP (parallelism.data_parallel_shard_degree or context_parallel_degree > 1 and "
+        "training.mixed_precision_param = 'bfloat16'), or use one of torch's schedules",
+    )
+
+
+def _check_microbatches(job_config: JobConfig) -> int:
+    """The microbatches a step runs, N; the local batch must be a whole number of them."""
+    batch, microbatch = job_config.training.local_batch_size, job_config.parallelism.pipeline_parallel_microbatch_size
+    if batch % microbatch:
+        raise ValueError(
+            f"training.local_batch_size = {batch} is not a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size = {microbatch}"
+        )
+    return batch // microbatch
+
+
+def _check_validation(job_config: JobConfig, n_microbatches: int) -> None:
+    """Validation runs the training pipeline: the same sequence cut, whole microbatches."""
+    val, name = job_config.validation, job_config.parallelism.pipeline_parallel_schedule
+    if not val.enable:
+        return
+    if val.seq_len != job_config.training.seq_len:
+        raise ValueError(
+            f"validation.seq_len = {val.seq_len} differs from training.seq_len = {job_config.training.seq_len}, "
+            f"but the sequence schedule {name} cuts every sequence as training's: set validation.seq_len "
+            "to training.seq_len"
+        )
+    if val.local_batch_size % n_microbatches:
+        raise ValueError(
+            f"validation.local_batch_size = {val.local_batch_size} is not a multiple of the "
+            f"{n_microbatches} microbatches the sequence schedule {name} runs: make it one"
+        )
+
+
+def _check_activation_checkpointing(job_config: JobConfig) -> None:
+    ac = job_config.activation_checkpoint
+    check_split_backward_ac(
+        ac.mode == "selective" and ac.selective_ac_option == "op",
+        split_backward=job_config.sequence_pipeline.split_backward,
+        setting="activation_checkpoint.mode = 'selective' and selective_ac_option = 'op'",
+    )
+
+
+def _check_documents(job_config: JobConfig, spec: TrainSpec) -> None:
+    seq, flavor = job_config.sequence_pipeline, job_config.model.flavor
+    if seq.expected_document_length and spec.model_args[flavor].attn_mask_type != "block_causal":
+        raise ValueError(
+            f"sequence_pipeline.expected_document_length = {seq.expected_document_length} needs a "
+            f"block-causal flavor, but model.flavor = {flavor!r} is causal: pick one (e.g. "
+            "debugmodel_flex_attn) or set it to 0"
+        )
+
+
+def _check_context_parallel(job_config: JobConfig) -> None:
+    """A sequence schedule's CP (:mod:`torchtitan_seq.runtime.context_parallel`) balances each unit head-tail and
+    all-gathers its K/V, in eager attention."""
+    par, name = job_config.parallelism, job_config.parallelism.pipeline_parallel_schedule
+    if par.context_parallel_degree == 1:
+        return
+    cp = f"parallelism.context_parallel_degree = {par.context_parallel_degree} with the sequence schedule {name}"
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        raise ValueError(
+            f"{cp} cannot run with compile.enable = true yet: a compiled block saves its own share of K/V for "
+            "backward, not the unit's gathered K/V; turn compile off (or CP)"
+        )
+    if job_config.validation.enable:
+        raise ValueError(
+            f"{cp} cannot run with validation.enable = true yet: torchtitan's validator shards whole sequences "
+            "(and the RoPE table) for its own CP; turn validation off (or CP)"
+        )
+    if par.context_parallel_rotate_method != "allgather" or par.context_parallel_load_balancer != "headtail":
+        raise ValueError(
+            f"{cp} all-gathers each unit's K/V and gives each CP rank a chunk from each end of it: set "
+            "parallelism.context_parallel_rotate_method = 'allgather' and context_parallel_load_balancer = "
+            "'headtail' (the defaults)"
+        )
+
+
+def _check_torch_context_parallel(job_config: JobConfig, spec: TrainSpec) -> None:
+    """torchtitan's own CP (torch's schedules, and any job without a pipeline, which torchtitan trains
+    unpipelined) runs torch's ring attention, which has no CPU kernel, and shards flex attention's block
+    masks, while llama3_seq's block-causal flavors attend by document ids."""
+    par, flavor = job_config.parallelism, job_config.model.flavor
+    if par.context_parallel_degree == 1:
+        return
+    if par.pipeline_parallel_schedule in SEQUENCE_SCHEDULES:  # and no pipeline: torchtitan trains it alone
+        job = "parallelism.pipeline_parallel_degree = 1 (no pipeline: torchtitan's own CP)"
+        fix = "set parallelism.pipeline_parallel_degree >= 2 (a sequence schedule runs its own CP)"
+    else:
+        job = f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r}"
+        fix = "use a sequence schedule (they run their own CP)"
+    cp = f"parallelism.context_parallel_degree = {par.context_parallel_degree} with {job}"
+    if not torch.cuda.is_available():
+        ring = "torchtitan's CP runs torch's ring attention, which has no CPU kernel"
+        raise ValueError(f"{cp} needs CUDA: {ring}; {fix}")
+    block_causal = spec.model_args[flavor].attn_mask_type == "block_causal"
+    if block_causal and spec.pipelining_fn is pipeline_sequence_llm:
+        raise ValueError(
+            f"{cp} and the block-causal model.flavor = {flavor!r}: torchtitan's CP shards flex attention's block "
+            f"masks, not the document ids llama3_seq attends by; {fix}, or use a causal flavor"
+        )
+
+
+def _check_shape(job_config: JobConfig, spec: TrainSpec) -> None:
+    """The schedule runs the job's shape (:func:`~torchtitan_seq.titan.v022.pipeline.job_shape`): the sequence
+    cut (k lengths), v chunks per rank, N, p."""
+    par, seq = job_config.parallelism, job_config.sequence_pipeline
+    model_args = spec.model_args[job_config.model.flavor]
+    shape = job_shape(job_config, model_args, par.tensor_parallel_degree, par.pipeline_parallel_degree)
+    cls = SEQUENCE_SCHEDULES[par.pipeline_parallel_schedule]
+    cls.check_torch()
+    lists = ScheduleShape(
+        par.pipeline_parallel_degree, shape.microbatches, len(shape.lengths), seq.split_backward, shape.stages_per_rank
+    )
+    cls.check_shape(lists, **cls.options_from_config(seq))

@@ -1,0 +1,32 @@
+"""``llama3_seq``: torchtitan's Llama 3 with chunk-aware attention (:mod:`.model`), and its train spec.
+
+Laid out as torchtitan lays out its own models (``torchtitan/models/llama3``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
+from torchtitan.protocols.train_spec import TrainSpec
+
+from torchtitan_seq.runtime.loss import TokenNormalizedLoss
+from torchtitan_seq.titan.v022.metrics import build_seq_metrics_processor
+from torchtitan_seq.titan.v022.models.llama3_seq.model import SeqTransformer, seq_llama3_flavors, unit_positions
+from torchtitan_seq.titan.v022.pipeline import pipeline_sequence_llm
+
+__all__ = ["SeqTransformer", "seq_llama3_flavors", "unit_positions", "get_train_spec"]
+
+
+def get_train_spec() -> TrainSpec:
+    """Llama 3's train spec with our model, pipelining function (sequence schedules by name,
+    torch's otherwise), token-normalised loss and metrics that include activation memory."""
+    return dataclasses.replace(
+        llama3_train_spec(),
+        model_cls=SeqTransformer,
+        model_args=seq_llama3_flavors,
+        pipelining_fn=pipeline_sequence_llm,
+        build_loss_fn=lambda job_config, **kwargs: TokenNormalizedLoss(build_cross_entropy_loss(job_config, **kwargs)),
+        build_metrics_processor_fn=build_seq_metrics_processor,
+    )

@@ -1,0 +1,119 @@
+"""The job check under torchtitan 0.3: refuse, before anything is built, a job that would fail on its
+ranks or that no test has run, each in one line naming the setting and the fix.
+
+What 0.3 runs with the sequence schedules (tests/titan03/): pipeline parallelism alone or with FSDP2
+(``data_parallel_shard_degree``) and tensor parallelism, causal and block-causal flavors, full and
+selective activation checkpointing, torch.compile of the blocks, 0.3's metrics (console, TensorBoard)
+and 0.2.2's record beside them (``metrics.jsonl``, the pipeline timeline). The rules 0.2.2 has for
+these compositions hold here too (:mod:`torchtitan_seq.titan.job_rules`).
+Refused with a sequence schedule until tested under 0.3: context parallelism (0.3's ``parallelize_fn``
+applies its own CP to whole sequences, where a sequence schedule shards each unit itself and folds the
+CP ranks into FSDP's, as 0.2.2's pipelining function and trainer do), replicated data parallelism,
+memory-budget AC and the validator. torch's own schedules get 0.3's checks alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC, SelectiveAC
+
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+from torchtitan_seq.titan import pipeline_core
+from torchtitan_seq.titan.flavors import flavor_shapes
+from torchtitan_seq.titan.job_rules import (
+    check_compile,
+    check_degrees,
+    check_instrumentation,
+    check_schedule_name,
+    check_split_backward_ac,
+    check_unit_precision,
+)
+from torchtitan_seq.titan.v03.model import FLAVORS
+
+__all__ = ["check_job"]
+
+_FIX = "not tested with the sequence schedules under torchtitan 0.3 yet (torchtitan 0.2.2 composes it)"
+
+
+def check_job(config: Any, world_size: int) -> None:
+    """Reject a job (0.3's ``SeqTrainer.Config``) that cannot run on ``world_size`` processes."""
+    par = config.parallelism
+    name = par.pipeline_parallel_schedule
+    check_schedule_name(name)
+    check_degrees(par, world_size)
+    if config.model_spec.flavor not in FLAVORS:
+        raise ValueError(f"model flavor {config.model_spec.flavor!r}: use one of {', '.join(FLAVORS)}")
+    if name in SEQUENCE_SCHEDULES:
+        _check_sequence_job(config)
+
+
+def _check_sequence_job(config: Any) -> None:
+    par, seq = config.parallelism, config.sequence_pipeline
+    name = par.pipeline_parallel_schedule
+    compile_model = config.compile.enable and "model" in config.compile.components
+    check_compile(
+        compile_model,
+        split_backward=seq.split_backward,
+        sequence=True,
+        tp_degree=par.tensor_parallel_degree,
+        pp_degree=par.pipeline_parallel_degree,
+    )
+    check_instrumentation(seq.activation_memory_freq)
+    param = config.training.mixed_precision_param
+    check_unit_precision(
+        name,
+        par.pipeline_parallel_degree,
+        param,
+        f"training.mixed_precision_param = {param!r} (0.3's FSDP casts the parameters to it, with or without sharding)",
+        "set training.mixed_precision_param = 'bfloat16', or use one of torch's schedules",
+    )
+    ac = config.activation_checkpoint
+    check_split_backward_ac(
+        isinstance(ac, SelectiveAC.Config),
+        split_backward=seq.split_backward,
+        setting="activation-checkpoint:selective (0.3's selective AC is op-level)",
+    )
+    # setting as the user wrote it: (whether it is on, the fix)
+    untested = {
+        f"parallelism.context_parallel_degree = {par.context_parallel_degree}": (
+            par.context_parallel_degree > 1,
+            "set it to 1 (0.3 would apply its own CP to whole sequences, not to each unit)",
+        ),
+        f"parallelism.data_parallel_replicate_degree = {par.data_parallel_replicate_degree}": (
+            par.data_parallel_replicate_degree > 1,
+            "set it to 1 and shard instead (parallelism.data_parallel_shard_degree)",
+        ),
+        "activation-checkpoint:memory-budget": (
+            isinstance(ac, MemoryBudgetAC.Config),
+            "use activation-checkpoint:full, :selective or :none",
+        ),
+        "validator.enable = true": (config.validator.enable, "turn it off"),
+        "parallelism.pipeline_parallel_schedule_csv": (bool(par.pipeline_parallel_schedule_csv), "leave it empty"),
+        f"parallelism.spmd_backend = {par.spmd_backend!r}": (par.spmd_backend != "spmd_types", "use 'spmd_types'"),
+        "parallelism.expert_parallel_degree > 1": (par.expert_parallel_degree > 1, "set it to 1"),
+        "training.enable_cpu_offload = true": (config.training.enable_cpu_offload, "turn it off"),
+    }
+    for setting, (on, fix) in untested.items():
+        if on:
+            raise ValueError(f"{setting} with the sequence schedule {name}: {_FIX}; {fix}")
+    if type(config.loss) is not CrossEntropyLoss.Config:
+        raise ValueError(
+            f"loss {type(config.loss).__qualname__} with the sequence schedule {name}: units run the whole "
+            "output layer, use CrossEntropyLoss.Config (as torchtitan_seq.recipes do)"
+        )
+    shape = pipeline_core.job_shape(
+        seq,
+        par,
+        config.training,
+        flavor_shapes[config.model_spec.flavor],
+        par.tensor_parallel_degree,
+        par.pipeline_parallel_degree,
+    )
+    cls = SEQUENCE_SCHEDULES[name]
+    cls.check_torch()
+    lists = ScheduleShape(
+        par.pipeline_parallel_degree, shape.microbatches, len(shape.lengths), seq.split_backward, shape.stages_per_rank
+    )
+    cls.check_shape(lists, **cls.options_from_config(seq))

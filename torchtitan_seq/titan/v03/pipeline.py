@@ -1,0 +1,80 @@
+"""Building a sequence pipeline inside torchtitan 0.3 (the ``pipelining_fn`` of :func:`~.model.seq_llama3`).
+
+A sequence schedule's chunks are cut with torchtitan's own ``_split_module`` (one chunk per held stage,
+as :meth:`~torchtitan_seq.schedules.SequenceSchedule.place_stages` says), parallelised with 0.3's
+``parallelize_fn`` and run by :func:`torchtitan_seq.titan.pipeline_core.build_sequence_schedule`; any other
+schedule goes to 0.3's ``pipeline_llm``. torchtitan's private names used, both in
+``distributed/pipeline_parallel.py``: ``_split_module`` (one chunk by module names: 0.3's public
+``pipeline_llm`` builds torch's stages with it, which a sequence schedule cannot run) and
+``_generate_llm_fqn_per_model_part`` (the module names per chunk, as ``pipeline_llm`` cuts them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torchtitan.distributed import pipeline_parallel as titan_pp
+from torchtitan.tools.logging import logger
+
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, SequenceSchedule
+from torchtitan_seq.titan import pipeline_core
+from torchtitan_seq.titan.config import SequencePipeline
+from torchtitan_seq.titan.flavors import ModelShape
+
+__all__ = ["pipeline_sequence_llm"]
+
+
+def pipeline_sequence_llm(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    model_config: Any,
+    parallelize_fn: Callable[..., nn.Module],
+    loss_fn: Callable[..., tuple[torch.Tensor, dict]],
+    sequence_pipeline: SequencePipeline,
+    model_shape: ModelShape,
+    **spmd: Any,
+) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
+    """0.3's ``pipelining_fn`` contract, plus ``sequence_pipeline`` and the flavor's ``model_shape``,
+    which 0.3 does not hand a pipelining function (the trainer binds them). ``spmd``: what 0.3 hands
+    its ``parallelize_fn`` too (``parallel_dims``, ``training``, ``parallelism``, ``compile_config``,
+    ``ac_config``, ``dump_folder``)."""
+    parallel_dims, parallelism = spmd["parallel_dims"], spmd["parallelism"]
+    name = parallelism.pipeline_parallel_schedule
+    if name not in SEQUENCE_SCHEDULES:
+        return titan_pp.pipeline_llm(
+            model, **spmd, device=device, model_config=model_config, parallelize_fn=parallelize_fn, loss_fn=loss_fn
+        )
+    cls = SEQUENCE_SCHEDULES[name]
+    shape = pipeline_core.job_shape(
+        sequence_pipeline, parallelism, spmd["training"], model_shape, parallel_dims.tp, parallel_dims.pp
+    )
+    logger.info(pipeline_core.describe_shape(name, shape, sequence_pipeline.partition))
+    num_stages, names = pipeline_core.chunk_module_names(
+        name, shape, parallelism, model_shape.n_layers, parallel_dims.pp, titan_pp._generate_llm_fqn_per_model_part
+    )
+    pp_mesh = parallel_dims.get_mesh("pp")
+    held = cls.place_stages(pp_mesh.size(), len(names), **cls.options_from_config(sequence_pipeline))
+    chunks = [
+        (stage, len(names), titan_pp._split_module(model, names[chunk]))
+        for stage, chunk in held[pp_mesh.get_local_rank()]
+    ]
+    schedule, parts, has_first, has_last = pipeline_core.build_sequence_schedule(
+        name,
+        chunks,
+        lambda chunk: parallelize_fn(chunk, **spmd),
+        shape=shape,
+        num_stages=num_stages,
+        sequence_pipeline=sequence_pipeline,
+        device=device,
+        pp_group=pp_mesh.get_group("pp"),
+        cp_group=None,  # the job check refuses CP under 0.3 for now
+        # 0.3's losses return (loss, extras); a schedule sums scalars, as 0.3's own pipeline does.
+        loss_fn=lambda *args, **kwargs: loss_fn(*args, **kwargs)[0],
+    )
+    if (layout := schedule.describe()) is not None:
+        logger.info(layout)
+    return schedule, parts, has_first, has_last

@@ -1,0 +1,88 @@
+"""torchtitan 0.3's Trainer with the ``sequence_pipeline`` section and what sequence schedules need.
+
+0.3 normalises every loss by the step's token count itself (``loss_kwargs``' ``global_valid_tokens``,
+per unit here), which is the recipe that makes sums over units exact, so unlike 0.2.2 nothing wraps
+the loss. The trainer binds ``sequence_pipeline`` and the flavor's shape to the pipelining function
+(0.3 hands a pipelining function no config section of its own), feeds the model sequence positions
+(RoPE at 0..L-1, as under 0.2.2, where 0.3's dataloaders emit per-document positions) and, for the
+block-causal flavors, the batch's document ids as ``attention_masks``, and every rank logs the loss.
+Its metrics processor (:mod:`.metrics`) reports what 0.2.2's does, instrumented as there: saved
+activations metered on the steps ``sequence_pipeline.activation_memory_freq`` picks, compute actions
+timed on logged steps only, and ``metrics.jsonl`` in the dump folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.trainer import Trainer
+
+from torchtitan_seq.instrumentation.memory import ActivationMemory
+from torchtitan_seq.runtime.documents import document_ids
+from torchtitan_seq.titan.config import SequencePipeline
+from torchtitan_seq.titan.flavors import flavor_shapes
+from torchtitan_seq.titan.v022.metrics import InstrumentedSteps
+from torchtitan_seq.titan.v03.job_check import check_job
+from torchtitan_seq.titan.v03.metrics import SeqMetricsProcessor
+from torchtitan_seq.titan.v03.pipeline import pipeline_sequence_llm
+
+__all__ = ["SeqTrainer"]
+
+
+class SeqTrainer(InstrumentedSteps, Trainer):
+    """0.3's ``Trainer`` for sequence pipelines; see the module docstring."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        sequence_pipeline: SequencePipeline = field(default_factory=SequencePipeline)
+        """How sequence schedules cut and run each microbatch (0.2.2's ``[sequence_pipeline]``)."""
+        metrics: SeqMetricsProcessor.Config = field(default_factory=SeqMetricsProcessor.Config)
+        """0.3's metrics section; its processor also reports the sequence pipeline (:mod:`.metrics`)."""
+
+    def __init__(self, config: Config) -> None:
+        check_job(config, int(os.environ["WORLD_SIZE"]))
+        self.activation_memory = ActivationMemory()
+        spec = config.model_spec
+        config.model_spec = dataclasses.replace(
+            spec,
+            pipelining_fn=functools.partial(
+                pipeline_sequence_llm,
+                sequence_pipeline=config.sequence_pipeline,
+                model_shape=flavor_shapes[spec.flavor],
+            ),
+        )
+        super().__init__(config)
+        if isinstance(self.metrics_processor, SeqMetricsProcessor):
+            self.metrics_processor.attach(config)
+        self.attach_sequence_pipeline()
+
+    def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
+        """0.3's, under the activation meter on the steps that meter."""
+        with self.activation_memory.track() if self.metering else contextlib.nullcontext():
+            return super().forward_backward_step(**kwargs)
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """0.3's, without its per-document ``positions`` and, for a block-causal flavor, with the
+        batch's (B, L) document ids as ``attention_masks`` (what every stage and schedule splits)."""
+        input_dict = {k: v for k, v in input_dict.items() if k != "positions"}
+        inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
+        if self.model_config.block_causal:
+            extra["attention_masks"] = document_ids(inputs, self.tokenizer.eos_id)
+        return inputs, labels, extra
+
+    def pp_forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
+        """0.3's; one pipeline rank owns the loss (two under BSIPipe and Chimera, one per chain),
+        the others held -1: every rank learns the sum."""
+        loss = super().pp_forward_backward_step(**kwargs)
+        loss = loss.detach().reshape(()) if self.pp_has_last_stage else torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
+        return loss
