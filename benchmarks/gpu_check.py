@@ -347,7 +347,7 @@ def _one_step(model, context: KVContext | None, tokens, targets, lengths) -> tup
     return times[:k], times[k:][::-1], float(sum(loss.detach() for loss in losses))
 
 
-def _measure(model, context, tokens, targets, lengths, sizes: Sizes) -> dict:
+def measure_candidate(model, context, tokens, targets, lengths, sizes: Sizes) -> dict:
     cuda = tokens.device.type == "cuda"
     first = time.perf_counter()
     for i in range(sizes.warmup):  # compilation, allocator, kernel selection, cuDNN plans
@@ -490,7 +490,7 @@ def measure_overhead(
             run = {"seq_len": seq_len, "path": path, "k": len(lengths), "lengths": lengths}
             runs.append(run)
             try:
-                run.update(_measure(model, ctx, tokens, targets, lengths, sizes))
+                run.update(measure_candidate(model, ctx, tokens, targets, lengths, sizes))
             except torch.cuda.OutOfMemoryError:
                 run["status"] = "OOM"
             else:

@@ -133,7 +133,7 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
     from torchtitan_seq.attention import unit_op
     from torchtitan_seq.runtime.kv_context import Phase
 
-    calls = unit_op._calls
+    calls = unit_op.kernel_calls
 
     def without_prefix(documents, segments, bottom_right):
         causal, prefix = calls(documents, segments, bottom_right)
@@ -141,7 +141,7 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
         recomputing = caller.f_code.co_name == "_unit_attention" and caller.f_locals.get("phase") is Phase.RECOMPUTE
         return causal, [] if recomputing else prefix
 
-    return [mock.patch.object(unit_op, "_calls", without_prefix)]
+    return [mock.patch.object(unit_op, "kernel_calls", without_prefix)]
 
 
 def _split_w_without_kv_grad(ctx: MutationContext) -> list:
@@ -358,12 +358,12 @@ def _planner_bound_low() -> list:
     """The planner's bound (its stop rule's test) falls 2% below what a candidate can reach."""
     from torchtitan_seq.plan import bounds, search
 
-    candidates = bounds._candidates
+    candidates = bounds.candidates_of
 
     def low(*args, **kwargs):
         return [dataclasses.replace(c, bound=0.98 * c.bound) for c in candidates(*args, **kwargs)]
 
-    return [mock.patch.object(search, "_candidates", low)]
+    return [mock.patch.object(search, "candidates_of", low)]
 
 
 def _planner_twins_by_tp_only() -> list:
@@ -373,7 +373,7 @@ def _planner_twins_by_tp_only() -> list:
     def by_tp(lighter, degrees):
         return lighter[0] <= degrees[0]
 
-    return [mock.patch.object(twins, "_no_heavier", by_tp), mock.patch.object(search, "_no_heavier", by_tp)]
+    return [mock.patch.object(twins, "no_heavier", by_tp), mock.patch.object(search, "no_heavier", by_tp)]
 
 
 def _planner_tp_degrees_short() -> list:
@@ -394,12 +394,12 @@ def _planner_pp_range_short() -> list:
     """The pipeline degrees stop one short: the deepest, min(layers, GPUs / TP), is never searched."""
     from torchtitan_seq.plan import bounds, search
 
-    meshes = bounds._meshes
+    meshes = bounds.candidate_meshes
 
     def short(job, cluster, args):
         return [m for m in meshes(job, cluster, args) if m[0] < min(args.n_layers, cluster.gpus // m[1])]
 
-    return [mock.patch.object(bounds, "_meshes", short), mock.patch.object(search, "_meshes", short)]
+    return [mock.patch.object(bounds, "candidate_meshes", short), mock.patch.object(search, "candidate_meshes", short)]
 
 
 def _planner_ranks_over_part_of_a_node() -> list:
@@ -414,26 +414,26 @@ def _planner_memory_at_simulated_microbatches() -> list:
     """The memory model sizes a candidate at the microbatches its step is simulated at, min(N, 2p), not N."""
     from torchtitan_seq.plan import memory_check
 
-    config = memory_check._memory_config
+    config = memory_check.memory_config
 
     def simulated(job, cluster, choice, pp, tp, ac, cp):
         out = config(job, cluster, choice, pp, tp, ac, cp)
         microbatches = min(out.shape.microbatches, 2 * pp)
         return dataclasses.replace(out, shape=dataclasses.replace(out.shape, microbatches=microbatches))
 
-    return [mock.patch.object(memory_check, "_memory_config", simulated)]
+    return [mock.patch.object(memory_check, "memory_config", simulated)]
 
 
 def _planner_network_without_dp() -> list:
     """The simulator's network takes a pipeline rank for its TP x CP GPUs, leaving out its data-parallel ones."""
     from torchtitan_seq.plan import costs, measure
 
-    network = costs._network
+    network = costs.step_network
 
     def without_dp(cluster, step_costs, tp, cp, dp):
         return network(cluster, step_costs, tp, cp, 1)
 
-    return [mock.patch.object(measure, "_network", without_dp)]
+    return [mock.patch.object(measure, "step_network", without_dp)]
 
 
 def _memory_arenas_unshared() -> list:
@@ -450,12 +450,12 @@ def _memory_arenas_without_own() -> list:
     """Under CP the memory model's slabs leave out the last unit's K/V, which CP ranks read as a prefix."""
     from torchtitan_seq.simulate.memory import arenas
 
-    arena_events = arenas._arena_events
+    arena_events = arenas.slab_arena_events
 
     def without_own(count, stages, lengths, with_own=False):
         return arena_events(count, stages, lengths)
 
-    return [mock.patch.object(arenas, "_arena_events", without_own)]
+    return [mock.patch.object(arenas, "slab_arena_events", without_own)]
 
 
 def _job_check_fsdp_without_cp() -> list:

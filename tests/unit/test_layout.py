@@ -261,3 +261,16 @@ def test_every_module_says_its_concept():
         if not ast.get_docstring(ast.parse(p.read_text()))
     ]
     assert not bare, bare
+
+
+def test_no_private_name_crosses_a_module():
+    """A name another module of the package needs is public in its module: no ``from ... import _name``."""
+    crossing = [
+        f"{path.relative_to(PACKAGE)}:{n.lineno} {n.module}.{a.name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("torchtitan_seq")
+        for a in n.names
+        if a.name.startswith("_") and not a.name.startswith("__")
+    ]
+    assert not crossing, "\n".join(crossing)

@@ -17,7 +17,7 @@ QUESTIONS = 40
 SHARES = [(i // 3) % 2 for i in range(QUESTIONS)]  # runs of three questions, two shares
 
 
-def _search(processes: int, helper_work=None, patience: float = 30.0) -> tuple[list, set[int]]:
+def search_plans(processes: int, helper_work=None, patience: float = 30.0) -> tuple[list, set[int]]:
     """A search whose skips depend on earlier answers of the same share (as the planner's do): it
     skips a question whose share's last answer was a multiple of 5. Returns its answers, as
     (question, answer) pairs, and the processes that worked them out."""
@@ -48,8 +48,8 @@ def _search(processes: int, helper_work=None, patience: float = 30.0) -> tuple[l
 
 
 def test_helpers_answer_their_share_and_the_search_is_the_same_as_alone():
-    alone, alone_pids = _search(1)
-    ahead, pids = _search(2)
+    alone, alone_pids = search_plans(1)
+    ahead, pids = search_plans(2)
     assert ahead == alone and alone_pids == {os.getpid()}
     assert len(pids) == 2, "a helper answered none of its share"
     assert len(alone) < QUESTIONS, "the search skipped nothing: the skips were not tested"
@@ -63,8 +63,8 @@ def test_a_failing_helper_leaves_its_share_to_the_search():
             raise RuntimeError("helper only")
         return i * i + 1, os.getpid()
 
-    answers, _ = _search(2, failing)
-    assert answers == _search(1)[0]
+    answers, _ = search_plans(2, failing)
+    assert answers == search_plans(1)[0]
 
 
 def test_a_stalled_helper_is_stopped_after_its_patience():
@@ -72,14 +72,14 @@ def test_a_stalled_helper_is_stopped_after_its_patience():
         time.sleep(3600)
 
     start = time.monotonic()
-    answers, pids = _search(2, stalling, patience=0.5)
-    assert answers == _search(1)[0] and pids == {os.getpid()}
+    answers, pids = search_plans(2, stalling, patience=0.5)
+    assert answers == search_plans(1)[0] and pids == {os.getpid()}
     assert time.monotonic() - start < 30
 
 
 def test_a_helper_that_skips_what_the_search_asks_leaves_it_to_the_search():
-    answers, _ = _search(2, lambda i: SKIP)
-    assert answers == _search(1)[0]
+    answers, _ = search_plans(2, lambda i: SKIP)
+    assert answers == search_plans(1)[0]
 
 
 def test_helpers_are_stopped_on_leaving():

@@ -1,5 +1,5 @@
 """The memory model's K/V arenas against the runtime's own: along every rank's actions, the arenas the
-model counts (:func:`~torchtitan_seq.simulate.memory.arenas._arena_events`, in slabs) hold the bytes the
+model counts (:func:`~torchtitan_seq.simulate.memory.arenas.slab_arena_events`, in slabs) hold the bytes the
 KV context (:class:`~torchtitan_seq.runtime.kv_context.KVContext`) allocates when it runs those actions, with
 and without context parallelism (CP: slabs hold the last unit's K/V too, ``with_own``)."""
 
@@ -15,7 +15,7 @@ from torchtitan_seq.runtime.kv_context import KVContext, Unit
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.schedules.ordering import stage_passes
 from torchtitan_seq.simulate.memory import arenas
-from torchtitan_seq.simulate.memory.actions import _plan
+from torchtitan_seq.simulate.memory.actions import action_plan
 
 LENGTHS = (5, 3, 4, 2, 2, 1, 3, 1)
 """Uneven unit lengths: the first k are a microbatch's cut."""
@@ -61,14 +61,14 @@ def test_the_memory_models_arenas_are_the_runtimes(name):
     checked = 0
     for _, p, n, k, split in (s for s in SHAPES if s[0] == name):
         try:
-            plan = _plan(name, p, n, k, None, split)
+            plan = action_plan(name, p, n, k, None, split)
         except ValueError:
             continue  # a shape the schedule does not run
         lengths = LENGTHS[:k]
         for rank, with_own in itertools.product(sorted(plan.order), (False, True)):
             size = sum(lengths[: None if with_own else -1])
             actions = plan.order[rank]
-            events = arenas._arena_events(len(actions), plan.passes_of(rank, k), lengths, with_own)
+            events = arenas.slab_arena_events(len(actions), plan.passes_of(rank, k), lengths, with_own)
             model = np.cumsum(events) * size
             runtime = _runtime_arenas(actions, k, list(lengths), with_own)
             assert np.allclose(model, runtime), (name, p, n, k, split, rank, with_own, model, runtime)

@@ -94,9 +94,9 @@ def test_kv_arenas_within_one_percent(monkeypatch):
     plan_arenas = mm.plan_arenas
     with monkeypatch.context() as patch:
         patch.setattr(mm.arenas, "plan_arenas", lambda passes, lengths, size: plan_arenas(passes, lengths, size, False))
-        mm._plan.cache_clear()
+        mm.action_plan.cache_clear()
         assert worst() > 0.04
-    mm._plan.cache_clear()
+    mm.action_plan.cache_clear()
 
 
 def test_context_parallel_within_one_percent():
@@ -128,34 +128,34 @@ def test_wrong_models_miss(monkeypatch):
     """The check bites: a model without the MLP's SiLU and product, one without the loss's
     log-softmax, and one that ignores the schedule (a single microbatch in flight) miss by over 10%."""
     assert _worst("none") < TOLERANCE
-    layer = mm._layer_bytes
+    layer = mm.layer_bytes
 
     def no_swiglu(args, c, a, mode, unit):
         return layer(args, c, a, mode, unit) - (2 * a * mm.ffn_hidden_dim(args) / c.tp if mode == "none" else 0)
 
     with monkeypatch.context() as patch:
-        patch.setattr(mm.activations, "_layer_bytes", no_swiglu)
+        patch.setattr(mm.activations, "layer_bytes", no_swiglu)
         assert _worst("none") > TOLERANCE
-    saved = mm._saved_per_token
+    saved = mm.saved_per_token
 
     def no_log_softmax(args, c, a, layers, first, last, unit):
         return saved(args, c, a, layers, first, last, unit) - (4 * args.vocab_size if last else 0)
 
     with monkeypatch.context() as patch:
-        patch.setattr(mm.stage_bytes, "_saved_per_token", no_log_softmax)
+        patch.setattr(mm.stage_bytes, "saved_per_token", no_log_softmax)
         assert _worst("none") > TOLERANCE
 
     def one_microbatch(plan, weights, lengths, n, with_own=False):
         return [(max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0) for rank in sorted(plan.order)]
 
     with monkeypatch.context() as patch:
-        patch.setattr(mm.estimate, "_walks", one_microbatch)
+        patch.setattr(mm.estimate, "memory_walks", one_microbatch)
         assert _worst("none") > TOLERANCE
 
 
-def _uniform_weights(plan: mm._Plan, lengths: list[int], share: float) -> dict:
+def _uniform_weights(plan: mm.ActionPlan, lengths: list[int], share: float) -> dict:
     unit = [length / sum(lengths) * share for length in lengths]
-    return {s: mm._StageBytes(unit) for s in plan.stages}
+    return {s: mm.StageBytes(unit) for s in plan.stages}
 
 
 @pytest.mark.parametrize(
@@ -174,9 +174,9 @@ def _uniform_weights(plan: mm._Plan, lengths: list[int], share: float) -> dict:
 def test_walk_reproduces_the_simulators_peak(schedule, p, n, k):
     """Unit weights in M, L_j / S on a stage with 1/p of the layers: the simulator's peak."""
     result = simulate(SimConfig(schedule, p, n, k, seq_len=840))
-    plan = mm._plan(schedule, p, n, k, None, False)
+    plan = mm.action_plan(schedule, p, n, k, None, False)
     weights = _uniform_weights(plan, result.lengths, p / plan.chain_length)
-    peaks = [act for act, _ in mm._walks(plan, weights, tuple(result.lengths), n)]
+    peaks = [act for act, _ in mm.memory_walks(plan, weights, tuple(result.lengths), n)]
     assert peaks == pytest.approx(result.peak_activations, abs=1e-9)
 
 
@@ -198,10 +198,10 @@ def test_peak_from_fewer_microbatches(schedule, n, k):
     """N on p = 4 is built as 2p + N mod p microbatches: the same peaks as the whole step (GPipe
     and TeraPipe scaled by N over that), remainders that join earlier rounds included."""
     p = 4
-    plan = mm._plan(schedule, p, n, k, None, False)
+    plan = mm.action_plan(schedule, p, n, k, None, False)
     assert plan.built_microbatches == 2 * p + n % p
     built = build(SimConfig(schedule, p, n, k))
-    whole = mm._Plan(
+    whole = mm.ActionPlan(
         {
             r: tuple(leaf for a in acts if a is not None for leaf in compute_leaves(a))
             for r, acts in built.order.items()
@@ -213,7 +213,7 @@ def test_peak_from_fewer_microbatches(schedule, n, k):
     lengths = (1,) * k
     weights = _uniform_weights(plan, lengths, 1.0)
     for r in range(p):
-        walks = [mm._walks(steps, weights, lengths, n)[r][0] for steps in (plan, whole)]
+        walks = [mm.memory_walks(steps, weights, lengths, n)[r][0] for steps in (plan, whole)]
         assert walks[0] == pytest.approx(walks[1]), r
 
 
@@ -226,23 +226,23 @@ def test_kv_context_under_checkpointing(monkeypatch):
     measured = json.loads((REPO / "benchmarks/documents/documents.json").read_text())
     measured = measured["runs"]["causal-ac_full"]["kv_context_peak_bytes"]
     args = seq_llama3_flavors["debugmodel"]
-    plan = mm._plan("Seq1F1B", 2, 4, 4, None, False)
+    plan = mm.action_plan("Seq1F1B", 2, 4, 4, None, False)
     config = mm.MemoryConfig(
         "debugmodel", JobShape(4096, 4, microbatches=4), "Seq1F1B", pp=2, device="cpu", activation_checkpoint="full"
     )
 
     def held_peak() -> float:
-        held = mm._stage_bytes(args, config, 4, (args.n_layers, False, False), [1024] * 4, True).held
+        held = mm.bytes_of_stage(args, config, 4, (args.n_layers, False, False), [1024] * 4, True).held
         zeros = [0.0] * 4
-        weights = {s: mm._StageBytes(zeros, held=held) for s in plan.stages}
-        return mm._walks(plan, weights, (1024,) * 4, 4)[0][1]
+        weights = {s: mm.StageBytes(zeros, held=held) for s in plan.stages}
+        return mm.memory_walks(plan, weights, (1024,) * 4, 4)[0][1]
 
     assert held_peak() == measured
     with monkeypatch.context() as patch:
-        patch.setattr(mm.stage_bytes, "_recomputed_fraction", lambda c: 0.0)
+        patch.setattr(mm.stage_bytes, "recomputed_fraction", lambda c: 0.0)
         assert abs(held_peak() / measured - 1) > TOLERANCE
     # Without recomputation the context's blocks are the K/V autograd saves: no extra.
-    assert mm._recomputed_fraction(dataclasses.replace(config, activation_checkpoint="none")) == 0
+    assert mm.recomputed_fraction(dataclasses.replace(config, activation_checkpoint="none")) == 0
 
 
 def _measured_layer(args, dtype: torch.dtype, length: int) -> float:
@@ -270,7 +270,7 @@ def test_layer_bytes_against_autograd(n_kv_heads, ffn_dim_multiplier):
         seq_llama3_flavors["debugmodel"], n_kv_heads=n_kv_heads, ffn_dim_multiplier=ffn_dim_multiplier
     )
     config = mm.MemoryConfig(args, JobShape(512), "Seq1F1B", device="cpu")
-    predicted = mm._layer_bytes(args, config, 4, "none", unit=True)
+    predicted = mm.layer_bytes(args, config, 4, "none", unit=True)
     assert predicted == pytest.approx(_measured_layer(args, torch.float32, 512), rel=0.01)
 
 
@@ -280,10 +280,10 @@ def test_parameter_count(flavor):
     with torch.device("meta"):
         model = SeqTransformer(args)
     total = sum(p.numel() for p in model.parameters())
-    chunks = mm._chunk_split(args.n_layers, 1)
+    chunks = mm.memory_chunk_split(args.n_layers, 1)
     assert chunk_parameters(args, *chunks[0], 1) == total
     # Two chunks (pp 2) split the same parameters; tp 2 halves all but the norms.
-    assert sum(chunk_parameters(args, *c, 1) for c in mm._chunk_split(args.n_layers, 2)) == total
+    assert sum(chunk_parameters(args, *c, 1) for c in mm.memory_chunk_split(args.n_layers, 2)) == total
     norms = (2 * args.n_layers + 1) * args.dim
     assert chunk_parameters(args, *chunks[0], 2) == (total - norms) / 2 + norms
 
@@ -326,9 +326,9 @@ def _floor_cases(flavors=(("debugmodel", 2048), ("8B", 65536), ("70B", 131072)))
         for i, choice in enumerate(planner.CHOICES):
             for pp in (2, 4, 8):
                 for tp, cp, ac in ((1, 1, "none"), (2, 2, "selective"), (1, 4, "full"), (8, 1, "none")):
-                    if (i + pp + tp) % 3 or planner._lengths(job, choice, tp, cp) is None:
+                    if (i + pp + tp) % 3 or planner.cut_lengths(job, choice, tp, cp) is None:
                         continue  # a third of them, each flavor a different third
-                    if not planner._runs(choice, pp, 8, planner.flavor_shape(flavor).n_layers):
+                    if not planner.schedule_runs(choice, pp, 8, planner.flavor_shape(flavor).n_layers):
                         continue
                     yield mm.MemoryConfig(
                         flavor, job.shape(choice, tp, cp), choice.schedule, pp, dp_shard=4, activation_checkpoint=ac
@@ -355,6 +355,6 @@ def test_the_floor_places_stages_as_the_lists_do():
 
     for config in _floor_cases(flavors=(("debugmodel", 2048),)):
         shape = config.shape
-        plan = mm._plan(config.schedule, config.pp, 8, shape.num_subsequences, shape.stages_per_rank, False)
+        plan = mm.action_plan(config.schedule, config.pp, 8, shape.num_subsequences, shape.stages_per_rank, False)
         placed = stages_by_rank(config.schedule, config.pp, shape.stages_per_rank)
         assert placed == tuple(tuple(plan.stages_of(r)) for r in range(config.pp)), config.schedule

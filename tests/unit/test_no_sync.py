@@ -120,7 +120,7 @@ def test_the_instrument_sees_a_read():
 def test_document_starts_are_read_once_per_batch(monkeypatch):
     """The whole-sequence document path (torch's schedules) reads a batch's ids on the host once,
     however many layers and backward passes read its documents."""
-    from torchtitan_seq.attention.whole_sequence import _whole_sequence_attention
+    from torchtitan_seq.attention.whole_sequence import whole_sequence_attention
 
     tokens = torch.randint(4, VOCAB, (2, 16))
     tokens[:, 6] = EOS
@@ -129,6 +129,6 @@ def test_document_starts_are_read_once_per_batch(monkeypatch):
     original = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **kw: calls.append(1) or original(t, *a, **kw))
     q, k, v = (torch.randn(2, h, 16, 8, requires_grad=True) for h in (4, 2, 2))
-    outs = [_whole_sequence_attention(q, k, v, ids, None, True, True) for _ in range(3)]  # three layers
+    outs = [whole_sequence_attention(q, k, v, ids, None, True, True) for _ in range(3)]  # three layers
     sum(o.sum() for o in outs).backward()
     assert len(calls) == 1

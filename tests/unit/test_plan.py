@@ -84,13 +84,13 @@ def test_the_step_extended_from_fewer_microbatches_equals_the_simulated_one():
     """The search simulates N' = 2p and 2N' microbatches and extends the line to N: within 1%."""
     job = planner.Job("debugmodel", 2048, 24)
     cluster = planner.Cluster(gpus=4, gpu_memory_gib=80)
-    costs = planner._Costs((), cluster.flops_per_gpu)
+    costs = planner.Costs((), cluster.flops_per_gpu)
     for choice in (
         planner.ScheduleChoice("Seq1F1B", 4, "compute"),
         planner.ScheduleChoice("1F1B"),
         planner.ScheduleChoice("InterleavedSeq1F1B", 2, "even", 2),
     ):
-        step = planner._simulated_step(choice, 2, 1, 2, "full", 24, job, cluster, costs)
+        step = planner.simulated_step(choice, 2, 1, 2, "full", 24, job, cluster, costs)
         network = sim.Network(
             cluster.intra_node, cluster.inter_node, 8, gpus_per_rank=2, flops_per_gpu=cluster.flops_per_gpu
         )
@@ -113,7 +113,7 @@ def test_the_step_extended_from_fewer_microbatches_equals_the_simulated_one():
         busy = max(busy_and_end(ivs)[0] for ivs in whole.timeline.values())
         assert step.bubble_ratio == pytest.approx(1 - busy / whole.makespan, abs=1e-2), choice
         # Without recomputation the step is shorter: the AC mode reaches the simulation.
-        lighter = planner._simulated_step(choice, 2, 1, 2, "none", 24, job, cluster, costs)
+        lighter = planner.simulated_step(choice, 2, 1, 2, "none", 24, job, cluster, costs)
         assert lighter.seconds < 0.9 * step.seconds
 
 
@@ -266,16 +266,16 @@ def test_context_parallel_enters_where_its_twin_without_cp_does_not_fit(capsys):
     )
 
 
-def _candidates(job: planner.Job, cluster: planner.Cluster) -> list:
+def candidates_of(job: planner.Job, cluster: planner.Cluster) -> list:
     args = planner.flavor_shape(job.flavor)
-    costs, cost = planner._Costs.load(job, cluster, args), planner.UnitCost.from_model_args(args)
+    costs, cost = planner.Costs.load(job, cluster, args), planner.UnitCost.from_model_args(args)
     by_pp: dict[int, list[tuple[int, int, int]]] = {}
-    for pp, tp, cp, dp in planner._meshes(job, cluster, args):
+    for pp, tp, cp, dp in planner.candidate_meshes(job, cluster, args):
         by_pp.setdefault(pp, []).append((tp, cp, dp))
     found = [
-        c for choice in planner.CHOICES for c in planner._candidates(choice, by_pp, job, cluster, costs, args, cost)
+        c for choice in planner.CHOICES for c in planner.candidates_of(choice, by_pp, job, cluster, costs, args, cost)
     ]
-    return [c for c in found if planner._runs(c.choice, c.pp, job.local_batch_size, args.n_layers)]
+    return [c for c in found if planner.schedule_runs(c.choice, c.pp, job.local_batch_size, args.n_layers)]
 
 
 @pytest.mark.parametrize(
@@ -288,11 +288,11 @@ def test_no_candidate_simulates_faster_than_its_bound(flavor, seq_len, gpus, mic
     and CP's collectives are all there is. Every schedule, pp, TP, CP and AC mode, a tenth of them."""
     job, cluster = planner.Job(flavor, seq_len, microbatches), planner.Cluster(gpus, 80)
     args = planner.flavor_shape(flavor)
-    costs = planner._Costs.load(job, cluster, args)
-    candidates = _candidates(job, cluster)
+    costs = planner.Costs.load(job, cluster, args)
+    candidates = candidates_of(job, cluster)
     tight = 0.0
     for c in candidates[:: max(1, len(candidates) // 60)]:
-        simulated = planner._measure(c, job, cluster, costs, args, 0.0, True).tokens_per_s
+        simulated = planner.measure_candidate(c, job, cluster, costs, args, 0.0, True).tokens_per_s
         assert simulated <= c.bound * (1 + 1e-9), (c, simulated)
         tight = max(tight, simulated / c.bound)
     assert tight > 0.9  # and the bounds are not loose for all
@@ -302,12 +302,12 @@ def test_a_fitting_plan_leaves_out_its_heavier_twins(capsys, monkeypatch):
     """Of one schedule choice on one pp, a plan with no less TP, CP and recomputation than another that
     fits is left out, whichever the search meets first: here CP plans' bounds are raised (still bounds)
     so that the search meets them before their twins without CP."""
-    candidates = planner._candidates
+    candidates = planner.candidates_of
 
     def cp_first(*args, **kwargs):
         return [replace(c, bound=c.bound * (2 if c.cp > 1 else 1)) for c in candidates(*args, **kwargs)]
 
-    monkeypatch.setattr(planner.search, "_candidates", cp_first)
+    monkeypatch.setattr(planner.search, "candidates_of", cp_first)
     plans = _json(capsys, *SMALL, "--unit-overhead-ms", "0", "--tp", "1", "--gpu-memory-gib", "64", "--top", "200")
     levels = planner.AC_MODES
 

@@ -7,8 +7,8 @@ every split of the GPUs, schedule, k, partition and AC mode, the rules of a cut 
 shape written out again), sharing no candidate-generation code with the planner;
 :func:`planner.evaluate` only scores them. Three properties:
 
-- the candidates the search generates and would visit (its ``_candidates`` on its meshes and
-  schedule choices, then ``_runs``) are the brute force's, on a wide grid of shapes (no evaluation);
+- the candidates the search generates and would visit (its ``candidates_of`` on its meshes and
+  schedule choices, then ``schedule_runs``) are the brute force's, on a wide grid of shapes (no evaluation);
 - the top N of :func:`planner.plan` are the first N rows of the brute force's table (every candidate
   evaluated; the fitting ones without a fitting lighter twin, fastest first);
 - the memory model's configuration and the simulator's input the planner builds for a candidate are
@@ -23,7 +23,7 @@ import math
 from unittest import mock
 
 import pytest
-from test_planner_exhaustive import _assert_same_rows, _table
+from test_planner_exhaustive import _assert_same_rows, plan_table
 
 from torchtitan_seq import plan as planner
 from torchtitan_seq.plan import measure, memory_check, search
@@ -169,15 +169,15 @@ def _evaluate(job: planner.Job, cluster: planner.Cluster, key: Key) -> planner.P
 
 
 def _planner_candidates(job: planner.Job, cluster: planner.Cluster) -> set[Key] | None:
-    """What the search generates (its ``_candidates`` on its meshes and choices) and would visit (where
-    ``_runs``), taken from the search itself, stopped before it asks the memory model anything; None
+    """What the search generates (its ``candidates_of`` on its meshes and choices) and would visit (where
+    ``schedule_runs``), taken from the search itself, stopped before it asks the memory model anything; None
     where it refuses the job."""
 
     class Generated(Exception):
         pass
 
     made = []
-    candidates = search._candidates
+    candidates = search.candidates_of
 
     def recording(*args, **kwargs):
         out = candidates(*args, **kwargs)
@@ -187,7 +187,7 @@ def _planner_candidates(job: planner.Job, cluster: planner.Cluster) -> set[Key] 
     def stop(*args, **kwargs):
         raise Generated
 
-    with mock.patch.object(search, "_candidates", recording), mock.patch.object(search, "_MemoryCheck", stop):
+    with mock.patch.object(search, "candidates_of", recording), mock.patch.object(search, "MemoryCheck", stop):
         try:
             planner.plan(job, cluster, processes=1)
         except Generated:
@@ -199,7 +199,7 @@ def _planner_candidates(job: planner.Job, cluster: planner.Cluster) -> set[Key] 
         (c.choice.schedule, c.choice.num_subsequences, c.choice.partition, c.choice.stages_per_rank)
         + (c.pp, c.tp, c.cp, c.dp, c.ac)
         for c in made
-        if search._runs(c.choice, c.pp, job.local_batch_size, n_layers)
+        if search.schedule_runs(c.choice, c.pp, job.local_batch_size, n_layers)
     }
 
 
@@ -275,7 +275,7 @@ def _assert_plans_are_the_brute_force_table(flavor, seq_len, batch, gpus, node, 
     peaks = sorted(p.peak_memory_gib for p in every)
     for budget in (2 * peaks[-1], peaks[len(peaks) // 2], peaks[len(peaks) // 20], 0.99 * peaks[0]):
         cluster = dataclasses.replace(loose, gpu_memory_gib=budget)
-        table = _table([dataclasses.replace(p, fits=p.peak_memory_gib <= budget) for p in every])
+        table = plan_table([dataclasses.replace(p, fits=p.peak_memory_gib <= budget) for p in every])
         for top in (1, 3, 10):
             if not table:
                 with pytest.raises(ValueError, match="nothing fits"):
@@ -301,7 +301,7 @@ def test_the_top_plans_of_large_models_are_the_first_rows_of_the_brute_force_tab
 # (c) The memory model's and the simulator's inputs.
 
 
-def _lengths(job: planner.Job, schedule: str, k: int, part: str, tp: int, cp: int) -> list[int]:
+def cut_lengths(job: planner.Job, schedule: str, k: int, part: str, tp: int, cp: int) -> list[int]:
     """The cut of a candidate: the whole sequence for torch's schedules, else k lengths of the partition,
     each a multiple of the unit multiple."""
     if schedule in TORCH_SCHEDULES:
@@ -310,7 +310,7 @@ def _lengths(job: planner.Job, schedule: str, k: int, part: str, tp: int, cp: in
     return partition_sequence(job.seq_len, k, part, multiple=_unit_multiple(job, tp, cp), cost=cost)
 
 
-def _memory_config(job: planner.Job, cluster: planner.Cluster, key: Key) -> MemoryConfig:
+def memory_config(job: planner.Job, cluster: planner.Cluster, key: Key) -> MemoryConfig:
     """What the memory model is to size for candidate ``key``: its shape at the job's N microbatches of one
     sequence, its degrees (FSDP over the rest of the GPUs), its AC mode, on the cluster's device."""
     schedule, k, part, v, pp, tp, cp, dp, ac = key
@@ -385,7 +385,7 @@ def _key_of(config: MemoryConfig | SimConfig, cluster: planner.Cluster) -> Key:
 def _assert_simulated(configs: list[SimConfig], job: planner.Job, cluster: planner.Cluster, key: Key) -> None:
     """``configs``, the simulator's inputs for candidate ``key``, are the ones built here, at the microbatches
     the step is simulated at, each cutting the candidate's lengths."""
-    lengths = _lengths(job, *key[:3], *key[5:7])
+    lengths = cut_lengths(job, *key[:3], *key[5:7])
     assert {c.microbatches for c in configs} == _simulated_microbatches(job.local_batch_size, key[4]), key
     for config in configs:
         assert dataclasses.replace(config, microbatches=job.local_batch_size) == _sim_config(job, cluster, key), key
@@ -427,24 +427,24 @@ def test_the_memory_model_and_the_simulator_get_the_candidates_inputs(job, clust
         mock.patch.object(measure, "simulate", simulated),
     ):
         for key in candidates[::every]:
-            measure._simulated_step.cache_clear()  # a step simulated before would not reach the simulator
+            measure.simulated_step.cache_clear()  # a step simulated before would not reach the simulator
             memory_configs.clear(), sim_configs.clear()
             plan = _evaluate(job, cluster, key)
             schedule, k, part, v, pp, tp, cp, dp, ac = key
-            lengths = _lengths(job, schedule, k, part, tp, cp)
-            assert memory_configs == [_memory_config(job, cluster, key)], key
+            lengths = cut_lengths(job, schedule, k, part, tp, cp)
+            assert memory_configs == [memory_config(job, cluster, key)], key
             assert memory_configs[0].shape.lengths == lengths, key
             _assert_simulated(sim_configs, job, cluster, key)
             assert (plan.pp, plan.tp, plan.cp, plan.dp_shard, list(plan.lengths)) == (pp, tp, cp, dp, lengths), key
         # The search's floors, estimates and simulations: each of a candidate, built as above.
-        measure._simulated_step.cache_clear()
+        measure.simulated_step.cache_clear()
         memory_configs.clear(), sim_configs.clear()
         planner.plan(job, cluster, top=10, processes=1)
     assert memory_configs and sim_configs
     every_key = set(candidates)
     for config in memory_configs:
         key = _key_of(config, cluster)
-        assert key in every_key and config == _memory_config(job, cluster, key), key
+        assert key in every_key and config == memory_config(job, cluster, key), key
     simulated_keys = {_key_of(config, cluster) for config in sim_configs}
     assert simulated_keys <= every_key, simulated_keys - every_key
     for key in simulated_keys:

@@ -17,8 +17,8 @@ import itertools
 import pytest
 
 from torchtitan_seq import plan as planner
-from torchtitan_seq.plan.measure import _runs
-from torchtitan_seq.plan.twins import _no_heavier
+from torchtitan_seq.plan.measure import schedule_runs
+from torchtitan_seq.plan.twins import no_heavier
 
 TOL = 1e-9
 """The tokens/s of a row: the search and the evaluation compute them with the same functions."""
@@ -28,8 +28,10 @@ def _exhaustive(job: planner.Job, cluster: planner.Cluster) -> list[planner.Plan
     """Every candidate that can cut the sequence and run, evaluated: no bound, no stop, no pruning."""
     args = planner.flavor_shape(job.flavor)
     rows = []
-    for choice, (pp, tp, cp, _) in itertools.product(planner.CHOICES, planner._meshes(job, cluster, args)):
-        if planner._lengths(job, choice, tp, cp) is None or not _runs(choice, pp, job.local_batch_size, args.n_layers):
+    for choice, (pp, tp, cp, _) in itertools.product(planner.CHOICES, planner.candidate_meshes(job, cluster, args)):
+        if planner.cut_lengths(job, choice, tp, cp) is None or not schedule_runs(
+            choice, pp, job.local_batch_size, args.n_layers
+        ):
             continue
         rows += [planner.evaluate(job, cluster, choice, pp, tp, ac, cp) for ac in planner.AC_MODES]
     return rows
@@ -43,14 +45,14 @@ def _twin_key(p: planner.Plan) -> tuple:
     return p.schedule, p.num_subsequences, p.partition, p.stages_per_rank, p.pp
 
 
-def _table(rows: list[planner.Plan]) -> list[planner.Plan]:
+def plan_table(rows: list[planner.Plan]) -> list[planner.Plan]:
     """The fitting rows that have no fitting lighter twin, fastest first."""
     fitting = [p for p in rows if p.fits]
     kept = [
         p
         for p in fitting
         if not any(
-            q is not p and _twin_key(q) == _twin_key(p) and _no_heavier(_degrees(q), _degrees(p)) for q in fitting
+            q is not p and _twin_key(q) == _twin_key(p) and no_heavier(_degrees(q), _degrees(p)) for q in fitting
         )
     ]
     return sorted(kept, key=lambda p: -p.tokens_per_s)
@@ -87,7 +89,7 @@ def test_top_n_is_the_first_n_rows_of_the_exhaustive_table(flavor, seq_len, gpus
     peaks = sorted(p.peak_memory_gib for p in every)
     for budget in (max(peaks) * 2, peaks[len(peaks) // 2], peaks[0] * 0.99):
         cluster = planner.Cluster(gpus, budget, unit_overhead_s=overhead)
-        table = _table([dataclasses.replace(p, fits=p.peak_memory_gib <= budget) for p in every])
+        table = plan_table([dataclasses.replace(p, fits=p.peak_memory_gib <= budget) for p in every])
         for top in (1, 3, 10):
             if not table:
                 with pytest.raises(ValueError, match="nothing fits"):

@@ -5,7 +5,7 @@ model chunk.
 Custom ops take no Python objects: a bound layer names its binding (the stage's context, its kernel and
 the layer's id) by a small host tensor of its own, ``ids``, a graph input, so one compiled graph serves
 every layer of a model; the op (``torchtitan_seq::unit_attention``, registered by the package) finds the
-binding by the tensor's address (:func:`.handles._bound`), never reading the tensor. In eager mode the
+binding by the tensor's address (:func:`.handles.binding_of`), never reading the tensor. In eager mode the
 layer passes its binding itself to :class:`~.unit_op.UnitAttention`.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from torchtitan_seq.attention.handles import _BINDINGS, _Binding
+from torchtitan_seq.attention.handles import BINDINGS, LayerBinding
 from torchtitan_seq.attention.kernels import AttentionKernel
 from torchtitan_seq.attention.unit_op import apply_unit_attention
-from torchtitan_seq.attention.whole_sequence import _whole_sequence_attention
+from torchtitan_seq.attention.whole_sequence import whole_sequence_attention
 from torchtitan_seq.runtime.kv_context import KVContext
 from torchtitan_seq.runtime.torch_internals import dispatch_mode_active
 
@@ -36,11 +36,11 @@ class SequenceAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.ids: Tensor | None = None  # names the binding, on the host: see the module docstring
-        self._binding: _Binding | None = None
+        self._binding: LayerBinding | None = None
 
     def bind(self, context: KVContext, kernel: AttentionKernel) -> None:
         self.ids = torch.tensor([self.layer_id], device="cpu")  # a storage of its own, whose address is the handle
-        _BINDINGS[self.ids.data_ptr()] = self._binding = _Binding(context, kernel, self.layer_id)
+        BINDINGS[self.ids.data_ptr()] = self._binding = LayerBinding(context, kernel, self.layer_id)
 
     def forward(
         self,
@@ -58,7 +58,7 @@ class SequenceAttention(nn.Module):
         when unbound; a bound layer reads its unit's documents from the KV context.
         Returns (B, Hq, L, D)."""
         if self.ids is None:
-            return _whole_sequence_attention(q, k, v, documents, scale, is_causal, enable_gqa)
+            return whole_sequence_attention(q, k, v, documents, scale, is_causal, enable_gqa)
         if not is_causal:
             raise ValueError("SequenceAttention runs units of causal attention only")
         scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -7,7 +7,7 @@ torch's CPU and cuDNN ones; a descending slab) a unit gets two, the prefix unmas
 diagonal causally, merged once by log-sum-exp (:func:`_merge_into`). Packed
 documents keep this shape: per batch row each piece of a document within the span is a causal call,
 and only the queries of the document that continues into the span read the keys before it, from that
-document's first key on (:func:`_calls`). Backward makes the same calls with the *merged* output and
+document's first key on (:func:`kernel_calls`). Backward makes the same calls with the *merged* output and
 log-sum-exp, which is exact (the ring-attention identity). Outputs, gradients and log-sum-exps are laid
 out as torch's kernels lay theirs out (:mod:`.layouts`), so none is copied.
 """
@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from torchtitan_seq.attention.kernels import AttentionKernel
-from torchtitan_seq.attention.layouts import _new_lse
+from torchtitan_seq.attention.layouts import new_lse
 from torchtitan_seq.runtime.documents import Documents
-from torchtitan_seq.runtime.kv_context import _EVERY, KVSlab
+from torchtitan_seq.runtime.kv_context import EVERY, KVSlab
 
 
 def _merge_into(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> None:
@@ -42,7 +42,7 @@ def _merge_into(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> None:
 
 
 @dataclass(frozen=True)
-class _Call:
+class Call:
     """One kernel call of a unit: the queries q[rows, :, queries] (positions within the unit)
     attend to the keys [keys.start, keys.stop) of the sequence, causally (the mask aligned at
     the bottom right: the last query sees the last key) or not."""
@@ -55,13 +55,13 @@ class _Call:
     @property
     def index(self) -> tuple[slice, slice, slice]:
         """The index of q, out and lse (B, H, L[, D]) this call reads and writes."""
-        return self.rows, _EVERY, self.queries
+        return self.rows, EVERY, self.queries
 
     whole: bool = dataclasses.field(init=False)
     """Whether the call's queries are all of q's (every row)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "whole", self.rows == _EVERY and self.queries == _EVERY)
+        object.__setattr__(self, "whole", self.rows == EVERY and self.queries == EVERY)
 
     def of(self, *ts: Tensor) -> tuple[Tensor, ...]:
         """The parts of ``ts`` (q, out, lse, dout: (B, H, L[, D])) this call reads or writes: the tensors
@@ -70,9 +70,9 @@ class _Call:
         return ts if self.whole else tuple(t[self.index] for t in ts)
 
 
-def _calls(
+def kernel_calls(
     documents: Documents | None, segments: tuple[tuple[int, int], ...], bottom_right: bool
-) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
+) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
     """The kernel calls of queries at the positions ``segments`` ([start, stop) ranges, laid out in
     q in that order: one for a whole unit, a CP rank's two chunks) under ``documents`` (None:
     causal): causal calls whose queries cover every segment once, and unmasked prefix calls over
@@ -89,41 +89,41 @@ def _calls(
 @functools.cache
 def _causal_calls(
     segments: tuple[tuple[int, int], ...], bottom_right: bool
-) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
-    """:func:`_calls` without documents, built once per unit shape."""
+) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
+    """:func:`kernel_calls` without documents, built once per unit shape."""
     return _build_calls(None, segments, bottom_right)
 
 
 def _build_calls(
     documents: Documents | None, segments: tuple[tuple[int, int], ...], bottom_right: bool
-) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
-    """:func:`_calls`, built."""
+) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
+    """:func:`kernel_calls`, built."""
     one = documents is None and len(segments) == 1  # one call covers all of q
-    rows = [_EVERY] if documents is None else [slice(b, b + 1) for b in range(len(documents.starts))]
-    causal: list[_Call] = []
-    prefix: list[_Call] = []
+    rows = [EVERY] if documents is None else [slice(b, b + 1) for b in range(len(documents.starts))]
+    causal: list[Call] = []
+    prefix: list[Call] = []
     local = 0  # where the segment's queries start in q
     for start, stop in segments:
         for b, row in enumerate(rows):
             pieces = [(0, stop - start)] if documents is None else documents.pieces(b, start, stop)
             first = 0 if documents is None else documents.start_of(b, start)
             calls = [
-                _Call(row, _EVERY if one else slice(local + a, local + e), slice(start + a, start + e), True)
+                Call(row, EVERY if one else slice(local + a, local + e), slice(start + a, start + e), True)
                 for a, e in pieces
             ]
             if first < start:  # the continuing document's keys [first, start)
                 head = calls[0]
                 if bottom_right:
-                    calls[0] = _Call(row, head.queries, slice(first, head.keys.stop), True)
+                    calls[0] = Call(row, head.queries, slice(first, head.keys.stop), True)
                 else:
-                    prefix.append(_Call(row, head.queries, slice(first, start), False))
+                    prefix.append(Call(row, head.queries, slice(first, start), False))
             causal += calls
         local += stop - start
     return tuple(causal), tuple(prefix)
 
 
 @dataclass(slots=True)  # not frozen: one per unit and layer, and a frozen one's __init__ costs µs
-class _Keys:
+class Keys:
     """Where a unit's keys lie: the unit's own, ``own`` (B, Hkv, L, D) from ``offset`` on, in
     position order; those before ``offset`` in ``slab``."""
 
@@ -131,26 +131,26 @@ class _Keys:
     offset: int
     slab: KVSlab | None
 
-    def __call__(self, c: _Call) -> tuple[Tensor, Tensor]:
+    def __call__(self, c: Call) -> tuple[Tensor, Tensor]:
         """K and V of call ``c``'s keys, views: a call within the unit reads its own keys (in
         position order, as causal calls need them), one reaching before it the slab (an unmasked
         prefix call in the slab's order, or a bottom-right causal call over an ascending slab)."""
         if c.keys.start >= self.offset:
             start, stop = c.keys.start - self.offset, c.keys.stop - self.offset
-            if start == 0 and stop == self.own[0].shape[2] and c.rows == _EVERY:
+            if start == 0 and stop == self.own[0].shape[2] and c.rows == EVERY:
                 return self.own  # all of them (an index would make views, a few µs of host time each)
             return self.own[0][c.rows, :, start:stop], self.own[1][c.rows, :, start:stop]
         return self.slab.keys(c.keys.start, c.keys.stop, c.rows)
 
 
-def _attention_forward(
-    kernel: AttentionKernel, q: Tensor, keys: _Keys, causal: tuple[_Call, ...], prefix: tuple[_Call, ...], scale: float
+def attention_forward(
+    kernel: AttentionKernel, q: Tensor, keys: Keys, causal: tuple[Call, ...], prefix: tuple[Call, ...], scale: float
 ) -> tuple[Tensor, Tensor]:
     """out (B, Hq, L, D) and lse (B, Hq, L) float32 of the ``causal`` and ``prefix`` calls."""
     if len(causal) == 1 and causal[0].whole:
         out, lse = kernel.forward(q, *keys(causal[0]), True, scale)
     else:
-        out, lse = torch.empty_like(q), _new_lse(q)
+        out, lse = torch.empty_like(q), new_lse(q)
         for c in causal:
             out[c.index], lse[c.index] = kernel.forward(q[c.index], *keys(c), True, scale)
     for c in prefix:  # merged into the views of out and lse the call's queries lie in
@@ -159,18 +159,18 @@ def _attention_forward(
     return out, lse
 
 
-def _attention_backward(
+def attention_backward(
     kernel: AttentionKernel,
     dout: Tensor,
     q: Tensor,
-    keys: _Keys,
+    keys: Keys,
     out: Tensor,
     lse: Tensor,
-    causal: tuple[_Call, ...],
-    prefix: tuple[_Call, ...],
+    causal: tuple[Call, ...],
+    prefix: tuple[Call, ...],
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, and dk, dv of the unit's own keys, of :func:`_attention_forward` given its merged
+    """dq, and dk, dv of the unit's own keys, of :func:`attention_forward` given its merged
     ``out`` and ``lse``; the gradient of earlier keys goes to the slab."""
     offset, slab = keys.offset, keys.slab
     length = keys.own[0].shape[2]  # the unit's keys (under CP more than its queries here)

@@ -1,4 +1,4 @@
-"""A bound attention layer's handle: what its op reads at run time (:class:`_Binding`), found by the
+"""A bound attention layer's handle: what its op reads at run time (:class:`LayerBinding`), found by the
 address of a small host tensor the layer passes (custom ops take no Python objects)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torchtitan_seq.runtime.kv_context import KVContext
 
 
 @dataclass(eq=False)
-class _Binding:
+class LayerBinding:
     """What a bound attention layer's custom op reads at run time: the stage's context and kernel,
     and the layer's id in the context."""
 
@@ -26,12 +26,12 @@ class _Binding:
 # and its binding is found by that tensor's address, a Python int read without reading the tensor
 # (its values are never read on the unit path: a read of a tensor is a device sync where it lies on
 # one). The graphs that saved ``ids`` keep it alive, so its address names no other binding meanwhile.
-_BINDINGS: weakref.WeakValueDictionary[int, _Binding] = weakref.WeakValueDictionary()
+BINDINGS: weakref.WeakValueDictionary[int, LayerBinding] = weakref.WeakValueDictionary()
 
 
-def _bound(ids: Tensor) -> _Binding:
+def binding_of(ids: Tensor) -> LayerBinding:
     """The binding behind a layer's ``ids``."""
-    binding = _BINDINGS.get(ids.data_ptr())
+    binding = BINDINGS.get(ids.data_ptr())
     if binding is None:
         raise RuntimeError(
             "unit attention: its SequenceAttention module is gone or rebound; "

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 
-def _heads_inner(t: Tensor) -> Tensor:
+def heads_inner(t: Tensor) -> Tensor:
     """(B, H, L, D) laid out as (B, L, H, D) in memory (a copy only if it is not): what torch's
     attention kernels return, out and gradients alike. torchtitan's ``out.transpose(1, 2).contiguous()``
     then takes the output without a copy (so the output projection saves the same storage as this op
@@ -21,7 +21,7 @@ def _heads_inner(t: Tensor) -> Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _new_lse(q: Tensor) -> Tensor:
+def new_lse(q: Tensor) -> Tensor:
     """An empty log-sum-exp (B, H, L) float32 for queries q (B, H, L, D), laid out as the kernels of
     q's device lay theirs out: torch's CPU flash kernel (B, L, H) in memory, every CUDA kernel
     (B, H, L); so the op returns the kernel's own without a copy."""
@@ -31,8 +31,8 @@ def _new_lse(q: Tensor) -> Tensor:
     return q.new_empty(b, h, n, dtype=torch.float32)
 
 
-def _lse_layout(lse: Tensor) -> Tensor:
-    """``lse`` (B, H, L) laid out as :func:`_new_lse` lays it out (a copy only if it is not)."""
+def lse_layout(lse: Tensor) -> Tensor:
+    """``lse`` (B, H, L) laid out as :func:`new_lse` lays it out (a copy only if it is not)."""
     if lse.device.type == "cpu":
         b, h, n = lse.shape
         if lse.stride() == (n * h, 1, h):  # as the CPU kernel returns it: no op at all
@@ -41,13 +41,13 @@ def _lse_layout(lse: Tensor) -> Tensor:
     return lse.contiguous()
 
 
-def _fake_attention(q: Tensor, *_) -> tuple[Tensor, Tensor]:
-    """out (B, Hq, L, D) laid out as :func:`_heads_inner` lays it out, and lse (B, Hq, L) float32 as
-    :func:`_new_lse` lays it out."""
+def fake_attention(q: Tensor, *_: object) -> tuple[Tensor, Tensor]:
+    """out (B, Hq, L, D) laid out as :func:`heads_inner` lays it out, and lse (B, Hq, L) float32 as
+    :func:`new_lse` lays it out."""
     b, h, n, d = q.shape
-    return q.new_empty(b, n, h, d).transpose(1, 2), _new_lse(q)
+    return q.new_empty(b, n, h, d).transpose(1, 2), new_lse(q)
 
 
-def _fake_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *_) -> tuple[Tensor, ...]:
-    """dq, dk, dv shaped like q, k, v, laid out as :func:`_heads_inner` lays them out."""
+def fake_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *_: object) -> tuple[Tensor, ...]:
+    """dq, dk, dv shaped like q, k, v, laid out as :func:`heads_inner` lays them out."""
     return tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).transpose(1, 2) for t in (q, k, v))

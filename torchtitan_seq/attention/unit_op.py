@@ -7,21 +7,21 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from torchtitan_seq.attention.calls import _attention_backward, _attention_forward, _Call, _calls, _Keys
-from torchtitan_seq.attention.handles import _Binding, _bound
+from torchtitan_seq.attention.calls import Call, Keys, attention_backward, attention_forward, kernel_calls
+from torchtitan_seq.attention.handles import LayerBinding, binding_of
 from torchtitan_seq.attention.kernels import AttentionKernel
-from torchtitan_seq.attention.layouts import _fake_attention, _fake_gradients, _heads_inner, _lse_layout
-from torchtitan_seq.attention.whole_sequence import _whole_sequence_backward, _whole_sequence_forward
+from torchtitan_seq.attention.layouts import fake_attention, fake_gradients, heads_inner, lse_layout
+from torchtitan_seq.attention.whole_sequence import whole_sequence_backward, whole_sequence_forward
 from torchtitan_seq.runtime.context_parallel import ContextShard
-from torchtitan_seq.runtime.kv_context import KVContext, KVSlab, Phase, Unit, _Stored
+from torchtitan_seq.runtime.kv_context import KVContext, KVSlab, Phase, Stored, Unit
 from torchtitan_seq.runtime.torch_internals import function_apply
 
 __all__ = ["UnitAttention", "apply_unit_attention"]
 
 
 def _own_keys(
-    context: KVContext, binding: _Binding, phase: Phase, k: Tensor, v: Tensor
-) -> tuple[tuple[Tensor, Tensor], KVSlab, _Stored | None]:
+    context: KVContext, binding: LayerBinding, phase: Phase, k: Tensor, v: Tensor
+) -> tuple[tuple[Tensor, Tensor], KVSlab, Stored | None]:
     """The running unit's own K and V (B, Hkv, L, D) in position order, its microbatch's slab, and
     where the slab holds the unit's K/V (None: nowhere): FORWARD writes them into the slab (gathered
     over the CP group, each rank's ``k``, ``v`` being its share); RECOMPUTE reads the slab its forward
@@ -49,21 +49,21 @@ def _one_call(kernel: AttentionKernel, slab: KVSlab, unit: Unit) -> bool:
     return kernel.bottom_right and not slab.descending and slab.holds(unit.offset + unit.length)
 
 
-def _unit_calls(context: KVContext, one_call: bool) -> tuple[tuple[_Call, ...], tuple[_Call, ...]]:
-    """The kernel calls of the running unit (:func:`.calls._calls`; ``one_call``: :func:`_one_call`'s),
+def _unit_calls(context: KVContext, one_call: bool) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
+    """The kernel calls of the running unit (:func:`.calls.kernel_calls`; ``one_call``: :func:`_one_call`'s),
     built by the first of its attention layers to ask and kept by the context for the others while the
     unit runs (each layer asking costs the host a few calls; packed documents' calls would be built again
     by each)."""
     calls = context.per_unit.get(one_call)
     if calls is None:
         unit = context.unit
-        calls = context.per_unit[one_call] = _calls(context.documents_of(unit), unit.segments, one_call)
+        calls = context.per_unit[one_call] = kernel_calls(context.documents_of(unit), unit.segments, one_call)
     return calls
 
 
 def _unit_attention(
-    binding: _Binding, q: Tensor, k: Tensor, v: Tensor, scale: float
-) -> tuple[Tensor, Tensor, _Stored | None]:
+    binding: LayerBinding, q: Tensor, k: Tensor, v: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Stored | None]:
     """A bound layer's attention, in its KV context's phase: FORWARD, the unit's K/V (B, Hkv, L, D)
     written into its microbatch's slab first, its queries q (B, Hq, L, D) attend to the prefix and
     their own keys; RECOMPUTE, the same from the slab the unit's forward wrote, nothing written;
@@ -74,15 +74,15 @@ def _unit_attention(
     context, kernel = binding.context, binding.kernel
     phase = context.phase(forward=True)
     if phase is None:
-        return *_whole_sequence_forward(kernel, q, k, v, None, scale), None
+        return *whole_sequence_forward(kernel, q, k, v, None, scale), None
     unit = context.unit
     own, slab, stored = _own_keys(context, binding, phase, k, v)
     causal, prefix = _unit_calls(context, _one_call(kernel, slab, unit))
-    return *_attention_forward(kernel, q, _Keys(own, unit.offset, slab), causal, prefix, scale), stored
+    return *attention_forward(kernel, q, Keys(own, unit.offset, slab), causal, prefix, scale), stored
 
 
 def _unit_attention_backward(
-    binding: _Binding, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+    binding: LayerBinding, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
     kv_flipped: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dq, dk, dv (shaped like q, k, v) of :func:`_unit_attention`, given dout, its out and lse
@@ -95,12 +95,12 @@ def _unit_attention_backward(
     if kv_flipped:  # a copy of the unit's own K/V for its causal calls, not of the prefix
         k, v = k.flip(2), v.flip(2)
     if context.phase(forward=False) is None:
-        return _whole_sequence_backward(kernel, dout, q, k, v, out, lse, None, scale)
+        return whole_sequence_backward(kernel, dout, q, k, v, out, lse, None, scale)
     unit = context.unit
     slab = context.recorded(binding.layer_id)
     causal, prefix = _unit_calls(context, _one_call(kernel, slab, unit))
-    keys = _Keys((k, v), unit.offset, slab)
-    return _attention_backward(kernel, dout, q, keys, out, lse, causal, prefix, scale)
+    keys = Keys((k, v), unit.offset, slab)
+    return attention_backward(kernel, dout, q, keys, out, lse, causal, prefix, scale)
 
 
 def _cp_shard(context: KVContext) -> ContextShard | None:
@@ -108,7 +108,7 @@ def _cp_shard(context: KVContext) -> ContextShard | None:
     return context.shard if context.unit is not None and context.shard.size > 1 else None
 
 
-def _save(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, stored: _Stored | None, *rest: Tensor) -> None:
+def _save(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, stored: Stored | None, *rest: Tensor) -> None:
     """Save q, the unit's K/V and ``rest`` (the output, log-sum-exp, ...): the K/V as ``stored`` in the
     slab where it holds them (the slab is then the one copy of K/V, and the saved-tensor count sees it;
     under context parallelism the whole unit's, gathered), else ``k``, ``v``."""
@@ -133,7 +133,7 @@ class UnitAttention(torch.autograd.Function):
     for backward, not returned (each output of a Function costs autograd's bookkeeping per call)."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, binding: _Binding, scale: float) -> Tensor:
+    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, binding: LayerBinding, scale: float) -> Tensor:
         # ctx as forward's first argument: with a separate setup_context, Function.apply binds every
         # call's arguments to forward's signature (inspect, about 16 µs a call)
         out, lse, stored = _unit_attention(binding, q, k, v, scale)
@@ -165,8 +165,8 @@ def _unit_attention_op(
 ) -> tuple[Tensor, Tensor]:
     """:func:`_unit_attention` of the layer ``ids`` names; ``compiled``: called from a compiled graph
     (see :func:`_save_unit`)."""
-    out, lse, _ = _unit_attention(_bound(ids), q, k, v, scale)
-    return _heads_inner(out), _lse_layout(lse)
+    out, lse, _ = _unit_attention(binding_of(ids), q, k, v, scale)
+    return heads_inner(out), lse_layout(lse)
 
 
 @torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())
@@ -174,8 +174,8 @@ def _unit_attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ids: Tensor, scale: float, kv_flipped: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_unit_attention_backward` of the layer ``ids`` names."""
-    dq, dk, dv = _unit_attention_backward(_bound(ids), dout, q, k, v, out, lse, scale, kv_flipped)
-    return _heads_inner(dq), _heads_inner(dk), _heads_inner(dv)
+    dq, dk, dv = _unit_attention_backward(binding_of(ids), dout, q, k, v, out, lse, scale, kv_flipped)
+    return heads_inner(dq), heads_inner(dk), heads_inner(dv)
 
 
 def _save_unit(ctx, inputs, output) -> None:
@@ -185,7 +185,7 @@ def _save_unit(ctx, inputs, output) -> None:
     q, k, v, ids, ctx.scale, compiled = inputs
     stored, ctx.shard = None, None
     if not compiled:
-        binding = _bound(ids)
+        binding = binding_of(ids)
         stored, ctx.shard = binding.context.own(binding.layer_id), _cp_shard(binding.context)
     _save(ctx, q, k, v, stored, *output, ids)
 
@@ -196,6 +196,6 @@ def _op_gradients(ctx, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | Non
     return *_reduce_scattered(ctx, dq, dk, dv), None, None, None
 
 
-_unit_attention_op.register_fake(_fake_attention)
-_unit_attention_backward_op.register_fake(_fake_gradients)
+_unit_attention_op.register_fake(fake_attention)
+_unit_attention_backward_op.register_fake(fake_gradients)
 _unit_attention_op.register_autograd(_op_gradients, setup_context=_save_unit)

@@ -11,23 +11,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchtitan_seq.attention.calls import _attention_backward, _attention_forward, _calls, _Keys
+from torchtitan_seq.attention.calls import Keys, attention_backward, attention_forward, kernel_calls
 from torchtitan_seq.attention.kernels import AttentionKernel, select_kernel
-from torchtitan_seq.attention.layouts import _fake_attention, _fake_gradients, _heads_inner, _lse_layout
+from torchtitan_seq.attention.layouts import fake_attention, fake_gradients, heads_inner, lse_layout
 from torchtitan_seq.runtime.documents import Documents
 
 
-def _whole_sequence_forward(
+def whole_sequence_forward(
     kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, documents: Documents | None, scale: float
 ) -> tuple[Tensor, Tensor]:
     """Causal attention over the whole sequence, block-causal given ``documents`` (one causal call
     per document piece, no mask, nothing before position 0): q (B, Hq, L, D), k, v (B, Hkv, L, D).
     Returns out (B, Hq, L, D) and lse (B, Hq, L) float32."""
-    causal, prefix = _calls(documents, ((0, q.shape[2]),), kernel.bottom_right)
-    return _attention_forward(kernel, q, _Keys((k, v), 0, None), causal, prefix, scale)
+    causal, prefix = kernel_calls(documents, ((0, q.shape[2]),), kernel.bottom_right)
+    return attention_forward(kernel, q, Keys((k, v), 0, None), causal, prefix, scale)
 
 
-def _whole_sequence_backward(
+def whole_sequence_backward(
     kernel: AttentionKernel,
     dout: Tensor,
     q: Tensor,
@@ -38,28 +38,28 @@ def _whole_sequence_backward(
     documents: Documents | None,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv (shaped like q, k, v) of :func:`_whole_sequence_forward`, given its ``out`` and ``lse``."""
-    causal, prefix = _calls(documents, ((0, q.shape[2]),), kernel.bottom_right)
-    return _attention_backward(kernel, dout, q, _Keys((k, v), 0, None), out, lse, causal, prefix, scale)
+    """dq, dk, dv (shaped like q, k, v) of :func:`whole_sequence_forward`, given its ``out`` and ``lse``."""
+    causal, prefix = kernel_calls(documents, ((0, q.shape[2]),), kernel.bottom_right)
+    return attention_backward(kernel, dout, q, Keys((k, v), 0, None), out, lse, causal, prefix, scale)
 
 
 @torch.library.custom_op("torchtitan_seq::document_attention", mutates_args=())
 def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Block-causal attention of whole packed sequences, no unit: q (B, Hq, L, D), k, v
     (B, Hkv, L, D), ``documents`` (B, L) their ids. Returns out (B, Hq, L, D) and lse (B, Hq, L)."""
-    out, lse = _whole_sequence_forward(select_kernel(q.device), q, k, v, Documents.of_batch(documents), scale)
-    return _heads_inner(out), _lse_layout(lse)
+    out, lse = whole_sequence_forward(select_kernel(q.device), q, k, v, Documents.of_batch(documents), scale)
+    return heads_inner(out), lse_layout(lse)
 
 
 @torch.library.custom_op("torchtitan_seq::document_attention_backward", mutates_args=())
 def _document_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, documents: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv (shaped like q, k, v, laid out as :func:`_heads_inner` lays them out) of
+    """dq, dk, dv (shaped like q, k, v, laid out as :func:`heads_inner` lays them out) of
     :func:`_document_attention`, given dout, its out and lse."""
     kernel, packed = select_kernel(q.device), Documents.of_batch(documents)
-    dq, dk, dv = _whole_sequence_backward(kernel, dout, q, k, v, out, lse, packed, scale)
-    return _heads_inner(dq), _heads_inner(dk), _heads_inner(dv)
+    dq, dk, dv = whole_sequence_backward(kernel, dout, q, k, v, out, lse, packed, scale)
+    return heads_inner(dq), heads_inner(dk), heads_inner(dv)
 
 
 def _save_documents(ctx, inputs, output) -> None:
@@ -74,12 +74,12 @@ def _documents_backward(ctx, dout: Tensor, _dlse: Tensor | None):
     return *_document_attention_backward(dout, *ctx.saved_tensors, ctx.scale), None, None
 
 
-_document_attention.register_fake(_fake_attention)
-_document_attention_backward.register_fake(_fake_gradients)
+_document_attention.register_fake(fake_attention)
+_document_attention_backward.register_fake(fake_gradients)
 _document_attention.register_autograd(_documents_backward, setup_context=_save_documents)
 
 
-def _whole_sequence_attention(
+def whole_sequence_attention(
     q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, scale: float | None, is_causal: bool, enable_gqa: bool
 ) -> Tensor:
     """Attention over whole sequences, no unit (torch's schedules, no pipeline): torchtitan's SDPA,

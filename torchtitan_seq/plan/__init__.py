@@ -73,25 +73,33 @@ if sys.argv[0] == "-m":
     # package, then to __main__'s path): run as the command, the cyclic collector is off from here to the
     # exit. Importing torch and torch.distributed.pipelining (below) makes hundreds of thousands of
     # objects, and the collections they set off walk them again and again: 0.8 s of a 3.5 s import here.
-    # The search makes millions of small acyclic objects (see search._without_cycle_collection), and a
+    # The search makes millions of small acyclic objects (see search.without_cycle_collection), and a
     # collector turned back on would walk what it cached once more just before the process ends.
     # Imported as a module, nothing changes.
     gc.disable()
 
 # Beside __all__, every name the module had before the split into this package (the tests and the
 # benchmarks reach its helpers as torchtitan_seq.plan.<name>).
-from torchtitan_seq.plan.bounds import _Candidate, _candidates, _lengths, _meshes  # noqa: F401
-from torchtitan_seq.plan.choices import _RECOMPUTE, AC_MODES, CHOICES, CP_DEGREES, TP_DEGREES, ScheduleChoice, _choices  # noqa: F401
-from torchtitan_seq.plan.cli import _table, main  # noqa: F401
-from torchtitan_seq.plan.costs import _Costs, _network, _tp_seconds  # noqa: F401
-from torchtitan_seq.plan.flops import _fill_flops, _path_flops, _stage_layers, _step_flops, _unit_flops  # noqa: F401
+from torchtitan_seq.plan.bounds import Candidate, candidate_meshes, candidates_of, cut_lengths  # noqa: F401
+from torchtitan_seq.plan.choices import (  # noqa: F401
+    AC_MODES,
+    CHOICES,
+    CP_DEGREES,
+    RECOMPUTE,
+    TP_DEGREES,
+    ScheduleChoice,
+    schedule_choices,
+)
+from torchtitan_seq.plan.cli import main, plan_table  # noqa: F401
+from torchtitan_seq.plan.costs import Costs, step_network, tp_seconds  # noqa: F401
+from torchtitan_seq.plan.flops import fill_flops, path_flops, stage_layers, step_flops, unit_flops  # noqa: F401
 from torchtitan_seq.plan.job import H200_UNIT_OVERHEAD_S, Cluster, Job  # noqa: F401
-from torchtitan_seq.plan.measure import _measure, _plan_of, _runs, _simulated_step, _Step, evaluate  # noqa: F401
-from torchtitan_seq.plan.memory_check import _Group, _memory_config, _MemoryCheck, _Miss, memory  # noqa: F401
+from torchtitan_seq.plan.measure import Step, evaluate, measure_candidate, plan_of, schedule_runs, simulated_step  # noqa: F401
+from torchtitan_seq.plan.memory_check import Group, MemoryCheck, Miss, memory, memory_config  # noqa: F401
 from torchtitan_seq.plan.record import Plan  # noqa: F401
-from torchtitan_seq.plan.search import _search, _without_cycle_collection, plan  # noqa: F401
-from torchtitan_seq.plan.shares import _ahead, _shares  # noqa: F401
-from torchtitan_seq.plan.twins import _Kept, _no_heavier  # noqa: F401
+from torchtitan_seq.plan.search import plan, search_plans, without_cycle_collection  # noqa: F401
+from torchtitan_seq.plan.shares import answers_ahead, shares  # noqa: F401
+from torchtitan_seq.plan.twins import Kept, no_heavier  # noqa: F401
 from torchtitan_seq.runtime.partition import UnitCost  # noqa: F401
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: F401
 from torchtitan_seq.simulate.flavors import flavor_shape  # noqa: F401

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan_seq.plan.choices import _RECOMPUTE, AC_MODES, CP_DEGREES, TP_DEGREES, ScheduleChoice
-from torchtitan_seq.plan.costs import _Costs, _network, _tp_seconds
-from torchtitan_seq.plan.flops import _fill_flops, _path_flops, _step_flops, _unit_flops
+from torchtitan_seq.plan.choices import AC_MODES, CP_DEGREES, RECOMPUTE, TP_DEGREES, ScheduleChoice
+from torchtitan_seq.plan.costs import Costs, step_network, tp_seconds
+from torchtitan_seq.plan.flops import fill_flops, path_flops, step_flops, unit_flops
 from torchtitan_seq.plan.job import Cluster, Job
 from torchtitan_seq.runtime.partition import UnitCost
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.simulate.memory import ACMode
+from torchtitan_seq.titan.flavors import ModelShape
 
 
 @dataclass(frozen=True)
-class _Candidate:
+class Candidate:
     choice: ScheduleChoice
     pp: int
     tp: int
@@ -28,7 +29,7 @@ class _Candidate:
     can at best reach (with measured costs, about)."""
 
 
-def _meshes(job: Job, cluster: Cluster, args) -> list[tuple[int, int, int, int]]:
+def candidate_meshes(job: Job, cluster: Cluster, args: ModelShape) -> list[tuple[int, int, int, int]]:
     """(pp, tp, cp, dp_shard) splits of the GPUs: TP within a node and dividing the heads, pp >= 2, and each
     pipeline rank's GPUs (tp cp dp_shard) within one node or on whole nodes: the network model
     (:class:`~torchtitan_seq.simulate.network.Network`) cannot place a rank over part of a node, so a
@@ -70,7 +71,7 @@ def _placed(gpus_per_rank: int, gpus_per_node: int) -> bool:
     return gpus_per_rank % gpus_per_node == 0 or gpus_per_node % gpus_per_rank == 0
 
 
-def _lengths(job: Job, choice: ScheduleChoice, tp: int, cp: int = 1) -> list[int] | None:
+def cut_lengths(job: Job, choice: ScheduleChoice, tp: int, cp: int = 1) -> list[int] | None:
     """The cut of ``choice`` at TP ``tp`` and CP ``cp``, None where there is none (seq_len not a
     multiple of lcm(length_multiple, tp, 2 cp tp), fewer pieces than k, or CP with torch's schedules)."""
     if cp > 1 and choice.schedule not in SEQUENCE_SCHEDULES:
@@ -81,30 +82,30 @@ def _lengths(job: Job, choice: ScheduleChoice, tp: int, cp: int = 1) -> list[int
         return None
 
 
-def _candidates(
+def candidates_of(
     choice: ScheduleChoice,
     by_pp: dict[int, list[tuple[int, int, int]]],
     job: Job,
     cluster: Cluster,
-    costs: _Costs,
-    args,
+    costs: Costs,
+    args: ModelShape,
     cost: UnitCost,
-) -> list[_Candidate]:
+) -> list[Candidate]:
     """``choice`` on every mesh and AC mode that can cut the sequence, with its bound (whether the
-    schedule runs on the mesh's pp is asked of the candidates the search visits: :func:`_runs`)."""
+    schedule runs on the mesh's pp is asked of the candidates the search visits: :func:`schedule_runs`)."""
     n, out = job.local_batch_size, []
     degrees = {(tp, cp): dp for splits in by_pp.values() for tp, cp, dp in splits}
-    cuts = {key: lengths for key in degrees if (lengths := _lengths(job, choice, *key)) is not None}
+    cuts = {key: lengths for key in degrees if (lengths := cut_lengths(job, choice, *key)) is not None}
     # Per layer, CP's K/V collectives of a step's units: an all-gather in each forward, a
     # reduce-scatter in each backward.
     kv_per_layer = {}
     for (tp, cp), lengths in cuts.items():
-        network = _network(cluster, costs, tp, cp, degrees[tp, cp])
+        network = step_network(cluster, costs, tp, cp, degrees[tp, cp])
         kv_per_layer[tp, cp] = 2 * n * sum(network.kv_collective_seconds(args, length) for length in lengths)
-    units = {(key, ac): _unit_flops(cost, lengths, _RECOMPUTE[ac]) for key, lengths in cuts.items() for ac in AC_MODES}
+    units = {(key, ac): unit_flops(cost, lengths, RECOMPUTE[ac]) for key, lengths in cuts.items() for ac in AC_MODES}
     for pp, splits in by_pp.items():
         for ac in AC_MODES:
-            r = _RECOMPUTE[ac]
+            r = RECOMPUTE[ac]
             for tp, cp, dp in splits:
                 if (tp, cp) not in cuts:
                     continue
@@ -112,10 +113,10 @@ def _candidates(
                 # Every rank runs N k units on its n_layers / pp layers, each at the fixed cost (a CP
                 # rank too: it runs every unit, on 1/c of its tokens) and CP's collectives; the step
                 # is no shorter than one microbatch's chain of passes either.
-                work = n * _step_flops(u, args.n_layers, pp) + _fill_flops(choice, u, args.n_layers, pp)
+                work = n * step_flops(u, args.n_layers, pp) + fill_flops(choice, u, args.n_layers, pp)
                 fixed = n * len(lengths) * args.n_layers / pp * costs.unit_overhead_s
                 busy = work / rate + fixed + kv_per_layer[tp, cp] * args.n_layers / pp
-                step = max(busy, _path_flops(choice, u, args.n_layers, pp) / rate)
-                seconds = step + n * _tp_seconds(args, job.seq_len / cp, pp, tp, r, cluster)
-                out.append(_Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds, cp))
+                step = max(busy, path_flops(choice, u, args.n_layers, pp) / rate)
+                seconds = step + n * tp_seconds(args, job.seq_len / cp, pp, tp, r, cluster)
+                out.append(Candidate(choice, pp, tp, dp, ac, dp * n * job.seq_len / seconds, cp))
     return out

@@ -13,7 +13,7 @@ from torchtitan_seq.simulate.memory import ACMode
 
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
 # Forward passes recomputed per backward: torchtitan's 'selective' default checkpoints every 2nd layer.
-_RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
+RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
 TP_DEGREES = (1, 2, 4, 8)
 CP_DEGREES = (1, 2, 4, 8)
 
@@ -33,7 +33,7 @@ class ScheduleChoice:
         return getattr(SEQUENCE_SCHEDULES.get(self.schedule), "parameter_copies", 1)
 
 
-def _choices() -> list[ScheduleChoice]:
+def schedule_choices() -> list[ScheduleChoice]:
     torch_choices = [
         ScheduleChoice("1F1B"),
         ScheduleChoice("GPipe"),
@@ -49,5 +49,5 @@ def _choices() -> list[ScheduleChoice]:
     return torch_choices + seq
 
 
-CHOICES: list[ScheduleChoice] = _choices()
+CHOICES: list[ScheduleChoice] = schedule_choices()
 """What the search tries on every pipeline degree."""

@@ -23,7 +23,7 @@ from torchtitan_seq.plan.search import plan
 from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
 
 
-def _table(plans: list[Plan]) -> str:
+def plan_table(plans: list[Plan]) -> str:
     head = "| # | schedule | pp | tp | cp | dp_shard | k | partition | v | AC | tokens/s | peak GiB | bubble | fits |"
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans, 1):
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         f"local batch {job.local_batch_size}; "
         + ("measured costs\n" if costs else f"transformer-model costs, {a.unit_overhead_ms:g} ms per unit and layer\n")
     )
-    print(_table(plans))
+    print(plan_table(plans))
     print(f"\nBest, as ./run_train.sh overrides:\n  ./run_train.sh {overrides}\n")
     print("As TOML (torchtitan 0.2.2):\n\n" + best.toml(job.flavor, job.seq_len, job.local_batch_size))
     print(

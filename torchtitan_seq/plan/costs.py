@@ -9,15 +9,16 @@ import math
 from dataclasses import dataclass
 
 from torchtitan_seq.plan.choices import ScheduleChoice
-from torchtitan_seq.plan.flops import _step_flops, _unit_flops
+from torchtitan_seq.plan.flops import step_flops, unit_flops
 from torchtitan_seq.plan.job import Cluster, Job
 from torchtitan_seq.runtime.partition import UnitCost
 from torchtitan_seq.simulate.costs import fit_cost_files
 from torchtitan_seq.simulate.network import Network
+from torchtitan_seq.titan.flavors import ModelShape
 
 
 @dataclass(frozen=True)
-class _Costs:
+class Costs:
     """Where unit times come from: a calibration file measured at the same pp, chunks per
     rank, chunk count and cut, else the transformer model at ``flops_per_gpu`` plus
     ``unit_overhead_s`` per unit and layer, which the files (when given) fit: the fixed cost
@@ -29,7 +30,7 @@ class _Costs:
     unit_overhead_s: float = 0.0
 
     @classmethod
-    def load(cls, job: Job, cluster: Cluster, args) -> _Costs:
+    def load(cls, job: Job, cluster: Cluster, args: ModelShape) -> Costs:
         if not job.costs:
             return cls((), cluster.flops_per_gpu, cluster.unit_overhead_s)
         files, rates, loaded = {}, [], []
@@ -58,7 +59,7 @@ class _Costs:
             lengths = list(data["lengths"])
             measured = sum(data["F"]) + sum(data["B"]) - len(lengths) * fixed_per_layer * args.n_layers / pp
             rates.append(
-                _step_flops(_unit_flops(UnitCost.from_model_args(args), lengths, 0.0), args.n_layers, pp) / measured
+                step_flops(unit_flops(UnitCost.from_model_args(args), lengths, 0.0), args.n_layers, pp) / measured
             )
         return cls(tuple(files.items()), math.exp(sum(map(math.log, rates)) / len(rates)), fixed_per_layer)
 
@@ -68,7 +69,7 @@ class _Costs:
         return dict(self.files).get((pp, choice.stages_per_rank, chunks, tuple(lengths)), "transformer")
 
 
-def _tp_seconds(args, seq_len: float, pp: int, tp: int, recompute: float, cluster: Cluster) -> float:
+def tp_seconds(args: ModelShape, seq_len: float, pp: int, tp: int, recompute: float, cluster: Cluster) -> float:
     """Tensor parallelism's collectives for one microbatch on one rank, which torchtitan does
     not overlap with compute: per layer, sequence parallelism's two all-gathers and two
     reduce-scatters of the activations (bf16) in forward, as many in backward and in each
@@ -80,7 +81,7 @@ def _tp_seconds(args, seq_len: float, pp: int, tp: int, recompute: float, cluste
     return args.n_layers / pp * 4 * (2 + recompute) * per_collective
 
 
-def _network(cluster: Cluster, costs: _Costs, tp: int, cp: int, dp: int) -> Network:
+def step_network(cluster: Cluster, costs: Costs, tp: int, cp: int, dp: int) -> Network:
     """The links of a (tp, cp, dp) rank of ``cluster``, at the costs' FLOP/s."""
     return Network(
         cluster.intra_node,

@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from torchtitan_seq.instrumentation.render import busy_and_end
-from torchtitan_seq.plan.bounds import _Candidate
-from torchtitan_seq.plan.choices import _RECOMPUTE, ScheduleChoice
-from torchtitan_seq.plan.costs import _Costs, _network, _tp_seconds
+from torchtitan_seq.plan.bounds import Candidate
+from torchtitan_seq.plan.choices import RECOMPUTE, ScheduleChoice
+from torchtitan_seq.plan.costs import Costs, step_network, tp_seconds
 from torchtitan_seq.plan.job import Cluster, Job
 from torchtitan_seq.plan.memory_check import memory
 from torchtitan_seq.plan.record import Plan
@@ -20,16 +20,17 @@ from torchtitan_seq.simulate.costs import seconds_per_time_unit, subsequence_len
 from torchtitan_seq.simulate.engine import simulate
 from torchtitan_seq.simulate.flavors import flavor_shape
 from torchtitan_seq.simulate.memory import ACMode, gib
+from torchtitan_seq.titan.flavors import ModelShape
 
 
 @dataclass(frozen=True)
-class _Step:
+class Step:
     seconds: float
     bubble_ratio: float
 
 
 @cache
-def _simulated_step(
+def simulated_step(
     choice: ScheduleChoice,
     pp: int,
     tp: int,
@@ -38,12 +39,12 @@ def _simulated_step(
     microbatches: int,
     job: Job,
     cluster: Cluster,
-    costs: _Costs,
+    costs: Costs,
     cp: int = 1,
-) -> _Step:
+) -> Step:
     """A step's time, simulated at N' = min(N, 2p) and 2N' microbatches and extended to N
     (each microbatch past the warm-up adds the same time); at N alone where N <= 4p."""
-    network = _network(cluster, costs, tp, cp, dp)
+    network = step_network(cluster, costs, tp, cp, dp)
     config = SimConfig(
         choice.schedule,
         pp,
@@ -54,7 +55,7 @@ def _simulated_step(
         seq_len=job.seq_len,
         partition=choice.partition,
         network=network,
-        recompute=_RECOMPUTE[ac],
+        recompute=RECOMPUTE[ac],
         torch_lowering=False,
         unit_overhead=costs.unit_overhead_s,
         length_multiple=job.length_multiple,
@@ -78,11 +79,11 @@ def _simulated_step(
         # Where 2N' is N the line ends where it starts, whatever its slope: N' is not simulated.
         slope = 0.0 if twice == microbatches else (longer - run(small)[0]) / (twice - small)
         makespan, busy = longer + slope * (microbatches - twice), busy_longer * microbatches / twice
-    return _Step(makespan, 1 - busy / makespan)
+    return Step(makespan, 1 - busy / makespan)
 
 
 @cache
-def _runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> bool:
+def schedule_runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: int) -> bool:
     """Whether the schedule can run this choice (the errors a job check would give)."""
     if pp * choice.stages_per_rank // choice.parameter_copies > n_layers:
         return False  # a chunk without a layer
@@ -105,21 +106,23 @@ def evaluate(
 ) -> Plan:
     """One configuration's predicted throughput, bubble and peak memory (what the search ranks)."""
     args = flavor_shape(job.flavor)
-    costs = _Costs.load(job, cluster, args)
+    costs = Costs.load(job, cluster, args)
     dp = cluster.gpus // (pp * tp * cp)
     peak = gib(memory(job, cluster, choice, pp, tp, ac, cp).total)
-    c = _Candidate(choice, pp, tp, dp, ac, math.inf, cp)
-    return _measure(c, job, cluster, costs, args, peak, peak <= cluster.gpu_memory_gib)
+    c = Candidate(choice, pp, tp, dp, ac, math.inf, cp)
+    return measure_candidate(c, job, cluster, costs, args, peak, peak <= cluster.gpu_memory_gib)
 
 
-def _measure(c: _Candidate, job: Job, cluster: Cluster, costs: _Costs, args, peak_gib: float, fits: bool) -> Plan:
+def measure_candidate(
+    c: Candidate, job: Job, cluster: Cluster, costs: Costs, args: ModelShape, peak_gib: float, fits: bool
+) -> Plan:
     n = job.local_batch_size
-    step = _simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs, c.cp)
-    seconds = step.seconds + n * _tp_seconds(args, job.seq_len / c.cp, c.pp, c.tp, _RECOMPUTE[c.ac], cluster)
-    return _plan_of(c, job, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits)
+    step = simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs, c.cp)
+    seconds = step.seconds + n * tp_seconds(args, job.seq_len / c.cp, c.pp, c.tp, RECOMPUTE[c.ac], cluster)
+    return plan_of(c, job, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits)
 
 
-def _plan_of(c: _Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubble_ratio: float, fits: bool) -> Plan:
+def plan_of(c: Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubble_ratio: float, fits: bool) -> Plan:
     """The plan of candidate ``c`` with what the models predict for it."""
     choice = c.choice
     return Plan(

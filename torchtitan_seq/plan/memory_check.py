@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from torchtitan_seq.plan.bounds import _Candidate, _lengths
+from torchtitan_seq.plan.bounds import Candidate, cut_lengths
 from torchtitan_seq.plan.choices import ScheduleChoice
 from torchtitan_seq.plan.job import Cluster, Job
 from torchtitan_seq.simulate.memory import ACMode, MemoryConfig, MemoryEstimate, gib, memory_floor, predict_memory
 
 
-def _memory_config(
+def memory_config(
     job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int
 ) -> MemoryConfig:
     return MemoryConfig(
@@ -30,26 +30,26 @@ def memory(
     job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int = 1
 ) -> MemoryEstimate:
     """The memory model's estimate for ``choice`` on a (pp, tp, cp, rest data-parallel) split."""
-    return predict_memory(_memory_config(job, cluster, choice, pp, tp, ac, cp))
+    return predict_memory(memory_config(job, cluster, choice, pp, tp, ac, cp))
 
 
-_Group = tuple[ScheduleChoice, int, int]
+Group = tuple[ScheduleChoice, int, int]
 """(choice, pp, cp): candidates that differ only in TP and AC."""
 
 
 @dataclass
-class _Miss:
+class Miss:
     """A configuration met that does not fit: ``gib`` its estimate's need, or a floor of it."""
 
     gib: float
     exact: bool
-    candidate: _Candidate
-    group: _Group | None = None
+    candidate: Candidate
+    group: Group | None = None
     """A candidate's group: the miss counts only where the group's lightest fits (else the search
     skips the candidate and counts the lightest); None: a lightest."""
 
 
-class _MemoryCheck:
+class MemoryCheck:
     """Whether the search's candidates fit, asking the memory model as little as the answer needs.
 
     A group's lightest candidate (most TP, full AC) is taken to need the least: where it does not
@@ -61,28 +61,30 @@ class _MemoryCheck:
 
     def __init__(self, job: Job, cluster: Cluster, by_pp: dict[int, list[tuple[int, int, int]]]) -> None:
         self.job, self.cluster, self.by_pp = job, cluster, by_pp
-        self.met: list[_Miss] = []
+        self.met: list[Miss] = []
         """Misses in the order met; a group's lightest at the group's first candidate."""
-        self.lightest: dict[_Group, tuple[_Candidate, float | None]] = {}
+        self.lightest: dict[Group, tuple[Candidate, float | None]] = {}
         """Per group met, its lightest and its need: None until estimated, inf where its floor is over."""
 
-    def _config(self, c: _Candidate) -> MemoryConfig:
-        return _memory_config(self.job, self.cluster, c.choice, c.pp, c.tp, c.ac, c.cp)
+    def _config(self, c: Candidate) -> MemoryConfig:
+        return memory_config(self.job, self.cluster, c.choice, c.pp, c.tp, c.ac, c.cp)
 
-    def _estimate(self, c: _Candidate) -> float:
+    def _estimate(self, c: Candidate) -> float:
         return gib(predict_memory(self._config(c)).total)
 
-    def need(self, c: _Candidate) -> float | None:
+    def need(self, c: Candidate) -> float | None:
         """The GiB per GPU ``c`` needs where it and its group's lightest fit the budget, else None."""
         budget, group = self.cluster.gpu_memory_gib, (c.choice, c.pp, c.cp)
         if group not in self.lightest:
             tp, dp = [
-                (t, d) for t, q, d in self.by_pp[c.pp] if q == c.cp and _lengths(self.job, c.choice, t, q) is not None
+                (t, d)
+                for t, q, d in self.by_pp[c.pp]
+                if q == c.cp and cut_lengths(self.job, c.choice, t, q) is not None
             ][-1]
             light = replace(c, tp=tp, dp=dp, ac="full")
             floor = gib(memory_floor(self._config(light)))
             self.lightest[group] = light, (math.inf if floor > budget else None)
-            self.met.append(_Miss(floor, False, light))
+            self.met.append(Miss(floor, False, light))
         light, light_need = self.lightest[group]
         if light_need == math.inf:
             return None
@@ -91,23 +93,23 @@ class _MemoryCheck:
         if floor <= budget:
             floor = gib(memory_floor(config, walked=True))
         if floor > budget:
-            self.met.append(_Miss(floor, False, c, group))
+            self.met.append(Miss(floor, False, c, group))
             return None
         if (need := self._estimate(c)) > budget:
-            self.met.append(_Miss(need, True, c, group))
+            self.met.append(Miss(need, True, c, group))
             return None
         if light_need is None:
             light_need = self._lightest_need(group)
         return need if light_need <= budget else None
 
-    def _lightest_need(self, group: _Group) -> float:
+    def _lightest_need(self, group: Group) -> float:
         light, need = self.lightest[group]
         if need is None or need == math.inf:
             need = self._estimate(light)
             self.lightest[group] = light, need
         return need
 
-    def closest(self) -> list[tuple[float, _Candidate]]:
+    def closest(self) -> list[tuple[float, Candidate]]:
         """The three configurations met closest to fitting, with their needs (ties: the first met first):
         misses in ascending order of need or floor, estimated while one may still beat the third."""
         budget, best = self.cluster.gpu_memory_gib, []

@@ -8,23 +8,23 @@ import gc
 import math
 from collections.abc import Iterator
 
-from torchtitan_seq.plan.bounds import _candidates, _meshes
+from torchtitan_seq.plan.bounds import candidate_meshes, candidates_of
 from torchtitan_seq.plan.choices import CHOICES, ScheduleChoice
-from torchtitan_seq.plan.costs import _Costs
+from torchtitan_seq.plan.costs import Costs
 from torchtitan_seq.plan.job import Cluster, Job
 from torchtitan_seq.plan.lookahead import Lookahead, available_processes
-from torchtitan_seq.plan.measure import _measure, _plan_of, _runs
-from torchtitan_seq.plan.memory_check import _MemoryCheck
+from torchtitan_seq.plan.measure import measure_candidate, plan_of, schedule_runs
+from torchtitan_seq.plan.memory_check import MemoryCheck
 from torchtitan_seq.plan.record import Plan
-from torchtitan_seq.plan.shares import _ahead, _shares
-from torchtitan_seq.plan.twins import _Kept, _no_heavier
+from torchtitan_seq.plan.shares import answers_ahead, shares
+from torchtitan_seq.plan.twins import Kept, no_heavier
 from torchtitan_seq.runtime.partition import UnitCost
 from torchtitan_seq.simulate.flavors import flavor_shape
 from torchtitan_seq.titan.flavors import flavor_shapes
 
 
 @contextlib.contextmanager
-def _without_cycle_collection() -> Iterator[None]:
+def without_cycle_collection() -> Iterator[None]:
     """Python's cyclic garbage collector off for a while (as it was after). The search makes
     millions of small acyclic objects (actions, steps, tuples), which reference counting frees;
     each of the collections they would set off walks every live object, torch's own included,
@@ -50,11 +50,11 @@ def plan(job: Job, cluster: Cluster, top: int = 10, processes: int | None = None
     """
     if processes is not None and processes < 1:
         raise ValueError(f"--processes {processes}: at least 1")
-    with _without_cycle_collection():
-        return _search(job, cluster, top, min(processes or 4, available_processes()))
+    with without_cycle_collection():
+        return search_plans(job, cluster, top, min(processes or 4, available_processes()))
 
 
-def _search(job: Job, cluster: Cluster, top: int, processes: int) -> list[Plan]:
+def search_plans(job: Job, cluster: Cluster, top: int, processes: int) -> list[Plan]:
     """:func:`plan`'s search (see the package's docstring)."""
     if (args := flavor_shape(job.flavor)) is None:
         raise ValueError(f"--flavor {job.flavor!r} does not exist: use one of {sorted(flavor_shapes)}")
@@ -63,41 +63,41 @@ def _search(job: Job, cluster: Cluster, top: int, processes: int) -> list[Plan]:
             "--seq-len, --local-batch-size, --length-multiple and --gpu-memory-gib must be positive "
             "(seq-len at least 2)"
         )
-    costs = _Costs.load(job, cluster, args)
+    costs = Costs.load(job, cluster, args)
     cost = UnitCost.from_model_args(args)
     by_pp: dict[int, list[tuple[int, int, int]]] = {}
-    for pp, tp, cp, dp in _meshes(job, cluster, args):
+    for pp, tp, cp, dp in candidate_meshes(job, cluster, args):
         by_pp.setdefault(pp, []).append((tp, cp, dp))
-    candidates = [c for choice in CHOICES for c in _candidates(choice, by_pp, job, cluster, costs, args, cost)]
+    candidates = [c for choice in CHOICES for c in candidates_of(choice, by_pp, job, cluster, costs, args, cost)]
     # Best bound first. A configuration is slower than one with no more TP, no more CP and no more
     # recomputation (its bound is lower, so that one mostly comes first): once one fits, the
     # heavier ones of its schedule and pp are skipped, or dropped where a near tie of bounds
     # visited one first. Memory is only asked of what is visited.
     candidates.sort(key=lambda c: -c.bound)
     fitting: list[tuple[Plan, tuple[ScheduleChoice, int], tuple[int, int, int]]] = []
-    kept = _Kept()
-    check = _MemoryCheck(job, cluster, by_pp)
+    kept = Kept()
+    check = MemoryCheck(job, cluster, by_pp)
 
     def visit(i: int) -> Plan | None:
         """Candidate i measured where it runs and fits, else None."""
         c = candidates[i]
-        if not _runs(c.choice, c.pp, job.local_batch_size, args.n_layers) or (need := check.need(c)) is None:
+        if not schedule_runs(c.choice, c.pp, job.local_batch_size, args.n_layers) or (need := check.need(c)) is None:
             return None
-        return _measure(c, job, cluster, costs, args, need, True)
+        return measure_candidate(c, job, cluster, costs, args, need, True)
 
-    with Lookahead.start(_shares(candidates, processes), _ahead(candidates, visit), processes) as ahead:
+    with Lookahead.start(shares(candidates, processes), answers_ahead(candidates, visit), processes) as ahead:
         for i, c in enumerate(candidates):
             if len(fitting) >= top and c.bound < fitting[top - 1][0].tokens_per_s:
                 break
             if kept.skips(c) or (measured := ahead.answer(i, visit)) is None:
                 continue
             key, degrees = kept.keep(c)
-            fitting = [f for f in fitting if f[1] != key or not _no_heavier(degrees, f[2])]  # no heavier twin
+            fitting = [f for f in fitting if f[1] != key or not no_heavier(degrees, f[2])]  # no heavier twin
             fitting.append((measured, key, degrees))
             fitting.sort(key=lambda f: -f[0].tokens_per_s)
     if ahead.forked and len(fitting) < top:
         # The rows that do not fit come from the misses met in the order of one process.
-        return _search(job, cluster, top, processes=1)
+        return search_plans(job, cluster, top, processes=1)
     closest = check.closest() if len(fitting) < top else []
     if not fitting:
         need, c = closest[0]
@@ -107,5 +107,5 @@ def _search(job: Job, cluster: Cluster, top: int, processes: int) -> list[Plan]:
             f"k {c.choice.num_subsequences}, activation "
             f"checkpointing {c.ac}) needs {need:.1f} GiB per GPU"
         )
-    over = [_plan_of(c, job, math.nan, need, math.nan, False) for need, c in closest]
+    over = [plan_of(c, job, math.nan, need, math.nan, False) for need, c in closest]
     return [plan for plan, _, _ in fitting[:top]] + over

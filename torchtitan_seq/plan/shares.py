@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torchtitan_seq.plan.bounds import _Candidate
+from torchtitan_seq.plan.bounds import Candidate
 from torchtitan_seq.plan.lookahead import SKIP
 from torchtitan_seq.plan.record import Plan
-from torchtitan_seq.plan.twins import _Kept
+from torchtitan_seq.plan.twins import Kept
 
 
-def _shares(candidates: list[_Candidate], processes: int) -> list[int]:
+def shares(candidates: list[Candidate], processes: int) -> list[int]:
     """Per candidate, the process that visits it: schedule shapes (schedule, k, v, p) dealt round
     the processes in the order the search first meets them, so that a shape's lists, their
     preparation for timing and the memory model's walks are built in one process only."""
@@ -20,10 +20,10 @@ def _shares(candidates: list[_Candidate], processes: int) -> list[int]:
     return [order.setdefault(s, len(order)) % processes for s in shape]
 
 
-def _ahead(candidates: list[_Candidate], visit: Callable[[int], Plan | None]) -> Callable[[int], object]:
+def answers_ahead(candidates: list[Candidate], visit: Callable[[int], Plan | None]) -> Callable[[int], object]:
     """A helper's work: visit the candidates of its share, skipping as the search skips the heavier
     twins of those that fit (it goes on past where the search stops, until stopped)."""
-    kept = _Kept()
+    kept = Kept()
 
     def work(i: int) -> object:
         if kept.skips(candidates[i]):

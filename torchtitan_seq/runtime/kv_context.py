@@ -97,7 +97,7 @@ class Phase(enum.Enum):
     BACKWARD = "backward"  # the unit's backward: reads the slab, sends the prefix's dK/dV to the gradient slab
 
 
-_EVERY = slice(None)
+EVERY = slice(None)
 """Every batch row (an index of dim 0)."""
 
 
@@ -115,12 +115,12 @@ def _whole(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
-_Stored = tuple[torch.Tensor, torch.Tensor, bool]
+Stored = tuple[torch.Tensor, torch.Tensor, bool]
 """Views of a slab where a unit's K/V (B, Hkv, L, D) lie, and whether they run last position first: what
 the unit's attention saves for its backward (:func:`_saved`)."""
 
 
-def _saved(slab: KVSlab, k: torch.Tensor, v: torch.Tensor) -> _Stored:
+def _saved(slab: KVSlab, k: torch.Tensor, v: torch.Tensor) -> Stored:
     """Views ``k``, ``v`` of ``slab`` as a unit's attention saves them, and whether they run last position
     first: aliases with a version counter of their own, since later units (and other microbatches in
     the arena) write other positions, which autograd would otherwise take for a change of what the unit
@@ -171,7 +171,7 @@ class KVSlab:
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (start, stop) -> K, V
 
     def _pair(
-        self, k: torch.Tensor, v: torch.Tensor, start: int, stop: int, rows: slice = _EVERY
+        self, k: torch.Tensor, v: torch.Tensor, start: int, stop: int, rows: slice = EVERY
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``k``, ``v`` (the slab's keys, or their gradients: (B, H, _, D)) at positions [start, stop) of batch
         rows ``rows``, views where the slab lays those positions out. One call for the pair, and ``narrow``
@@ -180,7 +180,7 @@ class KVSlab:
         if self.descending:
             size = self.k.shape[2]
             start, stop = size - stop, size - start
-        if rows == _EVERY:
+        if rows == EVERY:
             return k.narrow(2, start, stop - start), v.narrow(2, start, stop - start)
         return k[rows, :, start:stop], v[rows, :, start:stop]
 
@@ -212,11 +212,11 @@ class KVSlab:
         """Whether the slab holds the keys before position ``stop``."""
         return self.filled >= stop
 
-    def keys(self, start: int, stop: int, rows: slice = _EVERY) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys(self, start: int, stop: int, rows: slice = EVERY) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, stop) of batch rows ``rows``, views as the slab lays them out
         (a descending slab's last position first: right for an unmasked kernel call). Those of every row
         are kept: a unit reads its prefix forward and again backward (a view costs the host ~2 µs)."""
-        if rows != _EVERY:
+        if rows != EVERY:
             return self._pair(self.k, self.v, start, stop, rows)
         views = self._views.get((start, stop))
         if views is None:
@@ -287,7 +287,7 @@ class KVContext:
         self._backwards: dict[int, int] = {}  # microbatch -> units whose backward has ended
         self._live: dict[int, set[int]] = {}  # microbatch -> units run forward whose backward has not ended
         self._passes: list[Pass] | None = None
-        self._plan: ArenaPlan | None = None  # the placement of every microbatch
+        self.action_plan: ArenaPlan | None = None  # the placement of every microbatch
         self._placed: dict[int, tuple[int, SlabPlacement]] = {}  # microbatch -> (arena capacity, placement)
         self._arenas: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer id, arena) -> K, V
         self._rows: dict[tuple[int, torch.device], _DescendingRows] = {}  # kept across steps
@@ -296,7 +296,7 @@ class KVContext:
         """The order in which the stage runs its units' passes each step (see
         :data:`~torchtitan_seq.runtime.kv_placement.Pass`); the arenas are planned from it."""
         self._passes = list(passes)
-        self._plan = None
+        self.action_plan = None
 
     def phase(self, *, forward: bool) -> Phase | None:
         """The phase of an attention op's call now, ``forward`` for the op's forward, else for its
@@ -366,7 +366,7 @@ class KVContext:
             raise RuntimeError(f"layer {layer_id} recomputed outside the backward of a unit it ran forward")
         return slab
 
-    def own(self, layer_id: int) -> _Stored | None:
+    def own(self, layer_id: int) -> Stored | None:
         """Views of ``layer_id``'s slab at the positions of the unit running forward (or
         recomputed), where its K/V lie, and whether they run last position first (a descending
         slab); None outside a unit or where the slab holds none of them."""
@@ -378,7 +378,7 @@ class KVContext:
 
     def append(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False
-    ) -> tuple[KVSlab, _Stored | None]:
+    ) -> tuple[KVSlab, Stored | None]:
         """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
         unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
         kernel reads them apart from the prefix; under CP other ranks' queries read them as their
@@ -410,9 +410,9 @@ class KVContext:
             return KVSlab(_new_keys(k, 0), _new_keys(k, 0))
         size = sum(self.lengths[: None if with_own else -1])
         if m not in self._placed:
-            if self._plan is None:
-                self._plan = plan_arenas(self._passes or [], self.lengths, size)
-            plan = self._plan
+            if self.action_plan is None:
+                self.action_plan = plan_arenas(self._passes or [], self.lengths, size)
+            plan = self.action_plan
             solo = (size, SlabPlacement(-1 - m, descending=False))
             self._placed[m] = (plan.capacity, plan.slabs[m]) if m in plan.slabs else solo
         capacity, placed = self._placed[m]

@@ -31,24 +31,24 @@ from __future__ import annotations
 # helpers as torchtitan_seq.simulate.memory.<name>).
 from torchtitan_seq.runtime.kv_placement import plan_arenas  # noqa: F401
 from torchtitan_seq.runtime.partition import ffn_hidden_dim  # noqa: F401
-from torchtitan_seq.simulate.memory.actions import _all_forwards_first, _Events, _events, _Plan, _plan  # noqa: F401
+from torchtitan_seq.simulate.memory.actions import ActionPlan, Events, action_plan, all_forwards_first, pass_events  # noqa: F401
 from torchtitan_seq.simulate.memory.activations import (  # noqa: F401
-    _kv_width,
-    _layer_bytes,
-    _norm_bytes,
-    _recomputed_fraction,
-    _saved_per_token,
+    kv_width,
+    layer_bytes,
+    norm_bytes,
+    recomputed_fraction,
+    saved_per_token,
 )
-from torchtitan_seq.simulate.memory.arenas import _arena_events  # noqa: F401
-from torchtitan_seq.simulate.memory.buffers import _buffer_bytes_per_token, _buffers  # noqa: F401
-from torchtitan_seq.simulate.memory.chunks import _chunk_kinds, _chunk_layout, _chunk_split, _ChunkLayout  # noqa: F401
-from torchtitan_seq.simulate.memory.config import DTYPE_BYTES, ACMode, Device, DType, MemoryConfig, _bytes  # noqa: F401
+from torchtitan_seq.simulate.memory.arenas import slab_arena_events  # noqa: F401
+from torchtitan_seq.simulate.memory.buffers import buffer_bytes, buffer_bytes_per_token  # noqa: F401
+from torchtitan_seq.simulate.memory.chunks import ChunkLayout, chunk_kinds, chunk_layout, memory_chunk_split  # noqa: F401
+from torchtitan_seq.simulate.memory.config import DTYPE_BYTES, ACMode, Device, DType, MemoryConfig, dtype_bytes  # noqa: F401
 from torchtitan_seq.simulate.memory.estimate import MemoryEstimate, RankMemory, gib, predict_memory  # noqa: F401
 from torchtitan_seq.simulate.memory.floor import memory_floor  # noqa: F401
-from torchtitan_seq.simulate.memory.stage_bytes import _stage_bytes, _StageBytes  # noqa: F401
-from torchtitan_seq.simulate.memory.states import _state_bytes, _state_rates, _StateRates  # noqa: F401
-from torchtitan_seq.simulate.memory.walk import _walks  # noqa: F401
-from torchtitan_seq.simulate.memory.workspace import _workspace, _workspace_per_token  # noqa: F401
+from torchtitan_seq.simulate.memory.stage_bytes import StageBytes, bytes_of_stage  # noqa: F401
+from torchtitan_seq.simulate.memory.states import StateRates, state_bytes, state_rates  # noqa: F401
+from torchtitan_seq.simulate.memory.walk import memory_walks  # noqa: F401
+from torchtitan_seq.simulate.memory.workspace import workspace_bytes, workspace_per_token  # noqa: F401
 
 __all__ = [
     "MemoryConfig",

@@ -20,24 +20,24 @@ import numpy as np
 from torchtitan_seq.runtime.kv_placement import Pass
 from torchtitan_seq.schedules.ordering import B, F, I, W, compute_leaves, stage_passes
 from torchtitan_seq.simulate.build import SimConfig, build
-from torchtitan_seq.simulate.memory.arenas import _arena_events
-from torchtitan_seq.simulate.memory.chunks import _chunk_kinds
+from torchtitan_seq.simulate.memory.arenas import slab_arena_events
+from torchtitan_seq.simulate.memory.chunks import chunk_kinds
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """A schedule's per-rank compute actions at ``built_microbatches`` (see ``_plan``)."""
+class ActionPlan:
+    """A schedule's per-rank compute actions at ``built_microbatches`` (see ``action_plan``)."""
 
     order: dict[int, tuple]
     chain_length: int
     parameter_copies: int
     built_microbatches: int
-    events: dict[tuple[int, int], _Events] = field(default_factory=dict, compare=False, repr=False)
-    """:func:`_events` per (rank, k), filled as :meth:`events_of` is asked for them."""
-    merged: dict[int, tuple[_Events, np.ndarray]] = field(default_factory=dict, compare=False, repr=False)
+    events: dict[tuple[int, int], Events] = field(default_factory=dict, compare=False, repr=False)
+    """:func:`pass_events` per (rank, k), filled as :meth:`events_of` is asked for them."""
+    merged: dict[int, tuple[Events, np.ndarray]] = field(default_factory=dict, compare=False, repr=False)
     """Per k, every rank's events end to end, and where each rank's begin (see :meth:`merged_events`)."""
     arenas: dict[tuple[tuple[int, ...], bool], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
-    """Per subsequence lengths and ``with_own``, :func:`_arena_events` of every rank end to end (see
+    """Per subsequence lengths and ``with_own``, :func:`slab_arena_events` of every rank end to end (see
     :meth:`merged_arenas`)."""
     passes: dict[tuple[int, int], list[tuple[list[int], tuple[Pass, ...]]]] = field(
         default_factory=dict, compare=False, repr=False
@@ -51,12 +51,12 @@ class _Plan:
     """Per rank, its stages, sorted."""
     forwards_first: np.ndarray = field(init=False, compare=False, repr=False)
     """Per rank, whether it runs every forward first (GPipe, TeraPipe): its peak grows with N, so
-    :func:`_walks` scales it by N / built_microbatches."""
+    :func:`memory_walks` scales it by N / built_microbatches."""
 
     def __post_init__(self) -> None:
         by_rank = {r: sorted({a.stage_index for a in acts}) for r, acts in self.order.items()}
         object.__setattr__(self, "by_rank", by_rank)
-        first = np.array([_all_forwards_first(self.order[r]) for r in sorted(self.order)])
+        first = np.array([all_forwards_first(self.order[r]) for r in sorted(self.order)])
         object.__setattr__(self, "forwards_first", first)
 
     @property
@@ -66,15 +66,15 @@ class _Plan:
     def stages_of(self, rank: int) -> list[int]:
         return self.by_rank[rank]
 
-    def events_of(self, rank: int, k: int) -> _Events:
-        """``rank``'s :func:`_events` with k subsequences, built once."""
+    def events_of(self, rank: int, k: int) -> Events:
+        """``rank``'s :func:`pass_events` with k subsequences, built once."""
         if (rank, k) not in self.events:
-            self.events[rank, k] = _events(self.order[rank], k)
+            self.events[rank, k] = pass_events(self.order[rank], k)
         return self.events[rank, k]
 
     def forwards_of(self, rank: int, k: int) -> dict[int, list[int]]:
         """Per stage of ``rank``, how many forwards of each unit j it runs with k subsequences, counted
-        once: the receive buffers of every cut with k units and every rank count them (:func:`_buffers`)."""
+        once: the receive buffers of every cut with k units and every rank count them (:func:`buffer_bytes`)."""
         if (rank, k) not in self.forwards:
             e = self.events_of(rank, k)
             self.forwards[rank, k] = {
@@ -85,10 +85,10 @@ class _Plan:
 
     def fullest(self, k: int, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
         """Where each rank holds the most units (its saved activations' events counted, bytes aside),
-        per kind of chunk (a chunk's layers and ends, in :func:`_chunk_kinds`'s order): per rank, kind
+        per kind of chunk (a chunk's layers and ends, in :func:`chunk_kinds`'s order): per rank, kind
         and unit j the units held, and per rank and kind the stages holding any; found once per k."""
         if (k, n_layers) not in self.live:
-            chunks, kind = _chunk_kinds(n_layers, self.chain_length)
+            chunks, kind = chunk_kinds(n_layers, self.chain_length)
             kinds = [kind[s % self.chain_length] for s in range(len(self.stages))]
             units, holding = np.zeros((len(self.order), len(chunks), k)), np.zeros((len(self.order), len(chunks)))
             for r in sorted(self.order):
@@ -101,12 +101,12 @@ class _Plan:
             self.live[k, n_layers] = units, holding
         return self.live[k, n_layers]
 
-    def merged_events(self, k: int) -> tuple[_Events, np.ndarray]:
-        """Every rank's :func:`_events` end to end, ranks ascending, and each rank's first index."""
+    def merged_events(self, k: int) -> tuple[Events, np.ndarray]:
+        """Every rank's :func:`pass_events` end to end, ranks ascending, and each rank's first index."""
         if k not in self.merged:
             parts = [self.events_of(r, k) for r in sorted(self.order)]
             starts = np.cumsum([0] + [len(e.stage) for e in parts[:-1]])
-            self.merged[k] = (_Events(*(np.concatenate(f) for f in zip(*parts))), starts)
+            self.merged[k] = (Events(*(np.concatenate(f) for f in zip(*parts))), starts)
         return self.merged[k]
 
     def passes_of(self, rank: int, k: int) -> list[tuple[list[int], tuple[Pass, ...]]]:
@@ -119,18 +119,19 @@ class _Plan:
         return self.passes[rank, k]
 
     def merged_arenas(self, lengths: tuple[int, ...], with_own: bool) -> np.ndarray:
-        """Every rank's :func:`_arena_events` end to end, ranks ascending, as :meth:`merged_events`."""
+        """Every rank's :func:`slab_arena_events` end to end, ranks ascending, as :meth:`merged_events`."""
         if (lengths, with_own) not in self.arenas:
             k = len(lengths)
             parts = [
-                _arena_events(len(self.order[r]), self.passes_of(r, k), lengths, with_own) for r in sorted(self.order)
+                slab_arena_events(len(self.order[r]), self.passes_of(r, k), lengths, with_own)
+                for r in sorted(self.order)
             ]
             self.arenas[lengths, with_own] = np.concatenate(parts)
         return self.arenas[lengths, with_own]
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(schedule: str, p: int, n: int, k: int, v: int | None, split_backward: bool) -> _Plan:
+def action_plan(schedule: str, p: int, n: int, k: int, v: int | None, split_backward: bool) -> ActionPlan:
     """Compute-only lists of ``schedule`` for min(n, 2p + n mod p) microbatches, cached."""
     built_n = n if n <= 2 * p else 2 * p + n % p
     built = build(SimConfig(schedule, p, built_n, k, stages_per_rank=v, split_backward=split_backward))
@@ -139,11 +140,11 @@ def _plan(schedule: str, p: int, n: int, k: int, v: int | None, split_backward: 
         for r, acts in built.order.items()
     }
     num_stages = p * built.stages_per_rank
-    return _Plan(order, num_stages // built.parameter_copies, built.parameter_copies, built_n)
+    return ActionPlan(order, num_stages // built.parameter_copies, built.parameter_copies, built_n)
 
 
-class _Events(NamedTuple):
-    """A rank's actions as indices into stage byte tables (see :func:`_walks`), one entry per action."""
+class Events(NamedTuple):
+    """A rank's actions as indices into stage byte tables (see :func:`memory_walks`), one entry per action."""
 
     stage: np.ndarray
     unit: np.ndarray
@@ -155,8 +156,8 @@ class _Events(NamedTuple):
     """+1 / -1: a microbatch's slab gradient is allocated (its first B or I of a unit j > 0) / goes."""
 
 
-def _events(actions: tuple, k: int) -> _Events:
-    """The bookkeeping of :func:`_walks`, independent of bytes (what each weighs: :mod:`.stage_bytes`)."""
+def pass_events(actions: tuple, k: int) -> Events:
+    """The bookkeeping of :func:`memory_walks`, independent of bytes (what each weighs: :mod:`.stage_bytes`)."""
     live: dict[int, int] = {}  # units in flight per stage
     grads: set[tuple[int, int]] = set()  # (stage, microbatch) with a slab gradient
     rows = []
@@ -179,10 +180,10 @@ def _events(actions: tuple, k: int) -> _Events:
                     grad = -1
         rows.append((stage, j, saved, constant, grad))
     table = np.array(rows, dtype=np.int64).reshape(-1, 5)
-    return _Events(*(table[:, i] for i in range(5)))
+    return Events(*(table[:, i] for i in range(5)))
 
 
-def _all_forwards_first(actions: tuple) -> bool:
+def all_forwards_first(actions: tuple) -> bool:
     """Whether the rank runs every forward before its first backward (GPipe, TeraPipe)."""
     kinds = [a.computation_type for a in actions]
     last_forward = max(i for i, kind in enumerate(kinds) if kind == F)

@@ -43,12 +43,12 @@ if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not wit
     from torchtitan.models.llama3 import TransformerModelArgs
 
 
-def _kv_width(args: TransformerModelArgs) -> int:
+def kv_width(args: TransformerModelArgs) -> int:
     """Hkv hd: K (or V) values per token and layer."""
     return (args.n_kv_heads or args.n_heads) * (args.dim // args.n_heads)
 
 
-def _recomputed_fraction(c: MemoryConfig) -> float:
+def recomputed_fraction(c: MemoryConfig) -> float:
     """Share of layers whose forward is recomputed in backward (their K/V kept by the context)."""
     if c.activation_checkpoint == "none":
         return 0.0
@@ -57,15 +57,15 @@ def _recomputed_fraction(c: MemoryConfig) -> float:
     return 1.0
 
 
-def _layer_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, mode: str, unit: bool) -> float:
+def layer_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, mode: str, unit: bool) -> float:
     """Saved bytes per token of one transformer layer, ``mode`` 'none', 'full' or 'op'."""
     d, t, f = args.dim, c.tp, ffn_hidden_dim(args)
-    kv = _kv_width(args)
+    kv = kv_width(args)
     if mode == "full":
         return a * d / t
     if mode == "op":
         return a * (2 * d + kv + f) / t + a * d + (a * d / t if t > 1 else 0)
-    norms = 2 * _norm_bytes(args, c, a)  # attention_norm's input x, ffn_norm's h
+    norms = 2 * norm_bytes(args, c, a)  # attention_norm's input x, ffn_norm's h
     gathered = 2 * a * d  # the attention and MLP projections' input, whole tokens under TP
     body = a * (2 * d + 2 * kv + 4 * f) / t  # q, attention output, K, V; w1, w3, SiLU, product
     lse = 4 * args.n_heads / t
@@ -73,7 +73,7 @@ def _layer_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, mode: str,
     return norms + gathered + body + lse + rope
 
 
-def _norm_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int) -> float:
+def norm_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int) -> float:
     """What one RMSNorm saves per token: on CUDA torch's fused kernel keeps its input and
     1/rms (float32); on the CPU the composite form keeps the input upcast to float32,
     1/rms and x/rms, all float32."""
@@ -81,23 +81,23 @@ def _norm_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int) -> float:
     return (a * d / t if c.device == "cuda" else 8 * d / t) + 4 / t
 
 
-def _saved_per_token(
+def saved_per_token(
     args: TransformerModelArgs, c: MemoryConfig, a: int, layers: float, first: bool, last: bool, unit: bool
 ) -> float:
     """Saved bytes per token of a unit on a chunk of ``layers`` layers (see the module docstring)."""
     mode = c.activation_checkpoint
     if mode == "none":
-        per_layer = _layer_bytes(args, c, a, "none", unit)
+        per_layer = layer_bytes(args, c, a, "none", unit)
     elif mode == "full" or c.selective_ac_option == "op":
-        per_layer = _layer_bytes(args, c, a, "full" if mode == "full" else "op", unit)
+        per_layer = layer_bytes(args, c, a, "full" if mode == "full" else "op", unit)
     else:
         n = int(c.selective_ac_option)
-        per_layer = (_layer_bytes(args, c, a, "full", unit) + (n - 1) * _layer_bytes(args, c, a, "none", unit)) / n
+        per_layer = (layer_bytes(args, c, a, "full", unit) + (n - 1) * layer_bytes(args, c, a, "none", unit)) / n
     out = layers * per_layer
     if unit and mode != "none" and layers:
         out += 8  # positions, a checkpoint input
     if first:
         out += 8  # token ids
     if last:
-        out += _norm_bytes(args, c, a) + a * args.dim + 4 * args.vocab_size / c.tp + 8
+        out += norm_bytes(args, c, a) + a * args.dim + 4 * args.vocab_size / c.tp + 8
     return out

@@ -9,7 +9,7 @@ import numpy as np
 from torchtitan_seq.runtime.kv_placement import Pass, plan_arenas
 
 
-def _arena_events(
+def slab_arena_events(
     count: int, stages: list[tuple[list[int], tuple[Pass, ...]]], lengths: tuple[int, ...], with_own: bool = False
 ) -> np.ndarray:
     """Per action of a rank (``count`` of them), the K/V arenas that the KV context allocates (+) or

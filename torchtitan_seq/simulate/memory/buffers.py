@@ -10,26 +10,27 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchtitan_seq.simulate.memory.actions import _Plan
+from torchtitan_seq.simulate.memory.actions import ActionPlan
+from torchtitan_seq.simulate.memory.chunks import Chunks
 from torchtitan_seq.simulate.memory.config import MemoryConfig
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs
 
 
-def _buffers(
-    args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int, lengths: list[int]
+def buffer_bytes(
+    args: TransformerModelArgs, c: MemoryConfig, a: int, plan: ActionPlan, chunks: Chunks, rank: int, lengths: list[int]
 ) -> float:
     scale = c.shape.microbatches / plan.built_microbatches
     forwards = plan.forwards_of(rank, len(lengths))
     total = 0.0
     for s in plan.stages_of(rank):
         tokens = float(sum(count * length for count, length in zip(forwards[s], lengths)))
-        total += tokens * scale * _buffer_bytes_per_token(args, c, a, chunks[s % plan.chain_length])
+        total += tokens * scale * buffer_bytes_per_token(args, c, a, chunks[s % plan.chain_length])
     return total
 
 
-def _buffer_bytes_per_token(
+def buffer_bytes_per_token(
     args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tuple[float, bool, bool]
 ) -> float:
     """Receive buffers of a stage running ``chunk``, per token of the units it runs: activations in

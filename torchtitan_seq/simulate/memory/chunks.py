@@ -20,7 +20,7 @@ from torchtitan_seq.titan.flavors import chunk_split
 
 
 @functools.lru_cache(maxsize=256)
-def _chunk_split(n_layers: int, num_chunks: int) -> tuple[tuple[float, bool, bool], ...]:
+def memory_chunk_split(n_layers: int, num_chunks: int) -> tuple[tuple[float, bool, bool], ...]:
     """Per chunk: (transformer layers, holds the embeddings, holds norm + output), as torchtitan cuts it."""
     split = chunk_split(n_layers, num_chunks)
     if split is None:  # more chunks than layers: an even real-valued share
@@ -29,7 +29,11 @@ def _chunk_split(n_layers: int, num_chunks: int) -> tuple[tuple[float, bool, boo
     return split
 
 
-class _ChunkLayout(NamedTuple):
+Chunks = tuple[tuple[float, bool, bool], ...]
+"""Per chunk of a chain: (transformer layers, holds the embeddings, holds norm + output)."""
+
+
+class ChunkLayout(NamedTuple):
     """Which model chunks each rank's stages run, counted per kind of chunk (a chunk's layers and ends)."""
 
     chunks: list[tuple[float, bool, bool]]
@@ -44,23 +48,23 @@ class _ChunkLayout(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _chunk_layout(schedule: str, pp: int, stages_per_rank: int | None, n_layers: int) -> _ChunkLayout:
+def chunk_layout(schedule: str, pp: int, stages_per_rank: int | None, n_layers: int) -> ChunkLayout:
     """:func:`~.floor.memory_floor`'s view of where a schedule places its stages
     (:func:`~torchtitan_seq.simulate.build.stages_by_rank`)."""
     copies = getattr(SEQUENCE_SCHEDULES.get(schedule), "parameter_copies", 1)
     by_rank = stages_by_rank(schedule, pp, stages_per_rank)
     chain_length = pp * len(by_rank[0]) // copies
-    chunks, kind = _chunk_kinds(n_layers, chain_length)
+    chunks, kind = chunk_kinds(n_layers, chain_length)
     per_chain = np.zeros((pp, copies, len(chunks)))
     for r, stages in enumerate(by_rank):
         for s in stages:
             per_chain[r, s // chain_length, kind[s % chain_length]] += 1
-    return _ChunkLayout(chunks, per_chain.sum(axis=1), per_chain[:, 0], per_chain, copies)
+    return ChunkLayout(chunks, per_chain.sum(axis=1), per_chain[:, 0], per_chain, copies)
 
 
 @functools.lru_cache(maxsize=256)
-def _chunk_kinds(n_layers: int, chain_length: int) -> tuple[list[tuple[float, bool, bool]], list[int]]:
+def chunk_kinds(n_layers: int, chain_length: int) -> tuple[list[tuple[float, bool, bool]], list[int]]:
     """The kinds of chunk of a chain (a chunk's layers and ends, sorted) and, per chain position, its kind."""
-    of_position = _chunk_split(n_layers, chain_length)
+    of_position = memory_chunk_split(n_layers, chain_length)
     chunks = sorted(set(of_position))
     return chunks, [chunks.index(chunk) for chunk in of_position]

@@ -72,9 +72,9 @@ class MemoryConfig:
         # Whether the job cuts its sequences is the schedule's to say, not the caller's.
         object.__setattr__(self, "shape", replace(self.shape, whole=self.schedule not in SEQUENCE_SCHEDULES))
         for name in ("param_dtype", "mixed_precision_param", "mixed_precision_reduce", "optimizer_dtype"):
-            _bytes(getattr(self, name), name)
+            dtype_bytes(getattr(self, name), name)
         if self.compute_dtype is not None:
-            _bytes(self.compute_dtype, "compute_dtype")
+            dtype_bytes(self.compute_dtype, "compute_dtype")
         if self.activation_checkpoint not in ("none", "selective", "full"):
             raise ValueError(
                 f"activation_checkpoint = {self.activation_checkpoint!r}: the memory model knows "
@@ -133,7 +133,7 @@ class MemoryConfig:
         return self.param_dtype
 
 
-def _bytes(dtype: str, name: str) -> int:
+def dtype_bytes(dtype: str, name: str) -> int:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"{name} = {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
     return DTYPE_BYTES[dtype]

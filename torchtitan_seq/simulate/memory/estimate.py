@@ -6,14 +6,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
-from torchtitan_seq.simulate.memory.actions import _plan
-from torchtitan_seq.simulate.memory.buffers import _buffers
-from torchtitan_seq.simulate.memory.chunks import _chunk_split
-from torchtitan_seq.simulate.memory.config import MemoryConfig, _bytes
-from torchtitan_seq.simulate.memory.stage_bytes import _stage_bytes
-from torchtitan_seq.simulate.memory.states import _state_bytes
-from torchtitan_seq.simulate.memory.walk import _walks
-from torchtitan_seq.simulate.memory.workspace import _workspace
+from torchtitan_seq.simulate.memory.actions import action_plan
+from torchtitan_seq.simulate.memory.buffers import buffer_bytes
+from torchtitan_seq.simulate.memory.chunks import memory_chunk_split
+from torchtitan_seq.simulate.memory.config import MemoryConfig, dtype_bytes
+from torchtitan_seq.simulate.memory.stage_bytes import bytes_of_stage
+from torchtitan_seq.simulate.memory.states import state_bytes
+from torchtitan_seq.simulate.memory.walk import memory_walks
+from torchtitan_seq.simulate.memory.workspace import workspace_bytes
 
 
 def gib(nbytes: float) -> float:
@@ -61,26 +61,26 @@ class MemoryEstimate(RankMemory):
 def predict_memory(config: MemoryConfig) -> MemoryEstimate:
     """Peak bytes per rank of ``config``'s job; the fullest rank's fields at the top level."""
     args, c = config.model_args, config
-    a = _bytes(c.activation_dtype, "compute_dtype")
+    a = dtype_bytes(c.activation_dtype, "compute_dtype")
     lengths = c.shape.lengths
     n, k = c.shape.microbatches, c.shape.num_subsequences
-    plan = _plan(c.schedule, c.pp, n, k, c.shape.stages_per_rank, c.split_backward)
-    chunks = _chunk_split(args.n_layers, plan.chain_length)
+    plan = action_plan(c.schedule, c.pp, n, k, c.shape.stages_per_rank, c.split_backward)
+    chunks = memory_chunk_split(args.n_layers, plan.chain_length)
     tokens = [length * c.microbatch_size for length in lengths]
     is_sequence = c.schedule in SEQUENCE_SCHEDULES
 
     # Stages running alike chunks weigh alike: each chunk's bytes once (a chunk's layers and ends).
-    per_chunk = {chunk: _stage_bytes(args, c, a, chunk, tokens, is_sequence) for chunk in set(chunks)}
+    per_chunk = {chunk: bytes_of_stage(args, c, a, chunk, tokens, is_sequence) for chunk in set(chunks)}
     weights = {s: per_chunk[chunks[s % plan.chain_length]] for s in plan.stages}
     ranks = []
-    for r, (act, combined) in enumerate(_walks(plan, weights, tuple(lengths), n, c.cp > 1)):
+    for r, (act, combined) in enumerate(memory_walks(plan, weights, tuple(lengths), n, c.cp > 1)):
         ranks.append(
             RankMemory(
-                **_state_bytes(args, c, plan, chunks, r),
+                **state_bytes(args, c, plan, chunks, r),
                 activations=round(act),
                 kv_context=round(combined - act),
-                workspace=round(_workspace(args, c, a, plan, chunks, r, max(tokens) / c.cp, is_sequence)),
-                buffers=round(_buffers(args, c, a, plan, chunks, r, lengths)),
+                workspace=round(workspace_bytes(args, c, a, plan, chunks, r, max(tokens) / c.cp, is_sequence)),
+                buffers=round(buffer_bytes(args, c, a, plan, chunks, r, lengths)),
             )
         )
     worst = max(range(c.pp), key=lambda r: ranks[r].total)

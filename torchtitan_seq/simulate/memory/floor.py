@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
-from torchtitan_seq.simulate.memory.actions import _plan
-from torchtitan_seq.simulate.memory.buffers import _buffer_bytes_per_token
-from torchtitan_seq.simulate.memory.chunks import _chunk_layout
-from torchtitan_seq.simulate.memory.config import MemoryConfig, _bytes
-from torchtitan_seq.simulate.memory.stage_bytes import _stage_bytes
-from torchtitan_seq.simulate.memory.states import _state_rates
-from torchtitan_seq.simulate.memory.workspace import _workspace_per_token
+from torchtitan_seq.simulate.memory.actions import action_plan
+from torchtitan_seq.simulate.memory.buffers import buffer_bytes_per_token
+from torchtitan_seq.simulate.memory.chunks import chunk_layout
+from torchtitan_seq.simulate.memory.config import MemoryConfig, dtype_bytes
+from torchtitan_seq.simulate.memory.stage_bytes import bytes_of_stage
+from torchtitan_seq.simulate.memory.states import state_rates
+from torchtitan_seq.simulate.memory.workspace import workspace_per_token
 from torchtitan_seq.simulate.network import chunk_parameters
 
 
@@ -35,19 +35,19 @@ def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
     Other microbatches in flight and the arenas' sharing are left out.
 
     ``walked``: the rank's activations are also at least what its units weigh where it holds the
-    most of them (found once per schedule shape, :meth:`_Plan.fullest`); this takes the schedule's
+    most of them (found once per schedule shape, :meth:`ActionPlan.fullest`); this takes the schedule's
     lists, built once per shape as :func:`predict_memory` builds them, but no arenas and no walk."""
     args, c = config.model_args, config
-    a = _bytes(c.activation_dtype, "compute_dtype")
-    layout = _chunk_layout(c.schedule, c.pp, c.shape.stages_per_rank, args.n_layers)
+    a = dtype_bytes(c.activation_dtype, "compute_dtype")
+    layout = chunk_layout(c.schedule, c.pp, c.shape.stages_per_rank, args.n_layers)
     tokens = [length * c.microbatch_size for length in c.shape.lengths]
     is_sequence = c.schedule in SEQUENCE_SCHEDULES
-    rates = _state_rates(c)
+    rates = state_rates(c)
     received = c.shape.microbatches / layout.copies * sum(c.shape.lengths)  # tokens a chain's stage receives
-    weights = [_stage_bytes(args, c, a, chunk, tokens, is_sequence) for chunk in layout.chunks]
+    weights = [bytes_of_stage(args, c, a, chunk, tokens, is_sequence) for chunk in layout.chunks]
     params = np.array([chunk_parameters(args, *chunk, c.tp) for chunk in layout.chunks])
-    workspace = np.array([_workspace_per_token(args, c, a, chunk, is_sequence) for chunk in layout.chunks])
-    buffers = np.array([_buffer_bytes_per_token(args, c, a, chunk) for chunk in layout.chunks]) * received
+    workspace = np.array([workspace_per_token(args, c, a, chunk, is_sequence) for chunk in layout.chunks])
+    buffers = np.array([buffer_bytes_per_token(args, c, a, chunk) for chunk in layout.chunks]) * received
     microbatch = np.array([sum(w.saved) + w.held + w.slab + w.constant for w in weights])
 
     base = (
@@ -59,7 +59,7 @@ def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
     floor = base + (layout.per_chain @ microbatch).max(axis=1)  # (ranks,)
     if walked:
         shape = c.shape
-        plan = _plan(
+        plan = action_plan(
             c.schedule, c.pp, shape.microbatches, shape.num_subsequences, shape.stages_per_rank, c.split_backward
         )
         live, holding = plan.fullest(shape.num_subsequences, args.n_layers)  # (ranks, kinds, k), (ranks, kinds)

@@ -34,14 +34,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from torchtitan_seq.simulate.memory.activations import _kv_width, _recomputed_fraction, _saved_per_token
+from torchtitan_seq.simulate.memory.activations import kv_width, recomputed_fraction, saved_per_token
 from torchtitan_seq.simulate.memory.config import MemoryConfig
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs
 
 
-class _StageBytes(NamedTuple):
+class StageBytes(NamedTuple):
     """What a stage's units and microbatches weigh (bytes)."""
 
     saved: list[float]
@@ -56,29 +56,29 @@ class _StageBytes(NamedTuple):
     """Saved once while any unit of the stage is (the RoPE table)."""
 
 
-def _stage_bytes(
+def bytes_of_stage(
     args: TransformerModelArgs,
     c: MemoryConfig,
     a: int,
     chunk: tuple[float, bool, bool],
     tokens: list[int],
     is_sequence: bool,
-) -> _StageBytes:
+) -> StageBytes:
     """What units of ``tokens`` tokens weigh on a stage running ``chunk`` (under CP a rank computes 1/c of
     each unit's tokens and its slab holds the whole sequence's K/V, the last unit's too)."""
     layers, first, last = chunk
-    per_token = _saved_per_token(args, c, a, layers, first, last, is_sequence)
-    recomputed = _recomputed_fraction(c)
+    per_token = saved_per_token(args, c, a, layers, first, last, is_sequence)
+    recomputed = recomputed_fraction(c)
     # The whole RoPE table (complex64, seq_len x hd / 2) is saved once per stage where layers
     # get it whole: torch's schedules slice it, checkpointed blocks take it as an input.
     table = 4 * c.seq_len * (args.dim // args.n_heads) if layers and (not is_sequence or recomputed) else 0
     if not is_sequence:  # torch's schedules: K/V are the unit's own, no context
-        return _StageBytes([n * per_token for n in tokens], constant=table)
-    kv = 2 * _kv_width(args) / c.tp * a * layers  # K and V, a token
+        return StageBytes([n * per_token for n in tokens], constant=table)
+    kv = 2 * kv_width(args) / c.tp * a * layers  # K and V, a token
     slab = (sum(tokens) - (tokens[-1] if c.cp == 1 else 0)) * kv  # the keys later units (or CP ranks) read
     saved_kv = kv * (1 - recomputed)  # in the per-token bytes: where the slab holds them, its views
     own = [n / c.cp * (per_token - saved_kv) for n in tokens]  # K/V in the slab: units 0..k-2, all under CP
-    return _StageBytes(
+    return StageBytes(
         own[:-1] + [tokens[-1] * per_token if c.cp == 1 else own[-1]],
         slab * (1 - recomputed),
         slab * recomputed,

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from torchtitan_seq.simulate.memory.actions import _Plan
-from torchtitan_seq.simulate.memory.config import MemoryConfig, _bytes
+from torchtitan_seq.simulate.memory.actions import ActionPlan
+from torchtitan_seq.simulate.memory.chunks import Chunks
+from torchtitan_seq.simulate.memory.config import MemoryConfig, dtype_bytes
 from torchtitan_seq.simulate.network import chunk_parameters
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs
 
 
-class _StateRates(NamedTuple):
+class StateRates(NamedTuple):
     """Bytes a rank holds per parameter of a stage it holds."""
 
     parameters: float
@@ -36,31 +37,33 @@ class _StateRates(NamedTuple):
     """Per parameter of chain A's copy only (see the module docstring)."""
 
 
-def _state_rates(c: MemoryConfig) -> _StateRates:
-    master, compute = _bytes(c.param_dtype, "param_dtype"), _bytes(c.activation_dtype, "compute_dtype")
+def state_rates(c: MemoryConfig) -> StateRates:
+    master, compute = dtype_bytes(c.param_dtype, "param_dtype"), dtype_bytes(c.activation_dtype, "compute_dtype")
     if c.fsdp:
         # Under PP torchtitan keeps the unsharded copy through the step and the schedule
         # reduce-scatters after the last backward; without PP each layer reshards after use
         # and every backward reduce-scatters.
         pipelined = c.pp > 1
         per_param = master / c.fsdp_degree + (compute if pipelined else 0)
-        grad = _bytes(c.mixed_precision_reduce, "mixed_precision_reduce")
+        grad = dtype_bytes(c.mixed_precision_reduce, "mixed_precision_reduce")
         grad_per_param = grad if pipelined else grad / c.fsdp_degree
     else:
         per_param = master + (compute if compute != master else 0)
         grad_per_param = master
-    optimizer = c.optimizer_states * _bytes(c.optimizer_dtype, "optimizer_dtype") / c.fsdp_degree
-    return _StateRates(per_param, grad_per_param, optimizer)
+    optimizer = c.optimizer_states * dtype_bytes(c.optimizer_dtype, "optimizer_dtype") / c.fsdp_degree
+    return StateRates(per_param, grad_per_param, optimizer)
 
 
-def _state_bytes(args: TransformerModelArgs, c: MemoryConfig, plan: _Plan, chunks, rank: int) -> dict[str, int]:
+def state_bytes(
+    args: TransformerModelArgs, c: MemoryConfig, plan: ActionPlan, chunks: Chunks, rank: int
+) -> dict[str, int]:
     held = [chunk_parameters(args, *chunks[s % plan.chain_length], c.tp) for s in plan.stages_of(rank)]
     primary = [
         chunk_parameters(args, *chunks[s % plan.chain_length], c.tp)
         for s in plan.stages_of(rank)
         if s < plan.chain_length
     ]
-    rates = _state_rates(c)
+    rates = state_rates(c)
     return {
         "parameters": round(sum(held) * rates.parameters),
         "gradients": round(sum(held) * rates.gradients),

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from torchtitan_seq.simulate.memory.actions import _Plan
-from torchtitan_seq.simulate.memory.stage_bytes import _StageBytes
+from torchtitan_seq.simulate.memory.actions import ActionPlan
+from torchtitan_seq.simulate.memory.stage_bytes import StageBytes
 
 
-def _walks(
-    plan: _Plan, weights: dict[int, _StageBytes], lengths: tuple[int, ...], n: int, with_own: bool = False
+def memory_walks(
+    plan: ActionPlan, weights: dict[int, StageBytes], lengths: tuple[int, ...], n: int, with_own: bool = False
 ) -> list[tuple[float, float]]:
     """Per rank, (peak of saved activations, peak of activations + KV context) over its actions
-    (bookkeeping in :func:`_events` and :func:`_arena_events`, built once per plan and lengths; all
+    (bookkeeping in :func:`pass_events` and :func:`slab_arena_events`, built once per plan and lengths; all
     ranks in one pass); ``with_own``: slabs hold the last unit's K/V too (CP)."""
     k = len(lengths)
     e, starts = plan.merged_events(k)

@@ -12,19 +12,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchtitan_seq.runtime.partition import ffn_hidden_dim
-from torchtitan_seq.simulate.memory.actions import _Plan
-from torchtitan_seq.simulate.memory.activations import _kv_width
+from torchtitan_seq.simulate.memory.actions import ActionPlan
+from torchtitan_seq.simulate.memory.activations import kv_width
+from torchtitan_seq.simulate.memory.chunks import Chunks
 from torchtitan_seq.simulate.memory.config import MemoryConfig
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs
 
 
-def _workspace_per_token(
+def workspace_per_token(
     args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tuple[float, bool, bool], unit: bool
 ) -> float:
     """The largest transient of a pass on a stage running ``chunk``, per token of its longest unit."""
-    d, t, f, kv = args.dim, c.tp, ffn_hidden_dim(args), _kv_width(args)
+    d, t, f, kv = args.dim, c.tp, ffn_hidden_dim(args), kv_width(args)
     layers, _, last = chunk
     per_token = a * (2 * f + 2 * d + 2 * kv) / t if layers else 0.0
     if unit and c.shape.num_subsequences > 1 and layers:
@@ -34,8 +35,15 @@ def _workspace_per_token(
     return per_token
 
 
-def _workspace(
-    args: TransformerModelArgs, c: MemoryConfig, a: int, plan: _Plan, chunks, rank: int, longest: int, unit: bool
+def workspace_bytes(
+    args: TransformerModelArgs,
+    c: MemoryConfig,
+    a: int,
+    plan: ActionPlan,
+    chunks: Chunks,
+    rank: int,
+    longest: int,
+    unit: bool,
 ) -> float:
     chunks_held = (chunks[s % plan.chain_length] for s in plan.stages_of(rank))
-    return max(_workspace_per_token(args, c, a, chunk, unit) for chunk in chunks_held) * longest
+    return max(workspace_per_token(args, c, a, chunk, unit) for chunk in chunks_held) * longest
