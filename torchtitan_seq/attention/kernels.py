@@ -115,7 +115,7 @@ class CudaSdpaKernel:
 class CudnnSdpaKernel:
     """torch's cuDNN attention kernel (fp16/bf16), the one torch's SDPA picks on Hopper:
     1.75x the flash kernel's speed forward + backward on an H200 at 32K tokens
-    (``benchmarks/gpu/2026-11-30``); grouped K/V heads native. The aten op takes no mask
+    (``benchmarks/gpu/2026-11-30``, ``benchmarks/gpu/2026-12-04``); grouped K/V heads native. The aten op takes no mask
     alignment (top-left)."""
 
     bottom_right = False
