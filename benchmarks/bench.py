@@ -22,7 +22,7 @@ rounds, so that drift in the machine's speed spreads over all of them.
 What is measured, per schedule and length, over the steps of all rounds
 after the first ``--warmup`` of each run, all of it read from the trainer's
 structured record, ``metrics.jsonl`` in the run's dump folder
-(:mod:`torchtitan_seq.titan.v022.metrics`), as rank 0 writes it:
+(:mod:`torchtitan_seq.titan.metrics`), as rank 0 writes it:
 
 * step time: the median wall time between consecutive step records
   (``time.time()`` stamps): a whole training step, pipeline, optimizer and

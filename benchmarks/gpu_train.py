@@ -51,7 +51,7 @@ def check_training(tiny: bool, cuda: bool, timeout: int = 600) -> dict:
     """Train, read what the run wrote, and say whether it is all there."""
     # Imported here: they import torchtitan, which reads the device type at import time (gpu_check's
     # main applies cpu_compat first).
-    from torchtitan_seq.titan.v022.metrics import RECORD_FILE
+    from torchtitan_seq.titan.metrics import RECORD_FILE
     from training_run import Run, read_record
 
     seq_len, steps = (256, TINY_STEPS) if tiny else (8192, STEPS)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtitan_seq.titan.v022.metrics import RECORD_FILE
+from torchtitan_seq.titan.metrics import RECORD_FILE
 
 __all__ = ["ROOT", "Run", "read_record", "run_train"]
 

@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from harness import _free_port, _start_fork_server
-from torchtitan_seq.titan.v022.metrics import RECORD_FILE
+from torchtitan_seq.titan.metrics import RECORD_FILE
 from training_run import ROOT, Run, read_record
 
 __all__ = ["run_forked"]

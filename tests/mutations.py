@@ -59,27 +59,16 @@ def _prefix_dq(ctx: MutationContext) -> list:
     return [mock.patch.object(CpuSdpaKernel, "backward", no_prefix_dq)]
 
 
-def _model_module():
-    """The module of the installed torchtitan's chunk-aware Llama 3, whose ``unit_positions`` its
-    model looks up per call."""
-    from torchtitan_seq.titan.version import TITAN_03
-
-    if TITAN_03:
-        from torchtitan_seq.titan.v03 import model
-    else:
-        from torchtitan_seq.titan.v022.models.llama3_seq import model
-    return model
-
-
 def _rope_offset(ctx: MutationContext) -> list:
     """Units after the first read RoPE one position too early."""
-    model = _model_module()
-    positions = model.unit_positions
+    from torchtitan_seq.runtime import rope
+
+    positions = rope.unit_positions
 
     def shifted(unit, device):
         return positions(unit, device) - int(unit.index > 0)
 
-    return [mock.patch.object(model, "unit_positions", shifted)]
+    return [mock.patch.object(rope, "unit_positions", shifted)]
 
 
 def _backward_order(ctx: MutationContext) -> list:
@@ -242,8 +231,9 @@ def _cp_kv_grads_local(ctx: MutationContext) -> list:
 
 def _cp_second_chunk_positions(ctx: MutationContext) -> list:
     """Context parallelism: RoPE reads the second chunk of a CP rank's share one position early."""
-    model = _model_module()
-    positions = model.unit_positions
+    from torchtitan_seq.runtime import rope
+
+    positions = rope.unit_positions
 
     def second_off(unit, device):
         p = positions(unit, device)
@@ -251,7 +241,7 @@ def _cp_second_chunk_positions(ctx: MutationContext) -> list:
             p[:, p.shape[1] // 2 :] -= 1
         return p
 
-    return [mock.patch.object(model, "unit_positions", second_off)]
+    return [mock.patch.object(rope, "unit_positions", second_off)]
 
 
 def _bottom_right_descending(ctx: MutationContext) -> list:

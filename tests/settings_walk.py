@@ -92,7 +92,7 @@ def _train(overrides: list[str], dump_folder: Path) -> dict:
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
         return {"outcome": "crashed", "message": errors[0]}
-    # rank 0 keeps the metrics record (torchtitan_seq.titan.v022.metrics)
+    # rank 0 keeps the metrics record (torchtitan_seq.titan.metrics)
     losses = [r["loss"] for r in read_record(dump_folder / "metrics.jsonl") if r["event"] == "step"]
     trained = all(r["steps"] == 1 for r in ranks) and len(losses) == 1 and math.isfinite(losses[0])
     return {"outcome": "trained" if trained else "crashed", "losses": losses, "steps": [r["steps"] for r in ranks]}

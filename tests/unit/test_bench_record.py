@@ -14,7 +14,7 @@ import training_run
 from torchtitan_seq.instrumentation import timeline
 from torchtitan_seq.instrumentation.render import bubble_ratios, chrome_trace, timeline_figure
 from torchtitan_seq.schedules.ordering import B, F
-from torchtitan_seq.titan.v022 import metrics
+from torchtitan_seq.titan import metrics
 
 
 def test_run_reads_the_latest_record_steps_times_bytes_bubbles_and_lengths(tmp_path, monkeypatch):

@@ -14,8 +14,9 @@ from torchtitan.train import Trainer
 from torchtitan_seq.instrumentation import timeline
 from torchtitan_seq.instrumentation.memory import ActivationMemory
 from torchtitan_seq.schedules.ordering import F
-from torchtitan_seq.titan.v022 import metrics
-from torchtitan_seq.titan.v022.metrics import MetricsRecord, SeqMetricsProcessor
+from torchtitan_seq.titan import metrics
+from torchtitan_seq.titan.metrics import MetricsRecord
+from torchtitan_seq.titan.v022.metrics import SeqMetricsProcessor
 from torchtitan_seq.titan.v022.trainer import SeqTrainer
 
 

@@ -274,3 +274,25 @@ def test_no_private_name_crosses_a_module():
         if a.name.startswith("_") and not a.name.startswith("__")
     ]
     assert not crossing, "\n".join(crossing)
+
+
+def test_torchtitans_private_names_only_in_its_registry():
+    """torchtitan's private names are reached through torchtitan_seq/titan/titan_internals.py alone, as
+    torch's through runtime/torch_internals.py."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "titan_internals.py":
+            continue
+        tree = ast.parse(path.read_text())
+        bound = set()  # names a torchtitan import binds
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "torchtitan":
+                bound |= {a.asname or a.name for a in n.names}
+                found += [f"{path.relative_to(PACKAGE)}:{n.lineno} {a.name}" for a in n.names if a.name.startswith("_")]
+            elif isinstance(n, ast.Import):
+                bound |= {(a.asname or a.name).split(".")[0] for a in n.names if a.name.split(".")[0] == "torchtitan"}
+        for n in ast.walk(tree):
+            private = isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+            if private and isinstance(n.value, ast.Name) and n.value.id in bound:
+                found.append(f"{path.relative_to(PACKAGE)}:{n.lineno} {n.value.id}.{n.attr}")
+    assert not found, "\n".join(found)

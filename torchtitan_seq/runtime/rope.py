@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
@@ -24,18 +22,21 @@ class UnitPositions:
     def __init__(self) -> None:
         self._cache: dict[tuple[tuple[tuple[int, int], ...], torch.device], torch.Tensor] = {}
 
-    def of(
-        self,
-        context: KVContext | None,
-        device: torch.device,
-        build: Callable[[Unit, torch.device], torch.Tensor] = unit_positions,
-    ) -> torch.Tensor | None:
-        """The positions of the unit ``context`` runs (``build``'s, kept), or None outside a unit
-        (whole sequences: the model's own positions)."""
+    def of(self, context: KVContext | None, device: torch.device) -> torch.Tensor | None:
+        """The positions of the unit ``context`` runs (:func:`unit_positions`', looked up in this module at
+        the call and kept), or None outside a unit (whole sequences: the model's own positions).
+
+        Args:
+            context: the stage's KV context, or None where the model runs outside a pipeline.
+            device: where the positions go.
+
+        Returns:
+            (1, L) positions of the unit's queries on this rank, or None.
+        """
         unit = context.unit if context is not None else None
         if unit is None:
             return None
         key = (unit.segments, device)
         if (positions := self._cache.get(key)) is None:
-            positions = self._cache[key] = build(unit, device)
+            positions = self._cache[key] = unit_positions(unit, device)
         return positions

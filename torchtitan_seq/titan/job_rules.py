@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ScheduleShape
+from torchtitan_seq.titan import pipeline_core
 
 __all__ = [
     "check_schedule_name",
@@ -22,6 +23,7 @@ __all__ = [
     "check_compile",
     "check_split_backward_ac",
     "check_instrumentation",
+    "check_shape",
 ]
 
 
@@ -100,3 +102,25 @@ def check_instrumentation(activation_memory_freq: int) -> None:
             f"sequence_pipeline.activation_memory_freq = {activation_memory_freq} is negative: use N >= 1 "
             "(every N-th logged step) or 0 (never)"
         )
+
+
+def check_shape(sequence_pipeline: Any, parallelism: Any, training: Any, model_shape: Any) -> None:
+    """The schedule runs the job's shape (:func:`~torchtitan_seq.titan.pipeline_core.job_shape`): the
+    sequence cut (k lengths), v chunks per rank, N, p; and the installed torch runs the schedule.
+
+    Args:
+        sequence_pipeline: the job's ``[sequence_pipeline]`` section.
+        parallelism: its ``parallelism`` section (a sequence schedule named).
+        training: its ``training`` section (sequence length, local batch).
+        model_shape: the flavor's shape (its layers and heads).
+    """
+    par, seq = parallelism, sequence_pipeline
+    shape = pipeline_core.job_shape(
+        seq, par, training, model_shape, par.tensor_parallel_degree, par.pipeline_parallel_degree
+    )
+    cls = SEQUENCE_SCHEDULES[par.pipeline_parallel_schedule]
+    cls.check_torch()
+    lists = ScheduleShape(
+        par.pipeline_parallel_degree, shape.microbatches, len(shape.lengths), seq.split_backward, shape.stages_per_rank
+    )
+    cls.check_shape(lists, **cls.options_from_config(seq))

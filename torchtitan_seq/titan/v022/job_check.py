@@ -15,16 +15,17 @@ from torchtitan.config import JobConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
-from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.titan.job_rules import (
     check_compile,
     check_degrees,
     check_instrumentation,
     check_schedule_name,
+    check_shape,
     check_split_backward_ac,
     check_unit_precision,
 )
-from torchtitan_seq.titan.v022.pipeline import job_shape, pipeline_sequence_llm
+from torchtitan_seq.titan.v022.pipeline import pipeline_sequence_llm
 
 __all__ = ["check_job"]
 
@@ -305,14 +306,6 @@ def _check_torch_context_parallel(job_config: JobConfig, spec: TrainSpec) -> Non
 
 
 def _check_shape(job_config: JobConfig, spec: TrainSpec) -> None:
-    """The schedule runs the job's shape (:func:`~torchtitan_seq.titan.v022.pipeline.job_shape`): the sequence
-    cut (k lengths), v chunks per rank, N, p."""
-    par, seq = job_config.parallelism, job_config.sequence_pipeline
+    """The schedule runs the job's shape (:func:`~torchtitan_seq.titan.job_rules.check_shape`)."""
     model_args = spec.model_args[job_config.model.flavor]
-    shape = job_shape(job_config, model_args, par.tensor_parallel_degree, par.pipeline_parallel_degree)
-    cls = SEQUENCE_SCHEDULES[par.pipeline_parallel_schedule]
-    cls.check_torch()
-    lists = ScheduleShape(
-        par.pipeline_parallel_degree, shape.microbatches, len(shape.lengths), seq.split_backward, shape.stages_per_rank
-    )
-    cls.check_shape(lists, **cls.options_from_config(seq))
+    check_shape(job_config.sequence_pipeline, job_config.parallelism, job_config.training, model_args)

@@ -9,6 +9,7 @@ from torchtitan.hf_datasets import text_datasets
 from torchtitan.protocols import train_spec
 
 from torchtitan_seq.titan import data
+from torchtitan_seq.titan.titan_internals import registered_train_specs
 from torchtitan_seq.titan.v022.models.llama3_seq import get_train_spec
 
 __all__ = ["MODEL_NAME", "register"]
@@ -19,5 +20,5 @@ MODEL_NAME = "llama3_seq"
 def register() -> None:
     """Make the model, its train spec and the shipped datasets known to torchtitan (idempotent)."""
     data.add_to(text_datasets.DATASETS)
-    if MODEL_NAME not in train_spec._extra_train_specs:
+    if MODEL_NAME not in registered_train_specs():
         train_spec.register_train_spec(MODEL_NAME, get_train_spec())

@@ -13,21 +13,18 @@ takes whole sequences and shards each unit itself.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torchtitan.config import JobConfig
 from torchtitan.train import Trainer
 
 from torchtitan_seq.instrumentation.memory import ActivationMemory
 from torchtitan_seq.runtime.loss import TokenNormalizedLoss
 from torchtitan_seq.schedules import SequenceSchedule
+from torchtitan_seq.titan.trainer_steps import InstrumentedSteps
 from torchtitan_seq.titan.v022.job_check import check_job
-from torchtitan_seq.titan.v022.metrics import InstrumentedSteps
 from torchtitan_seq.titan.v022.pipeline import chunk_parallel_dims
 
 __all__ = ["SeqTrainer"]
@@ -60,7 +57,7 @@ class SeqTrainer(InstrumentedSteps, Trainer):
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
     ) -> torch.Tensor:
-        with self.activation_memory.track() if self.metering else contextlib.nullcontext():
+        with self.metered():
             if not self.parallel_dims.pp_enabled:
                 return super().forward_backward_step(
                     input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
@@ -72,9 +69,4 @@ class SeqTrainer(InstrumentedSteps, Trainer):
                 loss = super().forward_backward_step(
                     input_dict=input_dict, labels=labels, global_valid_tokens=torch.ones((), device=self.device)
                 )
-        # One pipeline rank owns the loss; the others held -1 and now learn it.
-        if isinstance(loss, DTensor):  # loss parallel under TP
-            loss = loss.full_tensor()
-        loss = loss.detach().reshape(()) if self.pp_has_last_stage else torch.zeros((), device=self.device)
-        dist.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
-        return loss
+        return self.loss_on_every_rank(loss)

@@ -19,14 +19,14 @@ from typing import Any
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC, SelectiveAC
 
-from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
-from torchtitan_seq.titan import pipeline_core
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.titan.flavors import flavor_shapes
 from torchtitan_seq.titan.job_rules import (
     check_compile,
     check_degrees,
     check_instrumentation,
     check_schedule_name,
+    check_shape,
     check_split_backward_ac,
     check_unit_precision,
 )
@@ -103,17 +103,4 @@ def _check_sequence_job(config: Any) -> None:
             f"loss {type(config.loss).__qualname__} with the sequence schedule {name}: units run the whole "
             "output layer, use CrossEntropyLoss.Config (as torchtitan_seq.recipes do)"
         )
-    shape = pipeline_core.job_shape(
-        seq,
-        par,
-        config.training,
-        flavor_shapes[config.model_spec.flavor],
-        par.tensor_parallel_degree,
-        par.pipeline_parallel_degree,
-    )
-    cls = SEQUENCE_SCHEDULES[name]
-    cls.check_torch()
-    lists = ScheduleShape(
-        par.pipeline_parallel_degree, shape.microbatches, len(shape.lengths), seq.split_backward, shape.stages_per_rank
-    )
-    cls.check_shape(lists, **cls.options_from_config(seq))
+    check_shape(seq, par, config.training, flavor_shapes[config.model_spec.flavor])

@@ -1,5 +1,5 @@
 """torchtitan 0.3's ``MetricsProcessor`` with the sequence pipeline's metrics and record
-(:class:`torchtitan_seq.titan.v022.metrics.SequenceMetrics`: per-rank activation peaks and bubble ratios, the
+(:class:`torchtitan_seq.titan.metrics.SequenceMetrics`: per-rank activation peaks and bubble ratios, the
 pipeline timeline, ``metrics.jsonl``), as under 0.2.2.
 
 0.3 builds the processor from its config (``metrics``) with only the metrics section and the dump
@@ -14,13 +14,13 @@ from typing import Any
 
 from torchtitan.components.metrics import MetricsProcessor
 
-from torchtitan_seq.titan.v022.metrics import SequenceMetrics, SequenceMetricsSettings
+from torchtitan_seq.titan.metrics import SequenceMetrics, SequenceMetricsSettings
 
 __all__ = ["SeqMetricsProcessor"]
 
 
 class SeqMetricsProcessor(SequenceMetrics, MetricsProcessor):
-    """0.3's ``MetricsProcessor`` with :class:`~torchtitan_seq.titan.v022.metrics.SequenceMetrics`."""
+    """0.3's ``MetricsProcessor`` with :class:`~torchtitan_seq.titan.metrics.SequenceMetrics`."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):

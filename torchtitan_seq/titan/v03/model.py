@@ -22,7 +22,7 @@ from torchtitan.protocols.module import Module
 
 from torchtitan_seq.attention import SequenceAttention
 from torchtitan_seq.runtime.kv_context import KVContext
-from torchtitan_seq.runtime.rope import UnitPositions, unit_positions
+from torchtitan_seq.runtime.rope import UnitPositions
 
 __all__ = ["SeqInnerAttention", "SeqLlama3Model", "seq_llama3"]
 
@@ -77,8 +77,7 @@ class SeqLlama3Model(Llama3Model):
     ) -> torch.Tensor:
         """tokens: (B, L) ids on the first stage, else (B, L, dim) activations."""
         if positions is None:
-            # this module's unit_positions, looked up per call (tests/mutations.py shifts it)
-            positions = self._positions.of(self.kv_context, tokens.device, unit_positions)
+            positions = self._positions.of(self.kv_context, tokens.device)
         # Under 0.3's sequence parallelism (TP) a stage's output, (B, L, dim) sharded on L, is a view that is
         # not contiguous once a microbatch holds more than one row; torch's stage sends it as it is, and gloo
         # refuses ("input tensor has to be contiguous"). A no-op on a contiguous output.

@@ -23,6 +23,7 @@ from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 from torchtitan_seq.titan import pipeline_core
 from torchtitan_seq.titan.config import SequencePipeline
 from torchtitan_seq.titan.flavors import ModelShape
+from torchtitan_seq.titan.titan_internals import llm_fqn_per_model_part, split_module
 
 __all__ = ["pipeline_sequence_llm"]
 
@@ -54,14 +55,11 @@ def pipeline_sequence_llm(
     )
     logger.info(pipeline_core.describe_shape(name, shape, sequence_pipeline.partition))
     num_stages, names = pipeline_core.chunk_module_names(
-        name, shape, parallelism, model_shape.n_layers, parallel_dims.pp, titan_pp._generate_llm_fqn_per_model_part
+        name, shape, parallelism, model_shape.n_layers, parallel_dims.pp, llm_fqn_per_model_part()
     )
     pp_mesh = parallel_dims.get_mesh("pp")
     held = cls.place_stages(pp_mesh.size(), len(names), **cls.options_from_config(sequence_pipeline))
-    chunks = [
-        (stage, len(names), titan_pp._split_module(model, names[chunk]))
-        for stage, chunk in held[pp_mesh.get_local_rank()]
-    ]
+    chunks = [(stage, len(names), split_module(model, names[chunk])) for stage, chunk in held[pp_mesh.get_local_rank()]]
     schedule, parts, has_first, has_last = pipeline_core.build_sequence_schedule(
         name,
         chunks,

@@ -13,7 +13,6 @@ timed on logged steps only, and ``metrics.jsonl`` in the dump folder.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -21,14 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torchtitan.trainer import Trainer
 
 from torchtitan_seq.instrumentation.memory import ActivationMemory
 from torchtitan_seq.runtime.documents import document_ids
 from torchtitan_seq.titan.config import SequencePipeline
 from torchtitan_seq.titan.flavors import flavor_shapes
-from torchtitan_seq.titan.v022.metrics import InstrumentedSteps
+from torchtitan_seq.titan.trainer_steps import InstrumentedSteps
 from torchtitan_seq.titan.v03.job_check import check_job
 from torchtitan_seq.titan.v03.metrics import SeqMetricsProcessor
 from torchtitan_seq.titan.v03.pipeline import pipeline_sequence_llm
@@ -65,7 +63,7 @@ class SeqTrainer(InstrumentedSteps, Trainer):
 
     def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
         """0.3's, under the activation meter on the steps that meter."""
-        with self.activation_memory.track() if self.metering else contextlib.nullcontext():
+        with self.metered():
             return super().forward_backward_step(**kwargs)
 
     def post_dataloading_process(
@@ -80,9 +78,5 @@ class SeqTrainer(InstrumentedSteps, Trainer):
         return inputs, labels, extra
 
     def pp_forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
-        """0.3's; one pipeline rank owns the loss (two under BSIPipe and Chimera, one per chain),
-        the others held -1: every rank learns the sum."""
-        loss = super().pp_forward_backward_step(**kwargs)
-        loss = loss.detach().reshape(()) if self.pp_has_last_stage else torch.zeros((), device=self.device)
-        dist.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
-        return loss
+        """0.3's, its loss on every pipeline rank."""
+        return self.loss_on_every_rank(super().pp_forward_backward_step(**kwargs))

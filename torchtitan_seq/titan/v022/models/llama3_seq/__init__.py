@@ -13,10 +13,10 @@ from torchtitan.protocols.train_spec import TrainSpec
 
 from torchtitan_seq.runtime.loss import TokenNormalizedLoss
 from torchtitan_seq.titan.v022.metrics import build_seq_metrics_processor
-from torchtitan_seq.titan.v022.models.llama3_seq.model import SeqTransformer, seq_llama3_flavors, unit_positions
+from torchtitan_seq.titan.v022.models.llama3_seq.model import SeqTransformer, seq_llama3_flavors
 from torchtitan_seq.titan.v022.pipeline import pipeline_sequence_llm
 
-__all__ = ["SeqTransformer", "seq_llama3_flavors", "unit_positions", "get_train_spec"]
+__all__ = ["SeqTransformer", "seq_llama3_flavors", "get_train_spec"]
 
 
 def get_train_spec() -> TrainSpec:

@@ -21,9 +21,9 @@ from torchtitan.models.llama3.model.model import Attention, apply_rotary_emb
 from torchtitan_seq.attention import SequenceAttention
 from torchtitan_seq.runtime.documents import document_ids
 from torchtitan_seq.runtime.kv_context import KVContext
-from torchtitan_seq.runtime.rope import UnitPositions, unit_positions
+from torchtitan_seq.runtime.rope import UnitPositions
 
-__all__ = ["SeqAttention", "SeqTransformer", "seq_llama3_flavors", "unit_positions"]
+__all__ = ["SeqAttention", "SeqTransformer", "seq_llama3_flavors"]
 
 # Llama 3's flavors under their own names: SDPA ones causal, flex and varlen ones block-causal.
 seq_llama3_flavors: dict[str, TransformerModelArgs] = dict(_llama3_flavors)
@@ -92,6 +92,5 @@ class SeqTransformer(Transformer):
     ) -> torch.Tensor:
         """tokens: (B, L) ids on the first stage, else (B, L, dim) activations (L / tp with SP)."""
         if positions is None:
-            # this module's unit_positions, looked up per call (tests/mutations.py shifts it)
-            positions = self._positions.of(self.kv_context, tokens.device, unit_positions)
+            positions = self._positions.of(self.kv_context, tokens.device)
         return super().forward(tokens, attention_masks, positions)

@@ -1,0 +1,72 @@
+"""What a torchtitan version's ``Trainer`` does for a sequence pipeline, the same under every version:
+instrumented steps, the activation meter and the loss every pipeline rank logs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtitan_seq.instrumentation.memory import ActivationMemory
+from torchtitan_seq.schedules import SequenceSchedule
+from torchtitan_seq.titan import cpu_compat
+from torchtitan_seq.titan.metrics import SequenceMetrics
+
+__all__ = ["InstrumentedSteps"]
+
+
+class InstrumentedSteps:
+    """Mixed into a torchtitan version's ``Trainer`` (before it): what its steps do for a sequence
+    pipeline under every version. Each training step runs under its metrics processor's
+    :meth:`~torchtitan_seq.titan.metrics.SequenceMetrics.instrumented_step`; :attr:`metering` says
+    whether the step meters activations (:meth:`metered`: the trainer's forward and backward then run
+    under its meter); every pipeline rank learns the step's loss (:meth:`loss_on_every_rank`)."""
+
+    metering: bool = False
+    activation_memory: ActivationMemory
+
+    def metered(self) -> contextlib.AbstractContextManager[None]:
+        """The activation meter on the steps that meter, else nothing."""
+        return self.activation_memory.track() if self.metering else contextlib.nullcontext()
+
+    def loss_on_every_rank(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss on every pipeline rank: the ranks of the last stage hold it (two under
+        BSIPipe and Chimera, one per chain, each its chain's share), the others -1.
+
+        Args:
+            loss: this rank's loss of the step, a scalar (a DTensor under loss parallelism).
+
+        Returns:
+            The sum over the pipeline ranks' losses, detached, a scalar tensor.
+        """
+        if isinstance(loss, DTensor):  # loss parallel under TP
+            loss = loss.full_tensor()
+        loss = loss.detach().reshape(()) if self.pp_has_last_stage else torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
+        return loss
+
+    def attach_sequence_pipeline(self) -> None:
+        """Called by the trainer once torchtitan built the job (the version's processor attached):
+        FSDP over gloo on a CPU, the mirror copies following the optimizer, the record's start."""
+        cpu_compat.fsdp_for_gloo(self.model_parts)
+        schedule = getattr(self, "pp_schedule", None)
+        if isinstance(schedule, SequenceSchedule):
+            # e.g. BSIPipe, Chimera: the optimizer steps each chunk's primary copy; the mirror copy follows.
+            self.optimizers.register_step_post_hook(lambda *_: schedule.after_optimizer_step())
+        if isinstance(self.metrics_processor, SequenceMetrics):
+            self.metrics_processor.activation_memory = self.activation_memory
+            self.metrics_processor.record_start(schedule)
+
+    def train_step(self, data_iterator: Iterator[Any]) -> None:
+        processor = self.metrics_processor
+        if not isinstance(processor, SequenceMetrics):
+            return super().train_step(data_iterator)
+        try:
+            with processor.instrumented_step(self.step, self.device) as self.metering:  # step: already the step's
+                super().train_step(data_iterator)
+        finally:
+            self.metering = False
