@@ -114,6 +114,15 @@ def leaf_ops(fn: Callable[[], object], through_views: bool = False) -> int:
     return sum(count(e) for e in prof.events() if e.cpu_parent is None)
 
 
+def _sdpa_home():
+    """The module holding ``SdpaOps``: torchtitan_seq.attention.sdpa_ops, or torch_internals in older checkouts."""
+    try:
+        from torchtitan_seq.attention import sdpa_ops
+    except ImportError:
+        from torchtitan_seq.runtime import torch_internals as sdpa_ops
+    return sdpa_ops
+
+
 def _fake_op(name: str, compute: bool = True) -> Callable:
     """``torch.ops.aten.<name>`` computed by the CPU kernel (grouped heads native, as in the CUDA ops),
     in a profiler range ``fake::<name>`` that :func:`leaf_ops` counts as one op; without ``compute``
@@ -121,8 +130,8 @@ def _fake_op(name: str, compute: bool = True) -> Callable:
     about: an allocation and fill per output). Positional arguments as the aten schemas list them: q, k, v
     first; dout, q, k, v, out, lse first backward."""
     from torchtitan_seq.attention.kernels import CpuSdpaKernel
-    from torchtitan_seq.runtime.torch_internals import SdpaOps
 
+    SdpaOps = _sdpa_home().SdpaOps
     cpu, cudnn = CpuSdpaKernel(), "cudnn" in name
     causal_at = {"flash": 4, "cudnn": 6, "flash_backward": 11, "cudnn_backward": 14}
 
@@ -162,10 +171,9 @@ def _fake_op(name: str, compute: bool = True) -> Callable:
 def _fake_cuda_ops(compute: bool = True) -> Iterator[None]:
     """The CUDA-only ops faked where the adapters find them: ``SdpaOps``' attributes, or in
     ``torch.ops.aten`` for older checkouts, whose ``SdpaOps`` looked them up there at each call."""
-    from torchtitan_seq.runtime import torch_internals
-
-    names = getattr(torch_internals, "SDPA_OPS", None)
-    owner, attributes = torch_internals.SdpaOps, {a: n for a, n in (names or {}).items() if n in _FAKED}
+    home = _sdpa_home()
+    names = getattr(home, "SDPA_OPS", None)
+    owner, attributes = home.SdpaOps, {a: n for a, n in (names or {}).items() if n in _FAKED}
     if names is None:
         owner, attributes = torch.ops.aten, {n: n for n in _FAKED}
     saved = {attr: getattr(owner, attr) for attr in attributes}

@@ -30,7 +30,7 @@ class MutationContext:
 
 def _prefix_grads(keep_k: bool, keep_v: bool) -> list:
     """Later units' dK or dV never reach the prefix they read."""
-    from torchtitan_seq.runtime.kv_context import KVSlab
+    from torchtitan_seq.runtime.kv_slab import KVSlab
 
     accumulate = KVSlab.accumulate
 
@@ -136,7 +136,7 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
 def _split_w_without_kv_grad(ctx: MutationContext) -> list:
     """With split backward, the input pass does not hand a unit the K/V gradient of later
     units, so its weight pass computes wk/wv gradients without it."""
-    from torchtitan_seq.runtime.kv_context import KVSlab
+    from torchtitan_seq.runtime.kv_slab import KVSlab
     from torchtitan_seq.schedules.stage import SequencePipelineStage
 
     backward_one_chunk = SequencePipelineStage.backward_one_chunk
@@ -152,7 +152,7 @@ def _split_w_without_kv_grad(ctx: MutationContext) -> list:
 
 def _tp_wrong_shard(ctx: MutationContext) -> list:
     """Under tensor parallelism each rank's KV context keeps its TP neighbour's K/V heads."""
-    from torchtitan_seq.runtime.kv_context import KVSlab
+    from torchtitan_seq.runtime.kv_slab import KVSlab
 
     write = KVSlab.write
     group = ctx.tp_group
@@ -172,7 +172,7 @@ def _tp_wrong_shard(ctx: MutationContext) -> list:
 def _slab_offset(ctx: MutationContext) -> list:
     """Every unit after the first writes its K/V into the slab one position early (its last
     key written twice, so no position is left unwritten)."""
-    from torchtitan_seq.runtime.kv_context import KVSlab
+    from torchtitan_seq.runtime.kv_slab import KVSlab
 
     write = KVSlab.write
 
@@ -298,39 +298,39 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
 def _guard_other_end_only() -> list:
     """The K/V arenas' overwrite guard looks only at the microbatch at the arena's other end, not at one
     that still holds the same end (a stage running its units out of the announced order)."""
-    from torchtitan_seq.runtime.kv_context import KVContext
+    from torchtitan_seq.runtime.kv_arena import KVArenas
 
-    def other_end_only(self, unit, slab):
-        capacity, placed = self._placed.get(unit.microbatch, (0, None))
+    def other_end_only(self, microbatch, index, offset, length, slab):
+        capacity, placed = self._placed.get(microbatch, (0, None))
         if placed is None or placed.arena < 0:
             return
         for m, (_, other) in self._placed.items():
-            if m == unit.microbatch or other.arena != placed.arena or other.descending == placed.descending:
+            if m == microbatch or other.arena != placed.arena or other.descending == placed.descending:
                 continue
             live = self._live.get(m)
             theirs = min(sum(self.lengths[: max(live) + 1]), slab.k.shape[2]) if live else 0
-            if unit.offset + unit.length + theirs > capacity:
+            if offset + length + theirs > capacity:
                 raise RuntimeError(f"K/V arena {placed.arena}: would overwrite keys microbatch {m} still reads")
 
-    return [mock.patch.object(KVContext, "_check_room", other_end_only)]
+    return [mock.patch.object(KVArenas, "check_room", other_end_only)]
 
 
 def _guard_own_unit_left_out() -> list:
     """The guard counts the other microbatch's keys up to its last unit in flight, less that unit's own."""
     import itertools
 
-    from torchtitan_seq.runtime.kv_context import KVContext
+    from torchtitan_seq.runtime.kv_arena import KVArenas
 
-    check_room = KVContext._check_room
+    check_room = KVArenas.check_room
 
-    def short(self, unit, slab):
+    def short(self, *args):
         lengths, self.lengths = self.lengths, [0, *itertools.islice(self.lengths, len(self.lengths) - 1)]
         try:
-            check_room(self, unit, slab)
+            check_room(self, *args)
         finally:
             self.lengths = lengths
 
-    return [mock.patch.object(KVContext, "_check_room", short)]
+    return [mock.patch.object(KVArenas, "check_room", short)]
 
 
 def _shape_cp_tp_apart() -> list:

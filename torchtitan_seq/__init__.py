@@ -54,7 +54,17 @@ __all__ = [*_MODULE_OF, "register"]
 
 
 def __getattr__(name: str) -> Any:
-    """The public name ``name``, imported from its module on first use (importing the package stays light)."""
+    """A public name, imported from its module on first use, so that importing the package stays light.
+
+    Args:
+        name: a name of ``__all__``.
+
+    Returns:
+        The object; ``register`` is the installed torchtitan version's registration.
+
+    Raises:
+        AttributeError: ``name`` is not public.
+    """
     if name == "register":
         from torchtitan_seq.titan.version import TITAN_03
 

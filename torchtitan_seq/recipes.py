@@ -37,14 +37,19 @@ _PACKED_DOCUMENT_LENGTH = 600
 
 
 def llama3_debugmodel_seq1f1b() -> SeqTrainer.Config:
-    """Llama 3 debug model, Seq1F1B (k = 4) on 2 pipeline ranks (CPU by default):
-    ``train_configs/debug_model.toml``."""
+    """Llama 3 debug model, Seq1F1B (k = 4) on 2 pipeline ranks (CPU by default).
+
+    ``train_configs/debug_model.toml``'s settings: 20 steps of 4 sequences of 2048 tokens from the
+    shipped corpus.
+    """
     return _debugmodel("debugmodel", DATASET_NAME, SequencePipeline(num_subsequences=4, length_multiple=64))
 
 
 def llama3_debugmodel_block_causal_seq1f1b() -> SeqTrainer.Config:
-    """The debug model with block-causal attention over the shipped short documents packed into each
-    sequence: ``train_configs/debug_block_causal.toml``."""
+    """The debug model with block-causal attention over short documents packed into each sequence.
+
+    ``train_configs/debug_block_causal.toml``'s settings, on the shipped packed corpus.
+    """
     return _debugmodel(
         "debugmodel_flex_attn",
         PACKED_DATASET_NAME,
@@ -53,20 +58,36 @@ def llama3_debugmodel_block_causal_seq1f1b() -> SeqTrainer.Config:
 
 
 def llama3_8b_32k_seq1f1b() -> SeqTrainer.Config:
-    """Llama 3 8B at 32K tokens on 8 GPUs, pipeline 4 x FSDP 2, Seq1F1B with k = 4, compiled blocks:
-    ``train_configs/llama3_8b_32k.toml``."""
+    """Llama 3 8B at 32K tokens on 8 GPUs, pipeline 4 x FSDP 2, Seq1F1B with k = 4, compiled blocks.
+
+    ``train_configs/llama3_8b_32k.toml``'s settings.
+    """
     return _8b("8B")
 
 
 def llama3_8b_32k_block_causal_seq1f1b() -> SeqTrainer.Config:
-    """:func:`llama3_8b_32k_seq1f1b` with block-causal attention (packed documents):
-    ``train_configs/llama3_8b_32k_block_causal.toml``."""
+    """:func:`llama3_8b_32k_seq1f1b` with block-causal attention (packed documents).
+
+    ``train_configs/llama3_8b_32k_block_causal.toml``'s settings.
+    """
     return _8b("8B_flex")
 
 
 def _config(flavor: str, **fields) -> SeqTrainer.Config:
-    """The settings every shipped job shares; ``training.disable_cuda_graphs`` is on in each, as 0.3
-    asks of every pipeline-parallel job."""
+    """The settings every shipped job shares, around the job's own.
+
+    ``training.disable_cuda_graphs`` is on in each job's ``training``, as 0.3 asks of every
+    pipeline-parallel job.
+
+    Args:
+        flavor: the model's flavor, a key of :data:`~torchtitan_seq.titan.v03.model.FLAVORS`.
+        **fields: the job's other fields of :class:`SeqTrainer.Config`.
+
+    Returns:
+        The job's config: the flavor's ``llama3_seq`` model pipelined by
+        :func:`~torchtitan_seq.titan.v03.pipeline.pipeline_sequence_llm`, with the whole output layer
+        in each unit's loss, no activation checkpointing and seed 42.
+    """
     model_spec = seq_llama3(flavor, pipeline_sequence_llm)
     return SeqTrainer.Config(
         model_spec=model_spec,
@@ -79,6 +100,16 @@ def _config(flavor: str, **fields) -> SeqTrainer.Config:
 
 
 def _debugmodel(flavor: str, dataset: str, sequence: SequencePipeline) -> SeqTrainer.Config:
+    """The debug model's job: 2 pipeline ranks, the shipped tokenizer, a shipped ``dataset``, no checkpoints.
+
+    Args:
+        flavor: the debug model's flavor (causal or block-causal).
+        dataset: a shipped dataset's name.
+        sequence: the job's ``sequence_pipeline`` section.
+
+    Returns:
+        The job's config.
+    """
     return _config(
         flavor,
         hf_assets_path=str(TOKENIZER_DIR),  # the tokenizer shipped with torchtitan_seq
@@ -100,6 +131,14 @@ def _debugmodel(flavor: str, dataset: str, sequence: SequencePipeline) -> SeqTra
 
 
 def _8b(flavor: str) -> SeqTrainer.Config:
+    """The 8B job: 32K-token sequences from C4 on pipeline 4 x FSDP 2, bf16, compiled, checkpointed.
+
+    Args:
+        flavor: the 8B model's flavor (causal or block-causal).
+
+    Returns:
+        The job's config.
+    """
     return _config(
         flavor,
         hf_assets_path="./assets/hf/Llama-3.1-8B",

@@ -36,9 +36,18 @@ def _option(argv: list[str], toml: dict, section: str, key: str) -> str | None:
 
 
 def resolve_args(argv: list[str]) -> list[str]:
-    """The command line torchtitan should see: with ``--job.custom_config_module torchtitan_seq.config``
-    unless the command line or the TOML names a module, and the assets path ``builtin`` resolved to the
-    shipped tokenizer's folder."""
+    """The command line torchtitan 0.2.2 should see, torchtitan_seq's defaults added.
+
+    ``--job.custom_config_module torchtitan_seq.config`` is added unless the command line or the TOML
+    (``--job.config_file``) names a module, and a ``model.hf_assets_path`` of ``builtin`` is resolved to
+    the shipped tokenizer's folder.
+
+    Args:
+        argv: the arguments after the program's name (``--check`` taken out).
+
+    Returns:
+        ``argv``, followed by the arguments added.
+    """
     toml: dict = {}
     config_file = _option(argv, toml, "job", "config_file")
     if config_file and os.path.isfile(config_file):

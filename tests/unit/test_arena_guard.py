@@ -1,6 +1,6 @@
 """The K/V arenas' overwrite guard against a brute-force replay, over every schedule's pass orders.
 
-:meth:`KVContext._check_room <torchtitan_seq.runtime.kv_context.KVContext>` refuses a unit's K/V write that
+:meth:`KVArenas.check_room <torchtitan_seq.runtime.kv_arena.KVArenas.check_room>` refuses a unit's K/V write that
 would land on keys another microbatch still reads: the stage ran its units in an order other than
 the one it announced (:meth:`KVContext.expect`). The replay here keeps, per arena cell, which
 microbatch's key lies there, and calls a write an overwrite when it covers a key of a microbatch

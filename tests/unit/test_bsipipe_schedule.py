@@ -4,7 +4,6 @@ import itertools
 
 import pytest
 
-from torchtitan_seq.runtime.torch_internals import torch_lowering
 from torchtitan_seq.schedules import (
     SEQUENCE_SCHEDULES,
     BidirectionalLayout,
@@ -13,6 +12,7 @@ from torchtitan_seq.schedules import (
     lower_chains,
     seq1f1b_actions,
 )
+from torchtitan_seq.simulate.stand_in import torch_lowering
 
 
 def test_layout_places_chains_in_mirrored_vs():

@@ -113,10 +113,10 @@ def test_both_ranks_shares_add_up_to_whole_sequence_attention(told, bottom_right
                     outs[m, j] = layer(qq, kk, vv, enable_gqa=True)
                 inputs[m, j] = (qq, kk, vv, rows)
                 if (m, j) == (1, 0):
-                    placed = context._placed[1][1]
+                    placed = context.arenas.placement(1)
                     assert placed.descending is descending
                     # ascending, the second's first unit would overwrite keys the first's still reads
-                    assert (placed.arena == context._placed[0][1].arena) is descending
+                    assert (placed.arena == context.arenas.placement(0).arena) is descending
             else:
                 with context.backward(unit):
                     (outs[m, j] * w[:, :, rows]).sum().backward()

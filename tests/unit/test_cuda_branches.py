@@ -35,9 +35,9 @@ from torchtitan_seq.attention.kernels import (
     FlashAttnKernel,
     select_kernel,
 )
+from torchtitan_seq.attention.sdpa_ops import SDPA_OPS, SdpaOps
 from torchtitan_seq.instrumentation.render import busy_and_end
 from torchtitan_seq.instrumentation.timeline import StepTimeline
-from torchtitan_seq.runtime.torch_internals import SDPA_OPS, SdpaOps
 from torchtitan_seq.schedules.ordering import B
 from torchtitan_seq.schedules.ordering import F as FWD
 from torchtitan_seq.titan import cpu_compat

@@ -119,8 +119,8 @@ def test_context_in_a_shared_arena_is_exact(packed, bottom_right):
         if forward:
             with context.running(u):
                 outs[m, j] = layer(*(t[:, :, part] for t in qkv[m]), enable_gqa=True)
-            descending.add(context._placed[m][1].descending)
-            arenas.add(context._placed[m][1].arena)
+            descending.add(context.arenas.placement(m).descending)
+            arenas.add(context.arenas.placement(m).arena)
         else:
             with context.backward(u):
                 (outs[m, j] * weights[m][:, :, part]).sum().backward()

@@ -296,3 +296,22 @@ def test_torchtitans_private_names_only_in_its_registry():
             if private and isinstance(n.value, ast.Name) and n.value.id in bound:
                 found.append(f"{path.relative_to(PACKAGE)}:{n.lineno} {n.value.id}.{n.attr}")
     assert not found, "\n".join(found)
+
+
+MODULE_LINES, CLASS_LINES = 400, 200
+
+
+def test_no_module_runs_over_400_lines_nor_a_class_over_200():
+    """No module of the package runs over 400 lines and no class over 200, decorators aside and its
+    docstring included: one concept a module, split where it grows past that."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if (lines := len(text.splitlines())) > MODULE_LINES:
+            long.append(f"{path.relative_to(PACKAGE)}: {lines} lines")
+        long += [
+            f"{path.relative_to(PACKAGE)}:{n.lineno} class {n.name}: {n.end_lineno - n.lineno + 1} lines"
+            for n in ast.walk(ast.parse(text))
+            if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > CLASS_LINES
+        ]
+    assert not long, "\n".join(long)

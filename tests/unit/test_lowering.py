@@ -34,7 +34,7 @@ def test_one_chain_lowering_is_the_runtimes(name, pp, n, k):
     assert r.deadlock is None
     v = r.stages_per_rank
     held = stages_by_rank(name, pp)[0]
-    runtime = _PipelineScheduleRuntime([torch_internals.MockStage(s, pp * v, pp) for s in held], n * k)
+    runtime = _PipelineScheduleRuntime([sim.MockStage(s, pp * v, pp) for s in held], n * k)
     runtime._prepare_schedule_with_comms({rank: list(acts) for rank, acts in r.compute_order.items()})
     assert runtime.pipeline_order_with_comms == r.lowered
 

@@ -43,7 +43,7 @@ def _runtime_arenas(actions: tuple, k: int, lengths: list[int], with_own: bool) 
             else:
                 with context.backward(unit):
                     pass
-        held[i] = sum(sum(t.numel() for t in pair) / 2 for c in contexts.values() for pair in c._arenas.values())
+        held[i] = sum(t.numel() / 2 for c in contexts.values() for t in c.arenas.tensors())
     return held
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed.pipelining as pipelining
 
 import torchtitan_seq
+from torchtitan_seq.attention.function_apply import function_apply
 from torchtitan_seq.runtime import torch_internals
 
 PACKAGE = pathlib.Path(torchtitan_seq.__file__).parent
@@ -181,7 +182,7 @@ class _Scale(torch.autograd.Function):
 def test_function_apply_is_torchs_apply():
     """The same output and gradients as Function.apply (torch's own object from torch 2.15, which runs it in
     C); under a functorch transform torch's own path, which refuses a Function without setup_context."""
-    apply = torch_internals.function_apply(_Scale, tensors=2)
+    apply = function_apply(_Scale, tensors=2)
     in_python = isinstance(torch.autograd.Function.__dict__["apply"], classmethod)  # before torch 2.15
     assert (apply == _Scale.apply) != in_python
     x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)

@@ -30,7 +30,11 @@ class SequenceAttention(nn.Module):
     (block-causal given documents, by ``torchtitan_seq::document_attention``).
     Bound to a stage's KV context (:meth:`bind`: after construction, as torchtitan deep-copies
     the model per pipeline stage and each stage has its own context), it runs
-    ``torchtitan_seq::unit_attention`` on the units the context announces."""
+    ``torchtitan_seq::unit_attention`` on the units the context announces.
+
+    Args:
+        layer_id: the layer's index in the model, which names its K/V in the KV context.
+    """
 
     def __init__(self, layer_id: int) -> None:
         super().__init__()
@@ -39,6 +43,8 @@ class SequenceAttention(nn.Module):
         self._binding: LayerBinding | None = None
 
     def bind(self, context: KVContext, kernel: AttentionKernel) -> None:
+        """Bind the layer to ``context``: it then runs that context's units with ``kernel`` (see
+        :func:`bind_kv_context`)."""
         self.ids = torch.tensor([self.layer_id], device="cpu")  # a storage of its own, whose address is the handle
         BINDINGS[self.ids.data_ptr()] = self._binding = LayerBinding(context, kernel, self.layer_id)
 
@@ -53,10 +59,24 @@ class SequenceAttention(nn.Module):
         is_causal: bool = True,
         documents: Tensor | None = None,
     ) -> Tensor:
-        """q: (B, Hq, L, D) post-RoPE; k, v: (B, Hkv, L, D) post-RoPE, before GQA expansion.
-        documents: (B, L) document ids of a packed batch (block-causal attention), read
-        when unbound; a bound layer reads its unit's documents from the KV context.
-        Returns (B, Hq, L, D)."""
+        """Attention of ``q`` over ``k`` and ``v``: a bound layer's over the unit its KV context runs (under
+        context parallelism q, k and v are this rank's share of it; outside a unit, causal over what it
+        is given), an unbound layer's over the whole sequence.
+
+        Args:
+            q: (B, Hq, L, D) queries, post-RoPE.
+            k: (B, Hkv, L, D) keys, post-RoPE, before GQA expansion.
+            v: (B, Hkv, L, D) values, before GQA expansion.
+            scale: the softmax scale; None: D ** -0.5.
+            enable_gqa: SDPA's, on the unbound causal path; units and packed documents take grouped
+                K/V heads (Hq a multiple of Hkv) as they are.
+            is_causal: must be True for a bound layer and for packed documents.
+            documents: (B, L) document ids of a packed batch (block-causal attention), read when
+                unbound; a bound layer reads its unit's documents from the KV context.
+
+        Returns:
+            (B, Hq, L, D).
+        """
         if self.ids is None:
             return whole_sequence_attention(q, k, v, documents, scale, is_causal, enable_gqa)
         if not is_causal:
@@ -72,7 +92,16 @@ def bind_kv_context(model: nn.Module, context: KVContext, kernel: AttentionKerne
     """Attach ``context`` and ``kernel`` to every :class:`SequenceAttention` of a model chunk,
     and the context to the chunk itself where it reads it (``model.kv_context``: RoPE at the
     unit's offset). A chunk may hold no attention layer (the output layer alone), but a model
-    whose attention is not chunk-aware cannot run units."""
+    whose attention is not chunk-aware cannot run units.
+
+    Args:
+        model: the model chunk a pipeline stage runs.
+        context: the stage's KV context.
+        kernel: the block attention kernel the layers call.
+
+    Raises:
+        TypeError: where the chunk has neither a :class:`SequenceAttention` nor a ``kv_context``.
+    """
     layers = [m for m in model.modules() if isinstance(m, SequenceAttention)]
     if not layers and not hasattr(model, "kv_context"):
         raise TypeError(

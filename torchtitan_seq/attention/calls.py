@@ -24,7 +24,7 @@ from torch import Tensor
 from torchtitan_seq.attention.kernels import AttentionKernel
 from torchtitan_seq.attention.layouts import new_lse
 from torchtitan_seq.runtime.documents import Documents
-from torchtitan_seq.runtime.kv_context import EVERY, KVSlab
+from torchtitan_seq.runtime.kv_slab import EVERY, KVSlab
 
 
 def _merge_into(out: Tensor, lse: Tensor, out_i: Tensor, lse_i: Tensor) -> None:
@@ -65,8 +65,8 @@ class Call:
 
     def of(self, *ts: Tensor) -> tuple[Tensor, ...]:
         """The parts of ``ts`` (q, out, lse, dout: (B, H, L[, D])) this call reads or writes: the tensors
-        themselves where the call's queries are all of them (indexing makes a view, a few µs of host time,
-        even of the whole); one call for them all."""
+        themselves where the call's queries are all of them (an index makes a new view, host work, even of
+        the whole); one call for them all."""
         return ts if self.whole else tuple(t[self.index] for t in ts)
 
 
@@ -122,7 +122,9 @@ def _build_calls(
     return tuple(causal), tuple(prefix)
 
 
-@dataclass(slots=True)  # not frozen: one per unit and layer, and a frozen one's __init__ costs µs
+# Not frozen: one is made per unit and layer, and a frozen dataclass's __init__ sets each field through
+# object.__setattr__.
+@dataclass(slots=True)
 class Keys:
     """Where a unit's keys lie: the unit's own, ``own`` (B, Hkv, L, D) from ``offset`` on, in
     position order; those before ``offset`` in ``slab``."""
@@ -138,7 +140,7 @@ class Keys:
         if c.keys.start >= self.offset:
             start, stop = c.keys.start - self.offset, c.keys.stop - self.offset
             if start == 0 and stop == self.own[0].shape[2] and c.rows == EVERY:
-                return self.own  # all of them (an index would make views, a few µs of host time each)
+                return self.own  # all of them (an index would make new views, host work at every call)
             return self.own[0][c.rows, :, start:stop], self.own[1][c.rows, :, start:stop]
         return self.slab.keys(c.keys.start, c.keys.stop, c.rows)
 

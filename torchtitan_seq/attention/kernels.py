@@ -18,7 +18,7 @@ from typing import Literal, Protocol, get_args
 import torch
 from torch import Tensor
 
-from torchtitan_seq.runtime.torch_internals import SdpaOps
+from torchtitan_seq.attention.sdpa_ops import SdpaOps
 
 __all__ = [
     "AttentionBackend",
@@ -113,10 +113,9 @@ class CudaSdpaKernel:
 
 
 class CudnnSdpaKernel:
-    """torch's cuDNN attention kernel (fp16/bf16), the one torch's SDPA picks on Hopper:
-    1.75x the flash kernel's speed forward + backward on an H200 at 32K tokens
-    (``benchmarks/gpu/2026-11-30``, ``benchmarks/gpu/2026-12-04``); grouped K/V heads native. The aten op takes no mask
-    alignment (top-left)."""
+    """torch's cuDNN attention kernel (fp16/bf16), the one torch's SDPA picks on Hopper, where it
+    runs forward + backward faster than the flash kernel at long sequences (see benchmarks/README.md);
+    grouped K/V heads native. The aten op takes no mask alignment (top-left)."""
 
     bottom_right = False
 
@@ -194,9 +193,20 @@ class FlashAttnKernel:
 
 
 def select_kernel(device: torch.device, backend: AttentionBackend = "auto") -> AttentionKernel:
-    """The block kernel for ``device``. backend: ``"auto"`` (on CUDA: torch's cuDNN kernel on
-    Hopper and newer, else flash-attn when importable, else torch's flash kernel; on the CPU
-    torch's), ``"flash"`` (flash-attn, an error if absent) or ``"sdpa"`` (torch's kernels)."""
+    """The block kernel for ``device``.
+
+    Args:
+        device: the device the kernel runs on.
+        backend: ``[sequence_pipeline] attention_backend``: ``"auto"`` (on CUDA: torch's cuDNN kernel on
+            Hopper and newer, else flash-attn when importable, else torch's flash kernel; on the CPU
+            torch's), ``"flash"`` (flash-attn) or ``"sdpa"`` (torch's kernels).
+
+    Returns:
+        An :class:`AttentionKernel`.
+
+    Raises:
+        ValueError: for an unknown backend, or ``"flash"`` without CUDA or without flash-attn installed.
+    """
     if backend not in get_args(AttentionBackend):
         raise ValueError(f"sequence_pipeline.attention_backend = {backend!r}: use 'auto', 'flash' or 'sdpa'")
     if device.type != "cuda":

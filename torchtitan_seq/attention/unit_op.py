@@ -8,13 +8,14 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from torchtitan_seq.attention.calls import Call, Keys, attention_backward, attention_forward, kernel_calls
+from torchtitan_seq.attention.function_apply import function_apply
 from torchtitan_seq.attention.handles import LayerBinding, binding_of
 from torchtitan_seq.attention.kernels import AttentionKernel
 from torchtitan_seq.attention.layouts import fake_attention, fake_gradients, heads_inner, lse_layout
 from torchtitan_seq.attention.whole_sequence import whole_sequence_backward, whole_sequence_forward
 from torchtitan_seq.runtime.context_parallel import ContextShard
-from torchtitan_seq.runtime.kv_context import KVContext, KVSlab, Phase, Stored, Unit
-from torchtitan_seq.runtime.torch_internals import function_apply
+from torchtitan_seq.runtime.kv_context import KVContext, Phase, Unit
+from torchtitan_seq.runtime.kv_slab import KVSlab, Stored
 
 __all__ = ["UnitAttention", "apply_unit_attention"]
 
@@ -54,10 +55,11 @@ def _unit_calls(context: KVContext, one_call: bool) -> tuple[tuple[Call, ...], t
     built by the first of its attention layers to ask and kept by the context for the others while the
     unit runs (each layer asking costs the host a few calls; packed documents' calls would be built again
     by each)."""
-    calls = context.per_unit.get(one_call)
+    per_unit = context.per_unit
+    calls = per_unit.one_call if one_call else per_unit.two_calls
     if calls is None:
         unit = context.unit
-        calls = context.per_unit[one_call] = kernel_calls(context.documents_of(unit), unit.segments, one_call)
+        calls = per_unit.keep(one_call, kernel_calls(context.documents_of(unit), unit.segments, one_call))
     return calls
 
 
@@ -135,7 +137,7 @@ class UnitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, binding: LayerBinding, scale: float) -> Tensor:
         # ctx as forward's first argument: with a separate setup_context, Function.apply binds every
-        # call's arguments to forward's signature (inspect, about 16 µs a call)
+        # call's arguments to forward's signature with inspect.signature
         out, lse, stored = _unit_attention(binding, q, k, v, scale)
         ctx.binding, ctx.scale, ctx.shard = binding, scale, _cp_shard(binding.context)
         _save(ctx, q, k, v, stored, out, lse)
@@ -149,8 +151,8 @@ class UnitAttention(torch.autograd.Function):
 
 
 apply_unit_attention = function_apply(UnitAttention, tensors=3)
-"""``UnitAttention.apply``, without the Python wrapper torch had around it before 2.15
-(:func:`~torchtitan_seq.runtime.torch_internals.function_apply`)."""
+"""``UnitAttention.apply``, without the Python wrapper torch before 2.15 puts around ``Function.apply``
+(:func:`~torchtitan_seq.attention.function_apply.function_apply`)."""
 
 
 # The custom ops, for torch.compile (which keeps them out of its graphs) and dispatch modes (under which

@@ -103,8 +103,17 @@ RECORDER = StepTimeline()
 
 
 def measured_result(timelines: dict[int, list[Interval]], schedule: str, num_subsequences: int) -> Timeline:
-    """The measured step, ``timelines`` being per rank (start, end, action) in ms since the step
-    start; the shape (microbatches, stages per rank, split backward) is read off the actions."""
+    """The measured step as a :class:`Timeline`; its shape (microbatches, stages per rank, split
+    backward) is read off the actions.
+
+    Args:
+        timelines: per rank, (start, end, action) of its compute actions, in ms since the step start.
+        schedule: the schedule's name, for the title.
+        num_subsequences: k (1 for torch's schedules).
+
+    Returns:
+        The step's timeline, in ms.
+    """
     actions = [a for ivs in timelines.values() for _, _, a in ivs]
     units = 1 + max((a.microbatch_index for a in actions), default=-1)
     return Timeline(
@@ -131,7 +140,15 @@ def export_due(step: int, profiling: Profiling) -> bool:
 def export_timeline(step: int, schedule: str, num_subsequences: int, trace_dir: Path, writers: list) -> None:
     """Gather every rank's timeline of the latest step (a collective: every rank calls it); rank 0
     writes the Chrome trace ``trace_dir/iteration_{step}/pipeline_timeline.json``, and each
-    TensorBoard ``SummaryWriter`` in ``writers`` gets the figure as ``pipeline/timeline``."""
+    TensorBoard ``SummaryWriter`` in ``writers`` gets the figure as ``pipeline/timeline``.
+
+    Args:
+        step: the training step, which names the trace's folder and the figure's step.
+        schedule: the schedule's name, for the title.
+        num_subsequences: k (1 for torch's schedules).
+        trace_dir: torchtitan's profiling folder.
+        writers: TensorBoard ``SummaryWriter``s (none: no figure, and matplotlib is not needed).
+    """
     gathered = [local := RECORDER.intervals()]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()

@@ -72,14 +72,14 @@ if sys.argv[0] == "-m":
     # Being found by ``python -m torchtitan_seq.plan`` (runpy sets argv[0] to "-m" while it imports the
     # package, then to __main__'s path): run as the command, the cyclic collector is off from here to the
     # exit. Importing torch and torch.distributed.pipelining (below) makes hundreds of thousands of
-    # objects, and the collections they set off walk them again and again: 0.8 s of a 3.5 s import here.
+    # objects, and the collections they set off walk them again and again, a large share of the import.
     # The search makes millions of small acyclic objects (see search.without_cycle_collection), and a
     # collector turned back on would walk what it cached once more just before the process ends.
     # Imported as a module, nothing changes.
     gc.disable()
 
-# Beside __all__, every name the module had before the split into this package (the tests and the
-# benchmarks reach its helpers as torchtitan_seq.plan.<name>).
+# Beside __all__, the submodules' names that the tests and the benchmarks reach as
+# torchtitan_seq.plan.<name>.
 from torchtitan_seq.plan.bounds import Candidate, candidate_meshes, candidates_of, cut_lengths  # noqa: F401
 from torchtitan_seq.plan.choices import (  # noqa: F401
     AC_MODES,

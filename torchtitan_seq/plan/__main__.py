@@ -6,8 +6,8 @@ import sys
 from torchtitan_seq.plan.cli import main
 
 code = main()  # the cyclic collector off since the package's imports (see its top); plan() leaves it so
-# Out without the interpreter's teardown, which frees the search's cached action lists one object at
-# a time (1-2 s after the answer); the planner holds nothing else to release.
+# Out without the interpreter's teardown, which would free the search's cached action lists one object
+# at a time after the answer is printed; the planner holds nothing else to release.
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(code)

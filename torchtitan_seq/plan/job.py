@@ -15,22 +15,17 @@ from torchtitan_seq.simulate.memory import Device
 from torchtitan_seq.simulate.network import Link
 
 H200_UNIT_OVERHEAD_S = 1.393e-3
-"""Seconds a unit's forward + backward costs per layer beyond its share of the FLOPs, measured on
-an H200 (``benchmarks/gpu/2026-12-04/cudnn``: torch 2.11, cuDNN 9.19, a 4-layer Llama 3 stack of
-dim 2048, 16 heads, 8 KV heads, bf16, batch 1, units through the KV context). Derivation:
-:func:`~torchtitan_seq.simulate.costs.gpu_fixed_cost_per_layer` of that folder: its cost files at
-16K, 32K and 64K tokens (the whole sequence and every cut, k = 1, 2, 4, 8) fit fixed = 5.57 ms per
-unit, per-token 2.5 us and per-pair 0.21 ns, for the 4 layers: 1.39 ms per layer. The 8K files are
-left out: units of 1-2K tokens are not linear in their tokens on this GPU. A second run on the same
-machine (``benchmarks/gpu/2026-12-04/cudnn-rerun``, 16K-64K) fits 0.64 ms: the fixed cost is the
-least steady of the fit's terms. Taken as the GPU's and the code's, whatever the model's width:
-kernel launches, host work and the per-call merges of unit attention do not shrink with a unit, and
-are not divided by TP.
+"""Seconds a unit's forward + backward costs per layer beyond its share of the FLOPs on an H200:
+:func:`~torchtitan_seq.simulate.costs.gpu_fixed_cost_per_layer` of the newest GPU check's cuDNN cost
+files, ``benchmarks/gpu/2026-12-04/cudnn`` (a 4-layer Llama 3 stack of dim 2048, 16 heads, 8 KV
+heads, bf16, batch 1, units through the KV context; the whole sequence and every cut, k = 1, 2, 4, 8).
+Of the fit's terms the fixed cost varies most from run to run (benchmarks/README.md gives the runs).
+Taken as the GPU's and the code's, whatever the model's width: kernel launches, host work and the
+per-call merges of unit attention do not shrink with a unit, and are not divided by TP.
 
 Refit it when a GPU check commits new cost files (``benchmarks/gpu_check.sh --out
-benchmarks/gpu/DATE/cudnn`` on an H200, whose default kernel is cuDNN, prints the fit):
-``tests/unit/test_simulate.py::test_the_h200_fixed_cost_per_unit_is_the_fit_of_the_newest_gpu_check``
-fails until it is set here from the newest folder."""
+benchmarks/gpu/DATE/cudnn`` on an H200, whose default kernel is cuDNN, prints the fit), and name the
+new folder here: a unit test holds this value to the fit of the newest folder."""
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,20 @@ def schedule_runs(choice: ScheduleChoice, pp: int, microbatches: int, n_layers: 
 def evaluate(
     job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int = 1, ac: ACMode = "none", cp: int = 1
 ) -> Plan:
-    """One configuration's predicted throughput, bubble and peak memory (what the search ranks)."""
+    """One configuration's predicted throughput, bubble and peak memory (what the search ranks).
+
+    Args:
+        job: what is trained.
+        cluster: the GPUs it may use.
+        choice: the schedule and its settings.
+        pp: the pipeline degree.
+        tp: the TP degree.
+        ac: the activation checkpointing mode.
+        cp: the CP degree; the data-parallel degree is what the GPUs leave.
+
+    Returns:
+        The configuration's plan, ``fits`` saying whether its peak fits ``cluster.gpu_memory_gib``.
+    """
     args = flavor_shape(job.flavor)
     costs = Costs.load(job, cluster, args)
     dp = cluster.gpus // (pp * tp * cp)

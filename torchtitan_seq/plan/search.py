@@ -25,10 +25,10 @@ from torchtitan_seq.titan.flavors import flavor_shapes
 
 @contextlib.contextmanager
 def without_cycle_collection() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a while (as it was after). The search makes
-    millions of small acyclic objects (actions, steps, tuples), which reference counting frees;
-    each of the collections they would set off walks every live object, torch's own included,
-    which took a third of the planner's time."""
+    """Python's cyclic garbage collector off inside the block (restored as it was on leaving). The
+    search makes millions of small acyclic objects (actions, steps, tuples), which reference counting
+    frees; each of the collections they would set off walks every live object, torch's own included,
+    to free none of the search's."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -42,11 +42,19 @@ def plan(job: Job, cluster: Cluster, top: int = 10, processes: int | None = None
     """The ``top`` fastest configurations that fit, best first, followed by the three
     configurations closest to fitting when fewer fit.
 
-    ``processes``: how many the search runs in at most (:mod:`~torchtitan_seq.plan.lookahead`; the same
-    plans in any number), and no more than one per CPU; default 4.
+    Args:
+        job: what is trained.
+        cluster: the GPUs it may use.
+        top: how many configurations that fit to return at most.
+        processes: how many processes the search runs in at most (:mod:`~torchtitan_seq.plan.lookahead`;
+            the same plans in any number), and no more than one per CPU; None: 4.
 
-    Raises ValueError, naming the setting, for an unknown flavor, GPU counts no
-    degrees divide, or a memory budget nothing fits.
+    Returns:
+        The plans, fastest first; those that do not fit (``fits`` False) last.
+
+    Raises:
+        ValueError: naming the setting, for an unknown flavor, GPU counts no degrees divide, or a
+            memory budget nothing fits.
     """
     if processes is not None and processes < 1:
         raise ValueError(f"--processes {processes}: at least 1")

@@ -29,7 +29,13 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_ten
 
 @dataclass(frozen=True)
 class ContextShard:
-    """CP rank ``rank`` of ``size`` in ``group``; ``size`` 1 (no group): the whole unit, no collective."""
+    """One CP rank's share of every unit, and the collectives over its CP group.
+
+    Args:
+        group: the CP process group; None where ``size`` is 1.
+        rank: this process's rank in ``group``, r: it holds chunks r and 2c - 1 - r of each unit.
+        size: c, the CP degree; 1: the whole unit, no collective.
+    """
 
     group: dist.ProcessGroup | None = None
     rank: int = 0
@@ -43,8 +49,19 @@ class ContextShard:
         return cls(group, dist.get_rank(group), dist.get_world_size(group))
 
     def segments(self, offset: int, length: int) -> tuple[tuple[int, int], ...]:
-        """Positions [start, stop) of the queries this rank holds of a unit at ``offset``, in the order its
-        share lays them out: the whole unit, or chunks ``rank`` and 2c - 1 - ``rank`` of 2c."""
+        """Positions [start, stop) of the queries this rank holds of a unit, in the order its share lays
+        them out: the whole unit, or chunks ``rank`` and 2c - 1 - ``rank`` of 2c.
+
+        Args:
+            offset: the unit's first position in the sequence.
+            length: L, the unit's tokens.
+
+        Returns:
+            One [start, stop) range, or two under context parallelism.
+
+        Raises:
+            ValueError: where ``length`` is not a multiple of 2c.
+        """
         if self.size == 1:
             return ((offset, offset + length),)
         if length % (2 * self.size):

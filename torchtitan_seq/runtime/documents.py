@@ -25,8 +25,16 @@ __all__ = ["document_ids", "document_mask", "Documents"]
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """(B, S) token ids -> (B, S) int32: each token's document, numbered as torchtitan's
-    document mask numbers them (the count of EOS tokens before it)."""
+    """Each token's document, numbered as torchtitan's document mask numbers them (the count of EOS
+    tokens before it): what a sequence schedule's ``step`` takes as ``attention_masks``.
+
+    Args:
+        tokens: (B, S) token ids of packed sequences.
+        eos_id: the tokenizer's end-of-sequence id.
+
+    Returns:
+        (B, S) int32 document ids, non-decreasing along each row.
+    """
     ids = torch.zeros(tokens.shape, dtype=torch.int32, device=tokens.device)
     ids[:, 1:] = (tokens[:, :-1] == eos_id).cumsum(1)
     return ids

@@ -1,7 +1,7 @@
 """Where each microbatch's K/V slab lies on a stage: arenas shared by microbatches growing toward
 each other, planned from the order in which the stage runs its units.
 
-A slab (:class:`~torchtitan_seq.runtime.kv_context.KVSlab`) must be one range of memory, so that a unit
+A slab (:class:`~torchtitan_seq.runtime.kv_slab.KVSlab`) must be one range of memory, so that a unit
 reads its whole prefix as one view; a slab of its own per microbatch, allocated whole by the first
 unit, holds room for units not yet run and for units whose backward has ended. A stage runs its
 units in the order its schedule fixed, and in that order a microbatch in backward frees its
@@ -207,7 +207,17 @@ def plan_arenas(passes: Sequence[Pass], lengths: Sequence[int], size: int, alter
 
     The plan is kept for the same arguments (the caller must not change it): the memory model asks
     for one pass order and cut again and again (ranks and stages running alike, the planner's
-    configurations sharing a schedule's lists)."""
+    configurations sharing a schedule's lists).
+
+    Args:
+        passes: the stage's passes (:data:`Pass`) in the order its rank runs them.
+        lengths: the subsequence lengths [L_0, ..., L_{k-1}].
+        size: positions of one slab.
+        alternate: let two slabs share an arena from its two ends; False: ascending slabs only.
+
+    Returns:
+        The arenas' capacity, each microbatch's slab placement and when the arenas are in use.
+    """
     return _plan_arenas(tuple(passes), tuple(lengths), size, alternate)
 
 

@@ -158,8 +158,21 @@ def partition_sequence(
     multiple: int = 1,
     cost: UnitCost | None = None,
 ) -> list[int]:
-    """Lengths [L_0, ..., L_{k-1}], each a multiple of ``multiple``, summing to ``seq_len``;
-    ``method`` as the module docstring says (``"compute"`` and ``"latency"`` need ``cost``)."""
+    """Cut a sequence into k subsequences (see the module docstring).
+
+    Args:
+        seq_len: S, tokens per sequence.
+        num_subsequences: k, at least 1.
+        method: ``"even"``, ``"compute"`` or ``"latency"``.
+        multiple: what every length is a whole multiple of (``seq_len`` must be one too).
+        cost: the model's unit cost, which ``"compute"`` and ``"latency"`` balance; unused by ``"even"``.
+
+    Returns:
+        [L_0, ..., L_{k-1}], each a positive multiple of ``multiple``, summing to ``seq_len``.
+
+    Raises:
+        ValueError: naming the setting, for a cut that cannot be made.
+    """
     k = num_subsequences
     if method not in PARTITIONS:
         raise ValueError(f"sequence_pipeline.partition = {method!r} is unknown: use one of {list(PARTITIONS)}")

@@ -69,9 +69,20 @@ class JobShape:
         document_length: float = 0.0,
         **fields: Any,
     ) -> JobShape:
-        """The shape of a job on ``model_args`` (torchtitan's ``TransformerModelArgs`` or a
-        :class:`~torchtitan_seq.titan.flavors.ModelShape`); ``document_length``: the expected tokens per
-        packed document (``sequence_pipeline.expected_document_length``, 0: causal)."""
+        """The shape of a job on a model, its unit cost taken from the model where the partition needs it.
+
+        Args:
+            model_args: torchtitan's ``TransformerModelArgs`` or a :class:`~torchtitan_seq.titan.flavors.ModelShape`.
+            seq_len: S, tokens per sequence.
+            num_subsequences: k.
+            partition: how the sequence is cut.
+            document_length: the expected tokens per packed document
+                (``sequence_pipeline.expected_document_length``); 0: causal attention.
+            **fields: the other fields of :class:`JobShape`.
+
+        Returns:
+            The job's shape.
+        """
         cost = None if partition == "even" else UnitCost.from_model_args(model_args, document_length or None)
         return cls(seq_len, num_subsequences, partition, cost, **fields)
 

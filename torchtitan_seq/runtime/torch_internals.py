@@ -6,13 +6,16 @@ attention ops behind SDPA, and three settings. Each entry of :data:`PRIVATE_NAME
 public API does not serve; ``tests/unit/test_torch_internals.py`` lists every private torch name the
 package uses and fails on one used anywhere else. Where a release of torch changed a private name,
 the difference is bridged here, by feature (``hasattr``, a signature), not by version number.
+The code that uses these names lives with its concept (the loss filing in
+:mod:`torchtitan_seq.schedules.unit_losses`, receive sizing in :mod:`torchtitan_seq.schedules.receives`,
+the SDPA ops' binding in :mod:`torchtitan_seq.attention.sdpa_ops`, the simulator's stand-in stages in
+:mod:`torchtitan_seq.simulate.stand_in`): here torch's private hooks only call public methods.
 
 Checked against torch 2.11 (benchmarks/gpu_check.sh on the GPU machine), 2.13.0, 2.14.1 and 2.15.0.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -31,12 +34,13 @@ __all__ = [
     "PRIVATE_NAMES",
     "Action",
     "ComputationType",
+    "RecvInfo",
     "WAIT_SEND",
     "PRE_SPLIT_STEP",
+    "FINALIZE_GRADIENTS",
     "UnitScheduleRuntime",
     "UnitStageBase",
-    "MockStage",
-    "torch_lowering",
+    "ModulelessStage",
     "add_send_waits",
     "add_unshard_reshard",
     "add_reduce_grad",
@@ -44,10 +48,16 @@ __all__ = [
     "detach_tensors",
     "allow_recompiles",
     "dispatch_mode_active",
-    "function_apply",
+    "C_FUNCTION_APPLY",
+    "unwrap_if_dead",
+    "functorch_transforms_active",
     "DEVICE_TYPE_DETECTION",
-    "SdpaOps",
-    "SDPA_OPS",
+    "cpu_flash_attention",
+    "cpu_flash_attention_backward",
+    "flash_attention",
+    "flash_attention_backward",
+    "cudnn_attention",
+    "cudnn_attention_backward",
 ]
 
 _SCHEDULES = "torch.distributed.pipelining.schedules."
@@ -76,7 +86,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch._C": "_len_torch_dispatch_stack: whether a TorchDispatchMode (selective checkpointing's cache, fake "
     "tensors) sees the ops that run; torch has no public query, and unit attention runs as one op under one. "
     "_FunctionBase.apply, _functorch.unwrap_if_dead, _are_functorch_transforms_active: Function.apply as torch "
-    "2.15 runs it in C, before 2.15 (function_apply)",
+    "2.15 runs it in C, before 2.15 (attention.function_apply)",
     "torch._utils": "_get_available_device_type, through which torchtitan 0.2.2 detects the device, falling back "
     "to 'cuda'; the CPU compatibility makes it fall back to 'cpu'",
     "torch._scaled_dot_product_flash_attention_for_cpu": "SDPA's CPU flash kernel, returning the log-sum-exp "
@@ -108,6 +118,7 @@ PRIVATE_NAMES: dict[str, str] = {
 
 Action = _Action
 ComputationType = _ComputationType
+RecvInfo = _RecvInfo
 
 WAIT_SEND: bool = hasattr(_schedules, "_add_wait_send")
 """torch's lowering waits for every send (2.15): a lowering of the package's own must add the waits."""
@@ -150,71 +161,32 @@ def dispatch_mode_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
-_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+C_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+"""``Function.apply`` as C runs it (torch 2.15's ``Function.apply`` itself), for
+:func:`~torchtitan_seq.attention.function_apply.function_apply`."""
+unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+"""functorch's unwrapping of a dead wrapper, which the Python ``apply`` before 2.15 does to each argument."""
+functorch_transforms_active = torch._C._are_functorch_transforms_active
+"""Whether a functorch transform (``torch.func.grad``, ...) is active: then torch's own ``apply`` runs."""
 
-
-def function_apply(fn: type[torch.autograd.Function], tensors: int) -> Callable[..., Any]:
-    """``fn.apply`` (``fn`` defines no ``setup_context``; its first ``tensors`` arguments are tensors) as
-    torch 2.15 runs it, in C. Before 2.15 ``Function.apply`` was Python: it binds every call's arguments
-    for a ``setup_context`` and unwraps functorch's dead wrappers in a generator, some 30 interpreted lines
-    a call, once per unit and layer here; without a functorch transform active that is the C apply of the
-    arguments unwrapped, and under one it is torch's own."""
-    in_c = torch.autograd.Function.__dict__["apply"] is _FUNCTION_APPLY
-    if in_c or fn.setup_context is not torch.autograd.Function.setup_context:
-        return fn.apply
-    run = _FUNCTION_APPLY.__get__(None, fn)
-    unwrap, transforms_active = torch._C._functorch.unwrap_if_dead, torch._C._are_functorch_transforms_active
-
-    def apply(*args: Any) -> Any:
-        if transforms_active():
-            return fn.apply(*args)
-        return run(*map(unwrap, args[:tensors]), *args[tensors:])
-
-    return apply
-
-
-class _SdpaOps:
-    """The aten kernels behind SDPA that return the log-sum-exp, and their backwards, as attributes
-    (``SdpaOps.cpu_flash(q, k, v, ...)``), bound once: the forwards as torch's C functions, the backwards
-    as their ``default`` overloads. Called through its op packet (``torch.ops.aten.<op>(...)``) an op has
-    its overload resolved at each call, some 10K host instructions, at each of four calls per unit and
-    layer. A test stands a fake in for a CUDA-only op by setting the instance's attribute
-    (:data:`SDPA_OPS` names each attribute's aten op)."""
-
-    cpu_flash = torch._scaled_dot_product_flash_attention_for_cpu  # builtins: not bound as methods
-    cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-    flash = torch._scaled_dot_product_flash_attention
-    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
-    cudnn = torch._scaled_dot_product_cudnn_attention
-    cudnn_backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
-
-
-SDPA_OPS: dict[str, str] = {
-    "cpu_flash": "_scaled_dot_product_flash_attention_for_cpu",
-    "cpu_flash_backward": "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "flash": "_scaled_dot_product_flash_attention",
-    "flash_backward": "_scaled_dot_product_flash_attention_backward",
-    "cudnn": "_scaled_dot_product_cudnn_attention",
-    "cudnn_backward": "_scaled_dot_product_cudnn_attention_backward",
-}
-"""Each attribute of :data:`SdpaOps` -> its aten op's name."""
-
-
-SdpaOps = _SdpaOps()
+# SDPA's kernels that return the log-sum-exp, and their backwards' op packets (bound for unit attention in
+# torchtitan_seq.attention.sdpa_ops)
+cpu_flash_attention = torch._scaled_dot_product_flash_attention_for_cpu
+cpu_flash_attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+flash_attention = torch._scaled_dot_product_flash_attention
+flash_attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
+cudnn_attention = torch._scaled_dot_product_cudnn_attention
+cudnn_attention_backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
 
 
 class UnitScheduleRuntime(_schedules._PipelineScheduleRuntime):
-    """torch's action-list runtime for a schedule of units, torch's private hooks behind public names.
+    """torch's action-list runtime for a schedule of units, torch's private names behind public ones.
 
-    torch counts units as microbatches. Losses are filed under their unit id (torch files them by the
-    position they were computed at, which on a last stage that runs units out of order, or only some
-    of them, is not the unit), and the one kept for the step is detached, since an attached loss pins
-    its unit's graph until the step ends.
+    torch counts units as microbatches. Its loss hooks call :meth:`compute_loss`, :meth:`backward_loss`
+    and :meth:`report_losses`, which a subclass defines (the loss filing of
+    :class:`~torchtitan_seq.schedules.unit_losses.UnitLossRuntime`); a runtime that only lowers lists
+    (the simulator's) needs none.
     """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.unit_losses: dict[int, torch.Tensor] = {}
 
     @property
     def stages(self) -> list:
@@ -230,6 +202,11 @@ class UnitScheduleRuntime(_schedules._PipelineScheduleRuntime):
     def runs_backward(self) -> bool:
         """Whether a step runs backward (False in ``eval``)."""
         return self._has_backward
+
+    @property
+    def loss_fn(self) -> Callable[..., torch.Tensor] | None:
+        """The schedule's loss function (None: no stage computes a loss)."""
+        return self._loss_fn
 
     def lower(self, order: dict[int, list[_Action | None]]) -> None:
         """Lower compute-only lists with torch's own passes, as torch lowers its schedules."""
@@ -265,35 +242,43 @@ class UnitScheduleRuntime(_schedules._PipelineScheduleRuntime):
         extra = {"loss_kwargs": loss_kwargs} if loss_kwargs else {}
         self._step_microbatches(arg_units, kwarg_units, target_units, losses, False, **extra)
 
+    def compute_loss(self, stage: Any, output: Any, target_units: list, unit_id: int, loss_kwargs: dict | None) -> None:
+        """After unit ``unit_id``'s forward on ``stage``, its loss where the stage computes one
+        (``target_units``: the targets of every unit)."""
+        raise NotImplementedError
+
+    def backward_loss(self, stage: Any, unit_id: int) -> torch.Tensor | None:
+        """The loss unit ``unit_id``'s backward on ``stage`` starts from (None: a received gradient)."""
+        raise NotImplementedError
+
+    def report_losses(self, losses: list | None) -> None:
+        """At the end of a step: the step's losses into ``losses`` (None: not asked for)."""
+        raise NotImplementedError
+
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
-        if stage.is_last and self._loss_fn is not None:
-            # The loss function itself, not torch's _compute_loss, whose loss_kwargs torch 2.11 lacks.
-            self.unit_losses[mb_index] = self._loss_fn(output, target_mbs[mb_index], **(loss_kwargs or {}))
+        self.compute_loss(stage, output, target_mbs, mb_index, loss_kwargs)
 
     def _maybe_get_loss(self, stage, mb_index):
-        if stage.is_last and self._loss_fn is not None:
-            loss = self.unit_losses[mb_index]
-            self.unit_losses[mb_index] = loss.detach()
-            return loss
-        return None
+        return self.backward_loss(stage, mb_index)
 
     def _update_losses(self, stages, losses):
-        """Per-unit losses of this rank's last stages, in unit-id order; 0 for units they do not run."""
-        if losses is not None and any(s.is_last for s in self._stages):
-            zero = next(iter(self.unit_losses.values())).new_zeros(())
-            losses[:] = [self.unit_losses.get(u, zero) for u in range(self._n_microbatches)]
-        self.unit_losses.clear()
+        self.report_losses(losses)
 
 
 class UnitStageBase(PipelineStage):
     """torch's ``PipelineStage`` for units of differing lengths, torch's private hooks bridged.
 
-    A subclass says each unit's length (:meth:`unit_length`); receive buffers, which torch sizes like
-    unit 0's, are resized to it after torch prepares them.
+    A subclass says each unit's length (:meth:`unit_length`) and resizes its receives, which torch
+    describes like unit 0's (:meth:`resize_receives`), after torch prepares them.
     """
 
     def unit_length(self, unit_id: int) -> int:
         """Tokens of the unit behind torch's microbatch index ``unit_id``; receive shapes scale with it."""
+        raise NotImplementedError
+
+    def resize_receives(self, receives_by_unit: dict) -> None:
+        """Resize each unit's receives (unit id -> :data:`RecvInfo` and torch 2.11's placeholders for model
+        inputs), which torch describes, and before 2.15 allocates, like unit 0's."""
         raise NotImplementedError
 
     # torch 2.11 checks each forward's inputs (on a first stage) and outputs against those of unit 0, shapes
@@ -314,57 +299,19 @@ class UnitStageBase(PipelineStage):
         # Metadata inference runs the chunk on unit 0 outside any unit: plain causal attention, nothing
         # cached. (torch 2.13 also passes has_backward; torch 2.11 does not.)
         out = super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
-        self._size_receives(self.args_recv_info)
+        self.resize_receives(self.args_recv_info)
         return out
 
     def _prepare_backward_infra(self, num_microbatches, *args, **kwargs):
         out = super()._prepare_backward_infra(num_microbatches, *args, **kwargs)
-        self._size_receives(self.grad_recv_info)
+        self.resize_receives(self.grad_recv_info)
         return out
 
-    def _size_receives(self, infos_by_unit: dict) -> None:
-        """Resize the receives of each unit, described (and before torch 2.15 allocated) for unit 0, to
-        the unit's length; shapes scale, so a tensor whose sequence is sharded (TP's sequence parallel)
-        keeps its fraction. torch 2.13 adds metadata beside the buffer, which 2.15 allocates from just
-        before each receive; torch 2.11 has no metadata and describes model inputs by placeholders."""
-        first = self.unit_length(0)
-        for unit_id, infos in infos_by_unit.items():
-            length = self.unit_length(unit_id)
 
-            def scaled(shape: torch.Size, length: int = length) -> torch.Size:
-                return torch.Size([shape[0], shape[1] * length // first, *shape[2:]])
-
-            for info in infos:
-                if not isinstance(info, _RecvInfo) or getattr(info, "is_root_arg", False):
-                    continue  # a model input: nothing is received
-                if hasattr(info, "tensor_meta"):  # torch 2.13
-                    if info.tensor_meta is None:
-                        continue
-                    changes = {}
-                    for prefix in ("", "global_"):
-                        if shape := getattr(info.tensor_meta, f"{prefix}shape", None):
-                            changes[f"{prefix}shape"] = shape = scaled(shape)
-                            changes[f"{prefix}stride"] = torch.empty(shape, device="meta").stride()
-                    info.tensor_meta = meta = dataclasses.replace(info.tensor_meta, **changes)
-                    shape, dtype = meta.shape, meta.dtype
-                else:
-                    shape, dtype = scaled(info.buffer.shape), info.buffer.dtype
-                if info.buffer is not None:  # allocated now (before 2.15), not from the metadata at the receive
-                    grad = info.buffer.requires_grad
-                    info.buffer = torch.empty(shape, dtype=dtype, device=self.device, requires_grad=grad)
-
-
-class MockStage(_PipelineStageBase):
-    """A stage without module or process group, enough for torch's schedule constructors and
-    lowering (the trick of torch's test_schedule.py MockPipelineStage)."""
-
-    def __init__(self, stage_index: int, num_stages: int, group_size: int, group_rank: int = 0) -> None:
-        self.submod = None
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self.group_size = group_size
-        self.group_rank = group_rank
-        self.group = None
+class ModulelessStage(_PipelineStageBase):
+    """torch's stage base for a stage without module or process group: the hooks that would prepare its
+    sends and receives do nothing. A subclass sets the attributes torch's schedule constructors and
+    lowering read (:class:`~torchtitan_seq.simulate.stand_in.MockStage`)."""
 
     def _create_grad_recv_info(self, *args, **kwargs):
         return None
@@ -374,20 +321,3 @@ class MockStage(_PipelineStageBase):
 
     def _prepare_backward_infra(self, *args, **kwargs):
         pass
-
-
-def torch_lowering(
-    order: dict[int, list[_Action | None]], num_stages: int, num_units: int
-) -> tuple[dict[int, list[_Action]] | None, dict[int, int]]:
-    """torch's own lowering of compute-only lists (``_prepare_schedule_with_comms``, the passes of the
-    installed torch), run on stand-in stages: (the lists the runtime runs, stage -> rank). The lists
-    are None where torch finds no order for the sends and receives (a deadlock)."""
-    held = sorted({a.stage_index for a in order[0] if a is not None}) or [0]
-    runtime = _schedules._PipelineScheduleRuntime([MockStage(s, num_stages, len(order)) for s in held], num_units)
-    try:
-        runtime._prepare_schedule_with_comms(order)
-    except AssertionError as e:
-        if "can't schedule sends/recvs" not in str(e):
-            raise
-        return None, dict(runtime.stage_index_to_group_rank)
-    return runtime.pipeline_order_with_comms, dict(runtime.stage_index_to_group_rank)

@@ -15,9 +15,10 @@ from typing import Any, ClassVar
 import torch
 
 from torchtitan_seq.runtime.documents import Documents
-from torchtitan_seq.runtime.torch_internals import Action, UnitScheduleRuntime, allow_recompiles
+from torchtitan_seq.runtime.torch_internals import Action, allow_recompiles
 from torchtitan_seq.schedules.ordering import validate_unit_order
 from torchtitan_seq.schedules.stage import SequencePipelineStage
+from torchtitan_seq.schedules.unit_losses import UnitLossRuntime
 
 __all__ = ["ActionLists", "ScheduleShape", "SequenceSchedule", "StagePlacement"]
 
@@ -43,7 +44,7 @@ class ScheduleShape:
     stages_per_rank: int | None = None
 
 
-class SequenceSchedule(UnitScheduleRuntime):
+class SequenceSchedule(UnitLossRuntime):
     """Base of the sequence schedules: runs N microbatches as N k units.
 
     Args:
@@ -167,18 +168,29 @@ class SequenceSchedule(UnitScheduleRuntime):
         **kwargs: Any,
     ) -> torch.Tensor | None:
         """Run one step on a whole batch, or on its microbatches split as torch 2.14's ``step`` takes
-        them; see the package docstring.
+        them; see the package docstring. Pass either the whole batch (``args``, ``target``,
+        ``attention_masks``) or its microbatches (``arg_mbs``, ``kwarg_mbs``, ``target_mbs``). Under
+        context parallelism every CP rank passes the whole batch and takes its share of each unit itself.
 
-        args: the first stage's inputs, each (batch, seq_len, ...); empty on other ranks. target:
-        (batch, seq_len) on the rank of the last stage. attention_masks: packed documents, (batch,
-        seq_len) document ids (:func:`~torchtitan_seq.runtime.documents.document_ids`), on every rank, as
-        torchtitan passes its block-causal flavors' masks; None: causal. Or, instead of those, one entry
-        per microbatch: ``arg_mbs`` (tuples of (batch / N, seq_len, ...)), ``kwarg_mbs`` (dicts, with
-        at most ``attention_masks``) and ``target_mbs``. Under context parallelism every CP rank gets
-        the whole batch and takes its share of each unit itself. ``loss_kwargs`` go to the loss
-        function; ``finalize_gradients=False`` (torch 2.15) leaves FSDP's gradients unreduced for a
-        later step. Returns the last stage's output, (batch, seq_len, ...) (under CP this rank's
-        shares, (batch, seq_len / c, ...)), if asked for.
+        Args:
+            *args: the first stage's inputs, each (batch, seq_len, ...); none on other ranks.
+            target: the labels, (batch, seq_len), on the rank of the last stage.
+            losses: a list that receives one loss per microbatch on the last stage's rank, as with
+                torch's schedules; None: not collected.
+            return_outputs: whether to return the last stage's output.
+            loss_kwargs: keyword arguments for the loss function.
+            attention_masks: packed documents, (batch, seq_len) document ids
+                (:func:`~torchtitan_seq.runtime.documents.document_ids`) on every rank, as torchtitan
+                passes its block-causal flavors' masks; None: causal attention.
+            arg_mbs: one tuple of inputs per microbatch, each (batch / N, seq_len, ...).
+            kwarg_mbs: one dict per microbatch, holding at most ``attention_masks`` (batch / N, seq_len).
+            target_mbs: one (batch / N, seq_len) tensor of labels per microbatch.
+            finalize_gradients: False leaves FSDP's gradients unreduced for a later step (torch 2.15).
+            **kwargs: refused: sequence schedules take the model inputs positionally.
+
+        Returns:
+            The last stage's output, (batch, seq_len, ...), on its rank where ``return_outputs`` (under
+            CP this rank's shares, (batch, seq_len / c, ...)); else None.
         """
         if kwargs:
             raise TypeError(f"sequence schedules take the model inputs positionally, got {sorted(kwargs)}")

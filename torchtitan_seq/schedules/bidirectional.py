@@ -121,6 +121,18 @@ def lower_chains(
     placed as torch's ``_add_send_recv`` places them (ranks advance in lock step, an action waits
     for its input, a receive is posted when its send is issued), except that no transfer crosses a
     chain's end; then torch's waits for the sends (2.15).
+
+    Args:
+        order: per rank, its compute actions (None: an idle slot).
+        stage_to_rank: the rank of every stage.
+        chain_length: stages per chain; stage s is in chain s // ``chain_length``.
+        units_per_stage: the units each stage runs in a step (its last backward reduces gradients).
+
+    Returns:
+        Per rank, its actions with FSDP's, the sends' and the receives'.
+
+    Raises:
+        ValueError: where no order of sends and receives runs the lists (they deadlock).
     """
     pending = {
         r: [a for a in add_reduce_grad(add_unshard_reshard(acts), units_per_stage) if a is not None]
@@ -167,10 +179,13 @@ class MirroredCopies:
     copy's gradient to it and drops the mirror copy's, so the optimizer steps each chunk once and
     gradient-norm clipping counts it once; :meth:`sync_parameters` then copies the primaries' new
     values over the mirror copies. Each is one all-reduce per pair, on one flat buffer in the order
-    both ranks share: by chunk index.
+    both ranks share: by chunk index. Constructing it is a collective over the world: every process
+    creates every pair's process group.
 
-    ``modules``: {stage index: module} of this rank's stages; ``pp_group``: the pipeline's process
-    group (its group ranks are the layout's ranks).
+    Args:
+        modules: {stage index: module} of this rank's stages.
+        layout: where the two chains' stages live.
+        pp_group: the pipeline's process group (its group ranks are the layout's ranks).
     """
 
     def __init__(self, modules: dict[int, nn.Module], layout: BidirectionalLayout, pp_group: dist.ProcessGroup) -> None:
@@ -231,7 +246,14 @@ class BidirectionalSchedule(SequenceSchedule):
     step starts from identical copies and leaves each chunk's whole gradient on its chain-A copy
     (:class:`MirroredCopies`); call :meth:`after_optimizer_step` after each optimizer step (the
     trainer does). ``step()`` returns no outputs: each last stage sees half of the microbatches.
-    ``placement``: position -> rank, see :data:`PLACEMENTS`.
+
+    Args:
+        stages: this rank's stages, those the layout puts on it.
+        n_microbatches: N, microbatches per step (even: half go down each chain).
+        loss_fn: per-unit loss, see the package docstring.
+        split_backward: must be False: the two chains run full backwards.
+        scale_grads: as :class:`~torchtitan_seq.schedules.base.SequenceSchedule`'s.
+        placement: position -> rank, one of :data:`PLACEMENTS`.
     """
 
     parameter_copies = 2
@@ -283,7 +305,8 @@ class BidirectionalSchedule(SequenceSchedule):
 
     @classmethod
     def check_shape(cls, shape: ScheduleShape, placement: Placement = "paired") -> None:
-        # Without building the lists (BSIPipe's take seconds at large shapes); the actions functions call it too.
+        # Without building the lists (BSIPipe's list scheduling is costly at large shapes); the actions
+        # functions call it too.
         BidirectionalLayout(shape.num_ranks, placement, cls.stages_per_rank)  # an even p, a known placement
         v = cls.stages_per_rank
         if shape.stages_per_rank not in (None, v):

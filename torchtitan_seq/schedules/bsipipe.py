@@ -215,8 +215,18 @@ def list_schedule(
     num_ranks: int, num_microbatches: int, k: int, priority: Priority, limits: list[list[int]]
 ) -> ListSchedule:
     """One BSIPipe list schedule of a step under uniform costs (a chunk's forward 1/2k, its backward
-    1/k) and ``priority``: each position may hold ``limits[q]`` units (of chain A, of B, of both)
-    before a forward waits; limits grow by one whenever nothing could start otherwise."""
+    1/k); limits grow by one whenever nothing could start otherwise.
+
+    Args:
+        num_ranks: p, pipeline positions.
+        num_microbatches: N, microbatches of the step (even ones down chain A, odd ones down B).
+        k: subsequences per microbatch.
+        priority: how a position ranks the passes it can start.
+        limits: per position q, the units it may hold (of chain A, of B, of both) before a forward waits.
+
+    Returns:
+        The lists by position, their makespan and the most units each position held.
+    """
     return _ListScheduler(num_ranks, num_microbatches, k, priority, limits).schedule()
 
 

@@ -23,9 +23,9 @@ def chimera_actions(shape: ScheduleShape) -> ActionLists:
     first on a tie. Slots are a valid timing, so the lists cannot deadlock; any even N is one merged
     1F1B.
 
-    Simulated (tests/unit/test_chimera_schedule.py, README): bubble exactly (p-2)/(2Nk+p-2) for even
-    N >= p when a backward takes a forward's time, at most 2(p-2)/(3Nk+2(p-2)) under uniform costs;
-    peak activations per rank at most ((p-1)/k + 2) M whatever N.
+    Simulated (docs/simulator.md): bubble exactly (p-2)/(2Nk+p-2) for even N >= p when a backward
+    takes a forward's time, at most 2(p-2)/(3Nk+2(p-2)) under uniform costs; peak activations per rank
+    at most ((p-1)/k + 2) M whatever N.
     """
     ScheduleChimera.check_shape(shape)
     p, k = shape.num_ranks, shape.num_subsequences

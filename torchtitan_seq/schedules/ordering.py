@@ -45,8 +45,15 @@ def compute_leaves(action: Action) -> tuple[Action, ...]:
 
 
 def validate_unit_order(order: dict[int, list[Action | None]], num_subsequences: int) -> None:
-    """Check rules 1 and 2 on per-rank compute-only action lists; raise :class:`ScheduleOrderError`
-    naming the rule, the rank, the step and the unit."""
+    """Check rules 1 and 2 on per-rank compute-only action lists.
+
+    Args:
+        order: per rank, its compute actions in order (None: an idle slot).
+        num_subsequences: k, units per microbatch (unit id = m * k + j).
+
+    Raises:
+        ScheduleOrderError: naming the rule, the rank, the step and the unit of the first break.
+    """
     k = num_subsequences
     for rank, actions in order.items():
         # (stage, unit) pairs run, per kind: plain int tuples hash in C, an enum member in Python.

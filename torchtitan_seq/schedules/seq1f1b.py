@@ -22,13 +22,21 @@ def unit_orders(microbatches: range, k: int) -> tuple[list[int], list[int]]:
 def one_f_one_b(
     warmup: int, fwd: list[tuple[int, int]], bwd: list[tuple[int, int]], split_backward: bool
 ) -> list[Action | None]:
-    """One rank's list: ``warmup`` forwards, then alternate backward/forward, then the remaining backwards;
-    ``fwd``, ``bwd``: the rank's (stage index, unit id) slots in forward and backward order.
+    """One rank's list: ``warmup`` forwards, then alternate backward/forward, then the remaining backwards.
 
     With ``split_backward`` each backward is an input-gradient pass (I) followed by its
     weight-gradient pass (W), except in the cool-down, where the Ws wait until every I has run: the
     I passes the previous rank is waiting for go first, and the Ws fill what would be idle time at
     the end (the zero-bubble idea), without holding more activations than 1F1B.
+
+    Args:
+        warmup: forwards before the rank's first backward.
+        fwd: the rank's (stage index, unit id) slots in forward order.
+        bwd: the same slots in backward order.
+        split_backward: I and W passes instead of B.
+
+    Returns:
+        The rank's compute actions in order.
     """
     backward = [I, W] if split_backward else [B]
     actions: list[Action | None] = [Action(s, F, u) for s, u in fwd[:warmup]]

@@ -18,6 +18,7 @@ from torchtitan_seq.runtime.context_parallel import ContextShard
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
 from torchtitan_seq.runtime.torch_internals import UnitStageBase, detach_tensors
 from torchtitan_seq.schedules.ordering import B, F, I, W, stage_passes
+from torchtitan_seq.schedules.receives import scale_receives
 
 __all__ = ["SequencePipelineStage"]
 
@@ -25,13 +26,19 @@ __all__ = ["SequencePipelineStage"]
 class SequencePipelineStage(UnitStageBase):
     """A pipeline stage whose microbatches are cut into subsequences (sequence dimension 1).
 
-    ``submodule`` is the model chunk, with :class:`~torchtitan_seq.attention.SequenceAttention`
-    layers; ``lengths`` are the subsequence lengths [L_0, ..., L_{k-1}] of every microbatch;
-    ``kernel`` is the block attention kernel, chosen for ``device`` when omitted. Where the
-    stages form several chains (BSIPipe's and Chimera's two), stage s is first of its chain when
-    s % ``chain_length`` == 0 (one chain by default). ``context_shard``: this rank's share of every
-    unit under context parallelism (:mod:`torchtitan_seq.runtime.context_parallel`; None: the whole unit).
-    The other arguments are ``PipelineStage``'s.
+    Args:
+        submodule: the model chunk, with :class:`~torchtitan_seq.attention.SequenceAttention` layers.
+        stage_index: the stage's index, as ``PipelineStage`` takes it.
+        num_stages: the pipeline's stages, as ``PipelineStage`` takes it.
+        device: the device the chunk runs on.
+        lengths: the subsequence lengths [L_0, ..., L_{k-1}] of every microbatch.
+        kernel: the block attention kernel; None: :func:`~torchtitan_seq.attention.kernels.select_kernel`'s
+            for ``device``.
+        chain_length: stages per chain, where the stages form several chains (BSIPipe's and Chimera's
+            two): stage s is first of its chain when s % ``chain_length`` == 0. None: one chain.
+        context_shard: this rank's share of every unit under context parallelism
+            (:mod:`torchtitan_seq.runtime.context_parallel`); None: the whole unit.
+        **kwargs: the other arguments of ``PipelineStage`` (``group``, ``dw_builder``, ...).
     """
 
     def __init__(
@@ -88,6 +95,9 @@ class SequencePipelineStage(UnitStageBase):
 
     def unit_length(self, unit_id: int) -> int:
         return self.lengths[unit_id % len(self.lengths)]
+
+    def resize_receives(self, receives_by_unit: dict) -> None:
+        scale_receives(receives_by_unit, self.unit_length, self.device)
 
     def unit(self, unit_id: int) -> Unit:
         """The (microbatch, subsequence) unit behind torch's microbatch index."""

@@ -25,7 +25,6 @@ Usage::
 """
 
 from torchtitan_seq.instrumentation.render import chrome_trace, compute_csv, render_svg
-from torchtitan_seq.runtime.torch_internals import MockStage
 from torchtitan_seq.schedules import TORCH_SCHEDULES
 from torchtitan_seq.simulate.build import SimConfig
 from torchtitan_seq.simulate.cli import main
@@ -33,6 +32,7 @@ from torchtitan_seq.simulate.costs import UnitTimes, transformer_times, unit_tim
 from torchtitan_seq.simulate.engine import Deadlock, SimResult, StuckRank, simulate, simulate_order
 from torchtitan_seq.simulate.network import Link, Network, Transfers
 from torchtitan_seq.simulate.regenerate import regenerate, standard_configs
+from torchtitan_seq.simulate.stand_in import MockStage
 
 __all__ = [
     "TORCH_SCHEDULES",

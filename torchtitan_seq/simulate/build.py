@@ -9,7 +9,7 @@ stages and reading its ``pipeline_order`` (1F1B and GPipe run their own loop:
 their IR is renumbered the way that loop counts microbatches, see
 ``_executed_order``). The lists are then lowered by torch's own
 ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` on stand-in stages
-(:func:`~torchtitan_seq.runtime.torch_internals.torch_lowering`: whatever passes the
+(:func:`~torchtitan_seq.simulate.stand_in.torch_lowering`: whatever passes the
 installed torch runs, 2.15's send waits included), and the lowered lists are
 what :mod:`.engine` runs. Units are numbered ``m * k + j``
 (microbatch m, subsequence j); torch's schedules have k = 1.
@@ -24,7 +24,7 @@ from torch.distributed.pipelining.schedules import SEND_B, SEND_F, PipelineSched
 
 from torchtitan_seq.runtime.partition import Partition
 from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
-from torchtitan_seq.runtime.torch_internals import Action, MockStage, stage_to_rank_mapping, torch_lowering
+from torchtitan_seq.runtime.torch_internals import Action, stage_to_rank_mapping
 from torchtitan_seq.schedules import (
     PLACEMENTS,
     SEQUENCE_SCHEDULES,
@@ -37,6 +37,7 @@ from torchtitan_seq.schedules import (
 )
 from torchtitan_seq.schedules.ordering import B, F, compute_leaves, feeds, validate_unit_order
 from torchtitan_seq.simulate.network import Network
+from torchtitan_seq.simulate.stand_in import MockStage, torch_lowering
 
 __all__ = ["SimConfig", "Built", "build", "stages_by_rank", "lower", "send_after_compute", "check_placement"]
 
@@ -170,9 +171,8 @@ def stages_by_rank(
 
 @functools.lru_cache(maxsize=512)
 def _checked_order(cls: type, shape: ScheduleShape) -> ActionLists:
-    """A sequence schedule's compute-only lists, validated; kept because BSIPipe's list
-    scheduling takes seconds at large shapes and placements and costs share the lists
-    (callers copy them)."""
+    """A sequence schedule's compute-only lists, validated; kept because placements and costs share
+    the lists, and BSIPipe's list scheduling is costly at large shapes (callers copy them)."""
     order = cls.compute_order(shape)
     validate_unit_order(order, shape.num_subsequences)
     return order

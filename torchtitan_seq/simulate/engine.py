@@ -65,7 +65,7 @@ Transfer = Callable[[int, int, int], float]
 
 Key = tuple[int, Any, int]
 """An action as (stage, computation type, unit): a plain tuple, quicker to make than an ``Action``
-(a NamedTuple, whose constructor runs in Python), of which the planner's simulations made a million."""
+(a NamedTuple, whose constructor runs in Python): the planner's simulations make one per action."""
 
 _COMPUTE = frozenset({F, B, I, W})
 """The kinds of compute leaves (``Action.is_compute_op`` less OVERLAP_F_B, which runs as its leaves)."""
@@ -260,9 +260,15 @@ def _deadlock(
 def simulate(config: SimConfig) -> SimResult:
     """Build, validate, lower and time ``config``'s schedule.
 
-    Raises :class:`~torchtitan_seq.schedules.ordering.ScheduleOrderError` for a sequence
-    schedule that breaks an ordering rule, ValueError for a shape the schedule
-    does not support; a deadlock is reported in the result.
+    Args:
+        config: the schedule shape, its costs and its network.
+
+    Returns:
+        The timed step; a deadlock is reported in it, not raised.
+
+    Raises:
+        ScheduleOrderError: (a ValueError) for a sequence schedule that breaks an ordering rule.
+        ValueError: for a shape the schedule does not support.
     """
     built = build(config)
     lengths = subsequence_lengths(config)
@@ -308,18 +314,26 @@ def simulate_order(
     transfers: Transfers | None = None,
     torch_lowering: bool = True,
 ) -> SimResult:
-    """Lower and time compute-only lists ``order`` ({rank: [action or None]}).
+    """Lower and time compute-only lists.
 
-    ``lengths`` are the subsequence lengths (k = len(lengths)), ``times`` the
-    unit times on a stage with 1/p of the layers; where ``chunk_times`` hold
-    every stage's model chunk on its rank, each stage takes its own chunk's
-    times instead (an uneven cut: the embedding, the output layer). ``placement`` ("loop",
-    "v" or "bidirectional"), when given, must agree with where the lists put
-    the stages ("bidirectional": either of its placements). With
-    ``parameter_copies`` 2 the p v stages are two chains over p v / 2 model
-    chunks (BSIPipe, Chimera). A transfer takes ``comm_latency`` plus, when
-    given, the time ``transfers`` says (which also times the copies'
-    all-reduces at the end of the step). ``torch_lowering``: see :class:`SimConfig`.
+    Args:
+        order: per rank, its compute actions (None: an idle slot).
+        lengths: the subsequence lengths; k = len(lengths).
+        times: the unit times on a stage with 1/p of the layers.
+        microbatches: N, microbatches per step.
+        chunk_times: each model chunk's own times on its rank, taken instead where they cover every stage.
+        stages_per_rank: v.
+        placement: where the lists must put the stages ("loop", "v", "bidirectional"); None: unchecked.
+        schedule: the schedule's name, for the result and its errors.
+        split_backward: whether the lists split backward, for the result.
+        cost: the cost's name, for the result.
+        parameter_copies: 2: the p v stages are two chains over p v / 2 model chunks (BSIPipe, Chimera).
+        comm_latency: time from every SEND to its data being usable on the receiving rank.
+        transfers: the network's time for each transfer and for the copies' all-reduces; None: none.
+        torch_lowering: see :class:`SimConfig`.
+
+    Returns:
+        The timed step; a deadlock is reported in it, not raised.
     """
     p, v, k = len(order), stages_per_rank, len(lengths)
     num_stages = p * v

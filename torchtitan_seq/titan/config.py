@@ -47,15 +47,14 @@ class SequencePipeline:
     position q on pipeline rank q."""
 
     activation_memory_freq: int = 10
-    """Meter saved activations (:mod:`torchtitan_seq.instrumentation.memory`) on the first logged step (step 1) and
-    on every N-th logged step after it: the steps that are multiples of N x ``metrics.log_freq``
-    (numbered as torchtitan numbers steps, so a resumed job meters the same ones). The meter is a
-    saved-tensor hook on every tensor autograd saves, about 10% of a unit's forward on a CPU; other
-    steps install none, and their records carry no activation figure. 10 keeps it under about 1%
-    of training at ``log_freq = 1`` (0.1% at torchtitan's default of 10). 1: every logged step
+    """Meter saved activations (:mod:`torchtitan_seq.instrumentation.memory`) on the first logged step
+    (step 1) and on every N-th logged step after it: the steps that are multiples of N x
+    ``metrics.log_freq`` (numbered as torchtitan numbers steps, so a resumed job meters the same ones).
+    The meter is a saved-tensor hook on every tensor autograd saves, which slows the steps it runs in;
+    other steps install none, and their records carry no activation figure. 1: every logged step
     (the benchmark, and tests that read peaks); 0: never."""
 
     pipeline_timeline: bool = True
-    """Time every compute action of the logged steps (:mod:`torchtitan_seq.instrumentation.timeline`: their bubble
-    ratio and pipeline makespan, the exported timeline); other steps are never timed. False: no
-    step is (the benchmark's instrumentation-off control)."""
+    """Time every compute action of the logged steps (:mod:`torchtitan_seq.instrumentation.timeline`:
+    their bubble ratio and pipeline makespan, the exported timeline); other steps are never timed.
+    False: no step is (the benchmark's instrumentation-off control)."""

@@ -81,8 +81,11 @@ def _patch(owner: object, name: str, wrap) -> None:
 
 
 def apply() -> None:
-    """Patch what torchtitan needs on a machine without CUDA. Idempotent; run it before the first
-    torchtitan import, because torchtitan reads the device type at import time."""
+    """Patch torch where torchtitan needs it on a machine without CUDA; with CUDA, do nothing.
+
+    Idempotent. Run it before the first torchtitan import: torchtitan reads the device type at import
+    time. The patches are the module docstring's list.
+    """
     if torch.cuda.is_available():
         return
     _patch(*DEVICE_TYPE_DETECTION, lambda detect: lambda: detect() or "cpu")
@@ -101,7 +104,13 @@ def apply() -> None:
 
 
 def fsdp_for_gloo(model_parts: list[nn.Module]) -> None:
-    """Make FSDP2 modules reduce with SUM (then divide) instead of PREMUL_SUM, on the CPU."""
+    """Make FSDP2 modules reduce gradients with SUM (then divide) instead of PREMUL_SUM, on the CPU.
+
+    gloo has no PREMUL_SUM; with CUDA the modules are left as they are.
+
+    Args:
+        model_parts: the trainer's model parts; every :class:`FSDPModule` among their modules is set.
+    """
     if not torch.cuda.is_available():
         for m in (m for part in model_parts for m in part.modules() if isinstance(m, FSDPModule)):
             m.set_force_sum_reduction_for_comms(True)

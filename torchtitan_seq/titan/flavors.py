@@ -3,9 +3,9 @@
 The planner, the simulator's transformer cost model and the memory model read a handful of numbers
 of a flavor. torchtitan's own table (``torchtitan.models.llama3.llama3_args``) sits in a package
 that imports the model, its trainer components and, through ``torchtitan``'s own ``__init__``,
-modules that wrap attention for ``torch.compile``: seconds of CPU on every planner call, more than
-its search takes at 8B. Here they are plain numbers; ``tests/unit/test_flavors.py`` checks them,
-and :func:`chunk_split`, against torchtitan's.
+modules that wrap attention for ``torch.compile``: an import far heavier than the planner's own
+work. Here they are plain numbers, which the test suite checks against torchtitan's table, as it
+checks :func:`chunk_split` against torchtitan's ``generate_llm_fqn_per_model_part``.
 """
 
 from __future__ import annotations
@@ -46,9 +46,19 @@ flavor_shapes: dict[str, ModelShape] = {
 
 
 def chunk_split(n_layers: int, num_chunks: int) -> tuple[tuple[int, bool, bool], ...] | None:
-    """Per chunk: (transformer layers, holds the embeddings, holds norm + output), as torchtitan's
-    ``generate_llm_fqn_per_model_part(num_chunks, n_layers, 1, 1)`` cuts the model; None where it
-    refuses (fewer than one effective layer per chunk)."""
+    """How torchtitan cuts a Llama 3 model into pipeline chunks, as layer counts.
+
+    The cut of torchtitan's ``generate_llm_fqn_per_model_part(num_chunks, n_layers, 1, 1)``: the
+    embeddings and norm + output weigh a layer each, and the first chunks take the remainder.
+
+    Args:
+        n_layers: the model's transformer layers.
+        num_chunks: the chunks the model is cut into.
+
+    Returns:
+        Per chunk, in model order: (transformer layers, holds the embeddings, holds norm + output);
+        None where torchtitan refuses the cut (fewer than one effective layer per chunk).
+    """
     if num_chunks == 1:
         return ((n_layers, True, True),)
     # The embeddings and norm + output count as a layer each; the first chunks take the remainder.

@@ -28,8 +28,15 @@ __all__ = [
 
 
 def check_schedule_name(name: str) -> None:
-    """``parallelism.pipeline_parallel_schedule`` names a sequence schedule or one of torch's (torch's
-    ``get_schedule_class`` takes its names in any case)."""
+    """Refuse a ``parallelism.pipeline_parallel_schedule`` that is neither a sequence schedule nor torch's.
+
+    Args:
+        name: the schedule's name; torch's names match in any case, as torch's ``get_schedule_class``
+            takes them.
+
+    Raises:
+        ValueError: ``name`` is unknown.
+    """
     if name not in SEQUENCE_SCHEDULES and name.lower() not in {n.lower() for n in TORCH_SCHEDULES}:
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {name!r} is unknown: use a sequence schedule "
@@ -38,8 +45,16 @@ def check_schedule_name(name: str) -> None:
 
 
 def check_degrees(parallelism: Any, world_size: int) -> None:
-    """The parallel degrees (``parallelism``'s ``*_degree`` fields) multiply to the process count
-    (FSDP's -1 takes what is left)."""
+    """Refuse parallel degrees whose product is not the process count.
+
+    Args:
+        parallelism: the job's ``parallelism`` section; its ``*_degree`` fields are read, and a
+            ``data_parallel_shard_degree`` of -1 (FSDP) takes the processes the others leave.
+        world_size: the job's process count.
+
+    Raises:
+        ValueError: the degrees do not fit ``world_size`` processes.
+    """
     par = parallelism
     degrees = {
         f"{dim}_degree": getattr(par, f"{dim}_degree")
@@ -56,10 +71,21 @@ def check_degrees(parallelism: Any, world_size: int) -> None:
 
 
 def check_unit_precision(schedule: str, pp_degree: int, activations: str, why: str, fix: str) -> None:
-    """On CUDA a sequence schedule's units (a pipeline: ``pp_degree`` > 1) attend with torch's flash or
-    cuDNN op or flash-attn, which take fp16 and bf16 only (``benchmarks/gpu_check.py`` measures it).
-    ``activations``: the dtype the version trains the pipeline in, for the reason ``why``; ``fix``: how to
-    change it. A CPU job passes (torch's CPU kernel takes float32)."""
+    """Refuse a sequence pipeline on CUDA whose activations are neither bf16 nor fp16.
+
+    On CUDA a sequence schedule's units attend with torch's flash or cuDNN kernel or with flash-attn,
+    which take fp16 and bf16 only. A CPU job passes: torch's CPU kernel takes float32.
+
+    Args:
+        schedule: the schedule's name, for the message.
+        pp_degree: the pipeline degree; 1 runs no pipeline, so no units.
+        activations: the dtype the torchtitan version trains the pipeline in.
+        why: the reason it trains in that dtype, for the message.
+        fix: how to change it, for the message.
+
+    Raises:
+        ValueError: a pipeline on CUDA with activations in another dtype.
+    """
     if torch.cuda.is_available() and pp_degree > 1 and activations not in ("bfloat16", "float16"):
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {schedule!r} on CUDA needs bf16 or fp16 activations, but "
@@ -68,9 +94,22 @@ def check_unit_precision(schedule: str, pp_degree: int, activations: str, why: s
 
 
 def check_compile(compile_model: bool, *, split_backward: bool, sequence: bool, tp_degree: int, pp_degree: int) -> None:
-    """Compiled blocks (``compile_model``: compile.enable with the model among its components) run no
-    split backward under a sequence schedule (``sequence``), nor tensor parallelism in a pipeline
-    (torch 2.13 to 2.15: tried on each)."""
+    """Refuse compiled blocks with a split backward or with tensor parallelism in a pipeline.
+
+    A compiled block is one autograd node, so a split backward's weight pass would run its whole
+    backward again; and torch 2.13 to 2.15 hand the compiled blocks' backward plain tensors for DTensors
+    under tensor parallelism in a pipeline.
+
+    Args:
+        compile_model: ``compile.enable`` with the model among its components.
+        split_backward: ``sequence_pipeline.split_backward``.
+        sequence: whether the job runs a sequence schedule (a split backward is theirs).
+        tp_degree: the tensor-parallel degree.
+        pp_degree: the pipeline degree.
+
+    Raises:
+        ValueError: compiled blocks with either.
+    """
     if compile_model and split_backward and sequence:
         raise ValueError(
             "sequence_pipeline.split_backward = true cannot run with compile.enable = true: a compiled block is one "
@@ -86,8 +125,18 @@ def check_compile(compile_model: bool, *, split_backward: bool, sequence: bool, 
 
 
 def check_split_backward_ac(op_level_sac: bool, *, split_backward: bool, setting: str) -> None:
-    """torch's op-level selective AC (``op_level_sac``, named ``setting`` in the version's config)
-    allows one backward per checkpointed region, and a split backward runs two."""
+    """Refuse a split backward under torch's op-level selective activation checkpointing.
+
+    Op-level selective AC allows one backward per checkpointed region, and a split backward runs two.
+
+    Args:
+        op_level_sac: whether the job checkpoints with op-level selective AC.
+        split_backward: ``sequence_pipeline.split_backward``.
+        setting: how the torchtitan version's config names op-level selective AC, for the message.
+
+    Raises:
+        ValueError: both are on.
+    """
     if split_backward and op_level_sac:
         raise ValueError(
             f"sequence_pipeline.split_backward = true cannot run with {setting} (torch's op-level SAC allows "
@@ -96,7 +145,14 @@ def check_split_backward_ac(op_level_sac: bool, *, split_backward: bool, setting
 
 
 def check_instrumentation(activation_memory_freq: int) -> None:
-    """``sequence_pipeline.activation_memory_freq``: every N-th logged step, or never (0)."""
+    """Refuse a negative ``sequence_pipeline.activation_memory_freq``.
+
+    Args:
+        activation_memory_freq: meter every N-th logged step (N >= 1), or never (0).
+
+    Raises:
+        ValueError: it is negative.
+    """
     if activation_memory_freq < 0:
         raise ValueError(
             f"sequence_pipeline.activation_memory_freq = {activation_memory_freq} is negative: use N >= 1 "
@@ -105,14 +161,20 @@ def check_instrumentation(activation_memory_freq: int) -> None:
 
 
 def check_shape(sequence_pipeline: Any, parallelism: Any, training: Any, model_shape: Any) -> None:
-    """The schedule runs the job's shape (:func:`~torchtitan_seq.titan.pipeline_core.job_shape`): the
-    sequence cut (k lengths), v chunks per rank, N, p; and the installed torch runs the schedule.
+    """Refuse a job shape the sequence schedule cannot run, or a schedule the installed torch cannot.
+
+    The shape is :func:`~torchtitan_seq.titan.pipeline_core.job_shape`'s: the sequence cut (k lengths),
+    v chunks per rank, N microbatches and p pipeline ranks.
 
     Args:
         sequence_pipeline: the job's ``[sequence_pipeline]`` section.
         parallelism: its ``parallelism`` section (a sequence schedule named).
         training: its ``training`` section (sequence length, local batch).
         model_shape: the flavor's shape (its layers and heads).
+
+    Raises:
+        ValueError: the sequence cannot be cut as asked, the layers per stage do not fit the schedule,
+            the schedule cannot run the shape, or the installed torch cannot run the schedule.
     """
     par, seq = parallelism, sequence_pipeline
     shape = pipeline_core.job_shape(

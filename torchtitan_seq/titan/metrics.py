@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,6 @@ from torchtitan_seq.instrumentation import timeline
 from torchtitan_seq.instrumentation.memory import ActivationMemory
 from torchtitan_seq.instrumentation.render import bubble_ratios, busy_and_end
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, SequenceSchedule
-
-if TYPE_CHECKING:  # torchtitan 0.2.2's
-    pass
 
 __all__ = ["RECORD_FILE", "STEP_FIELDS", "MetricsRecord", "SequenceMetricsSettings", "SequenceMetrics"]
 
@@ -70,6 +67,7 @@ VALIDATION_FIELDS = {
     "tps": "validation_metrics/throughput(tps)",
     "memory_gib": "validation_metrics/memory/max_reserved(GiB)",
 }
+"""A validation record's fields: the name of each in the metrics torchtitan's validator logs."""
 
 PER_RANK_FIELDS = {
     "peak_activation_bytes": "memory/peak_activation_bytes",
@@ -84,20 +82,37 @@ only on CUDA); null otherwise, never an older step's figure."""
 
 
 class MetricsRecord(BaseLogger):
-    """One of torchtitan's metric loggers: appends the metrics torchtitan hands its TensorBoard
-    logger to ``path``, a JSON line a step, each written and closed at once so that a run that
-    dies keeps every step it logged."""
+    """One of torchtitan's metric loggers, writing the structured record: a JSON line a logged step.
+
+    It appends the metrics torchtitan hands its TensorBoard logger to ``path``, each line written and
+    the file closed at once, so that a run that dies keeps every step it logged.
+
+    Args:
+        path: the record's file; its folder is created.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def append(self, record: dict[str, Any]) -> None:
+        """Append ``record`` to the file as one JSON line.
+
+        Args:
+            record: the line's fields; 0-dim tensors among the values are written as numbers.
+        """
         with self.path.open("a") as f:
             # default=float: torchtitan may hand over 0-dim tensors (e.g. a dp-reduced token count).
             f.write(json.dumps(record, default=float) + "\n")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Append a step's or a validation's record, its fields read off torchtitan's metrics.
+
+        Args:
+            metrics: the metrics torchtitan logs, by TensorBoard tag (:data:`STEP_FIELDS`,
+                :data:`VALIDATION_FIELDS`; per-rank ones as ``{prefix}/rank{r}``, :data:`PER_RANK_FIELDS`).
+            step: the training step.
+        """
         validation = VALIDATION_FIELDS["loss"] in metrics
         fields = VALIDATION_FIELDS if validation else STEP_FIELDS
         record = {"event": "validation" if validation else "step", "step": step, "time": time.time()}
@@ -127,21 +142,26 @@ class SequenceMetricsSettings:
     log_freq: int
     """torchtitan's metrics ``log_freq``."""
     dump_folder: Path
+    """The job's dump folder, where :data:`RECORD_FILE` and the exported timelines go."""
     profiling: Any
     """torchtitan's profiling section (``enable_profiling``, ``profile_freq``, ``save_traces_folder``)."""
 
 
 class SequenceMetrics:
-    """Mixed into a torchtitan version's ``MetricsProcessor`` (before it): reports, per rank,
-    activation memory and the pipeline's bubble ratio, and keeps the structured record on rank 0.
-    The subclass provides :attr:`settings`; its trainer arms each step with :meth:`instrumented_step`."""
+    """What a torchtitan version's ``MetricsProcessor`` adds for sequence pipelines, under every version.
+
+    Mixed into the version's ``MetricsProcessor`` (before it): reports, per rank, activation memory and
+    the pipeline's bubble ratio, and keeps the structured record on rank 0. The subclass provides
+    :attr:`settings`; its trainer arms each step with :meth:`instrumented_step`."""
 
     activation_memory: ActivationMemory | None = None
     """The trainer's meter; without one no step is metered."""
     record: MetricsRecord | None = None
+    """The structured record, on rank 0 once :meth:`attach_record` ran; None elsewhere."""
 
     @property
     def settings(self) -> SequenceMetricsSettings:
+        """The job's settings, read where the torchtitan version keeps them; each subclass provides it."""
         raise NotImplementedError
 
     def attach_record(self) -> None:
@@ -153,16 +173,27 @@ class SequenceMetrics:
             self.logger.add_logger(self.record)
 
     def record_start(self, schedule: object | None) -> None:
-        """The start record, with the subsequence lengths ``schedule`` (the trainer's) runs."""
+        """Append the start record: the schedule's name and the subsequence lengths it runs.
+
+        Args:
+            schedule: the trainer's pipeline schedule; None, or one of torch's, records no lengths.
+        """
         if self.record is not None:
             lengths = schedule.lengths if isinstance(schedule, SequenceSchedule) else None
             name = self.settings.schedule
             self.record.append({"event": "start", "time": time.time(), "schedule": name, "lengths": lengths})
 
     def meters_activations(self, step: int) -> bool:
-        """Whether training step ``step`` meters saved activations: step 1 and the multiples of
-        ``[sequence_pipeline] activation_memory_freq`` x ``metrics.log_freq`` (never when it is 0),
-        the trainer's meter being attached (:attr:`activation_memory`)."""
+        """Whether a training step meters saved activations.
+
+        Args:
+            step: the training step, numbered from 1 as torchtitan numbers them.
+
+        Returns:
+            True for step 1 and the multiples of ``[sequence_pipeline] activation_memory_freq`` x
+            ``metrics.log_freq`` (never when it is 0), with the trainer's meter attached
+            (:attr:`activation_memory`).
+        """
         settings = self.settings
         freq = settings.sequence_pipeline.activation_memory_freq
         due = freq > 0 and (step == 1 or step % (freq * settings.log_freq) == 0)
@@ -170,9 +201,19 @@ class SequenceMetrics:
 
     @contextlib.contextmanager
     def instrumented_step(self, step: int, device: torch.device) -> Iterator[bool]:
-        """Around training step ``step``: whether it meters activations (the trainer then runs forward
-        and backward under the meter); the timeline recorder is armed for the step if it logs. The meter
-        and the timeline cost per saved tensor and per action: armed for the steps that report them only."""
+        """Arm the instrumentation around one training step, for the steps that report it only.
+
+        The timeline recorder times the step's compute actions if the step logs; the meter and the
+        timeline cost per saved tensor and per action, so other steps run without them.
+
+        Args:
+            step: the training step.
+            device: this rank's device, whose actions the timeline times.
+
+        Yields:
+            Whether the step meters activations (:meth:`meters_activations`): the trainer then runs
+            forward and backward under the meter.
+        """
         if self.settings.sequence_pipeline.pipeline_timeline and self.should_log(step):
             timeline.RECORDER.enable(device)
         try:
@@ -188,6 +229,20 @@ class SequenceMetrics:
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
     ) -> None:
+        """torchtitan's step metrics, plus the sequence pipeline's per rank, logged and recorded.
+
+        Every rank's bubble ratio and the pipeline makespan join the metrics, and on metered steps its
+        peak activation bytes (and on CUDA the allocator's peak); a console line shows them, and the
+        step's timeline is exported on the steps :func:`~torchtitan_seq.instrumentation.timeline.export_due`
+        picks. Every rank calls it: the figures are all-gathered.
+
+        Args:
+            step: the training step.
+            global_avg_loss: the step's loss, averaged over data-parallel ranks.
+            global_max_loss: its maximum over data-parallel ranks.
+            grad_norm: the gradients' total norm.
+            extra_metrics: further metrics to log, by TensorBoard tag.
+        """
         # Every rank's peak activation bytes and allocator peak (-1: not measured), busy ms and
         # latest action end ms, in one all-gather. Every rank meters the same steps.
         metered = self.meters_activations(step)
@@ -233,6 +288,14 @@ class SequenceMetrics:
             timeline.export_timeline(step, name, k, folder, writers)
 
     def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
+        """torchtitan's validation metrics, with the pipeline's last-stage loss on every rank.
+
+        Args:
+            loss: this rank's validation loss; negative (-1 over the token count) on ranks without the
+                pipeline's last stage.
+            step: the training step validated at.
+            extra_metrics: further metrics to log, by TensorBoard tag.
+        """
         # torchtitan's validator gives the ranks without the pipeline's last stage -1 (over
         # the token count) as their loss: every rank logs the last stage's, as in training.
         if self.parallel_dims.pp_enabled:

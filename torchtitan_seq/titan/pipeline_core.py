@@ -26,10 +26,24 @@ __all__ = ["job_shape", "stages_per_rank", "describe_shape", "chunk_module_names
 
 
 def stages_per_rank(parallelism: Any, n_layers: int, pp_degree: int) -> int:
-    """v, the sequence schedule's model chunks per rank, chosen as torchtitan's ``pipeline_llm`` does
-    (inside, with no function to call): with ``parallelism.pipeline_parallel_layers_per_stage`` set, the
-    model is cut into ceil((layers + first- and last-stage weights) / layers per stage) stages; otherwise a
-    single-stage schedule gets 1 stage per rank and a multi-stage one 2."""
+    """v, the sequence schedule's model chunks per rank, chosen as torchtitan's ``pipeline_llm`` does.
+
+    torchtitan chooses it inside ``pipeline_llm``, with no function to call: with
+    ``parallelism.pipeline_parallel_layers_per_stage`` set, the model is cut into
+    ceil((layers + first- and last-stage weights) / layers per stage) stages; otherwise a single-stage
+    schedule gets 1 stage per rank and a multi-stage one 2 (the schedule's ``stages_per_rank``).
+
+    Args:
+        parallelism: the job's ``parallelism`` section (a sequence schedule named).
+        n_layers: the model's transformer layers.
+        pp_degree: p, the pipeline ranks.
+
+    Returns:
+        v, the stages each pipeline rank holds.
+
+    Raises:
+        ValueError: the layers per stage give a stage count the schedule cannot run on p ranks.
+    """
     par = parallelism
     name, per_stage = par.pipeline_parallel_schedule, par.pipeline_parallel_layers_per_stage
     cls = SEQUENCE_SCHEDULES[name]
@@ -65,10 +79,27 @@ def job_shape(
     tp_degree: int,
     pp_degree: int,
 ) -> JobShape:
-    """The job's :class:`~torchtitan_seq.runtime.shape.JobShape`: ``sequence_pipeline`` over ``training.seq_len``,
-    N = local batch / microbatch size and v (:func:`stages_per_rank`) of a sequence schedule, its
-    lengths cut for TP and CP (``parallelism.context_parallel_degree``). ``model_args``: the fields of
-    :class:`~torchtitan_seq.titan.flavors.ModelShape` (torchtitan 0.2.2's ``TransformerModelArgs`` has them)."""
+    """The job's :class:`~torchtitan_seq.runtime.shape.JobShape` under a sequence schedule.
+
+    The sequence of ``training.seq_len`` tokens is cut as ``sequence_pipeline`` says, each length a
+    multiple fit for TP and CP (``parallelism.context_parallel_degree``); N = local batch / microbatch
+    size, and v is :func:`stages_per_rank`'s.
+
+    Args:
+        sequence_pipeline: the job's ``[sequence_pipeline]`` section.
+        parallelism: its ``parallelism`` section (a sequence schedule named).
+        training: its ``training`` section (``seq_len``, ``local_batch_size``).
+        model_args: the fields of :class:`~torchtitan_seq.titan.flavors.ModelShape` (torchtitan 0.2.2's
+            ``TransformerModelArgs`` has them), for the partition's unit cost.
+        tp_degree: the tensor-parallel degree.
+        pp_degree: p, the pipeline ranks.
+
+    Returns:
+        The job's shape: the k subsequence lengths, N microbatches and v stages per rank among them.
+
+    Raises:
+        ValueError: the sequence cannot be cut as asked, or the layers per stage do not fit the schedule.
+    """
     cfg, par = sequence_pipeline, parallelism
     return JobShape.of_model(
         model_args,
@@ -85,7 +116,16 @@ def job_shape(
 
 
 def describe_shape(name: str, shape: JobShape, partition: str) -> str:
-    """The line the trainer logs for a sequence schedule's cut of the job."""
+    """The line the trainer logs for a sequence schedule's cut of the job.
+
+    Args:
+        name: the schedule's name.
+        shape: the job's shape (:func:`job_shape`).
+        partition: ``sequence_pipeline.partition``.
+
+    Returns:
+        One line: the microbatches, subsequences, partition and subsequence lengths.
+    """
     return (
         f"Sequence pipeline {name}: {shape.microbatches} microbatches x {len(shape.lengths)} "
         f"subsequences, '{partition}' partition, lengths {shape.lengths}"
@@ -100,10 +140,24 @@ def chunk_module_names(
     pp_degree: int,
     generate: Callable[[int, int, int, int], list[list[str]]],
 ) -> tuple[int, list[list[str]]]:
-    """(stages in the pipeline, the module names of each model chunk in model order) for schedule
-    ``name``: ``parallelism.module_fqns_per_model_part`` where set, else torchtitan's cut
-    (``generate(chunks, layers, first-stage less layers, last-stage less layers)``, the version's
-    ``generate_llm_fqn_per_model_part``). A schedule with parameter copies runs each chunk on as many stages."""
+    """The pipeline's stage count and the module names of each model chunk, cut as torchtitan cuts.
+
+    A schedule with parameter copies (BSIPipe, Chimera) runs each chunk on as many stages, so it cuts
+    the model into stages / copies chunks.
+
+    Args:
+        name: the sequence schedule's name.
+        shape: the job's shape (:func:`job_shape`): v stages per rank.
+        parallelism: the job's ``parallelism`` section; its ``module_fqns_per_model_part``, where set,
+            names the chunks' modules.
+        n_layers: the model's transformer layers.
+        pp_degree: p, the pipeline ranks.
+        generate: the version's ``generate_llm_fqn_per_model_part``, called as ``generate(chunks,
+            layers, first-stage less layers, last-stage less layers)``.
+
+    Returns:
+        (stages in the pipeline, p x v; the module names of each model chunk, in model order).
+    """
     num_stages = pp_degree * shape.stages_per_rank
     names = parallelism.module_fqns_per_model_part or generate(
         num_stages // SEQUENCE_SCHEDULES[name].parameter_copies,
@@ -127,10 +181,29 @@ def build_sequence_schedule(
     cp_group: Any,
     loss_fn: Callable[..., torch.Tensor],
 ) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
-    """torchtitan's ``pipelining_fn`` result, (schedule, model parts, has first, has last stage), for
-    this rank's ``chunks`` [(stage index, chain length, chunk)]: each chunk parallelised by
-    ``parallelize`` and wrapped in a :class:`~torchtitan_seq.schedules.stage.SequencePipelineStage` cut as
-    ``shape`` says; ``cp_group``: the context-parallel group (None without CP)."""
+    """torchtitan's ``pipelining_fn`` result for this rank's model chunks, run by sequence schedule ``name``.
+
+    Each chunk is parallelised by ``parallelize`` and wrapped in a
+    :class:`~torchtitan_seq.schedules.stage.SequencePipelineStage` that cuts each microbatch as
+    ``shape`` says and attends with the kernel ``sequence_pipeline.attention_backend`` selects.
+
+    Args:
+        name: the sequence schedule's name.
+        chunks: this rank's chunks, [(stage index, chain length, chunk)], in the order it runs them.
+        parallelize: the version's SPMD parallelisation of one chunk (TP, FSDP, compile, AC).
+        shape: the job's shape (:func:`job_shape`).
+        num_stages: the stages in the pipeline.
+        sequence_pipeline: the job's ``[sequence_pipeline]`` section.
+        device: this rank's device.
+        pp_group: the pipeline's process group.
+        cp_group: the context-parallel group; None without CP.
+        loss_fn: the per-unit loss, ``loss_fn(logits, labels)`` on (B / N, L, vocab) logits and
+            (B / N, L) labels (L / c tokens under CP), returning a scalar.
+
+    Returns:
+        (schedule, this rank's parallelised chunks, whether it holds the first stage, whether it holds
+        a last stage).
+    """
     cls, cfg = SEQUENCE_SCHEDULES[name], sequence_pipeline
     kernel = select_kernel(torch.device(device), cfg.attention_backend)
     shard = ContextShard.of_group(cp_group)

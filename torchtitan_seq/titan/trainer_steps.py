@@ -20,22 +20,31 @@ __all__ = ["InstrumentedSteps"]
 
 
 class InstrumentedSteps:
-    """Mixed into a torchtitan version's ``Trainer`` (before it): what its steps do for a sequence
-    pipeline under every version. Each training step runs under its metrics processor's
-    :meth:`~torchtitan_seq.titan.metrics.SequenceMetrics.instrumented_step`; :attr:`metering` says
-    whether the step meters activations (:meth:`metered`: the trainer's forward and backward then run
-    under its meter); every pipeline rank learns the step's loss (:meth:`loss_on_every_rank`)."""
+    """What a torchtitan version's ``Trainer`` steps do for a sequence pipeline, under every version.
+
+    Mixed into the version's ``Trainer`` (before it). Each training step runs under its metrics
+    processor's :meth:`~torchtitan_seq.titan.metrics.SequenceMetrics.instrumented_step`; :attr:`metering`
+    says whether the step meters activations (:meth:`metered`: the trainer's forward and backward then
+    run under its meter); every pipeline rank learns the step's loss (:meth:`loss_on_every_rank`)."""
 
     metering: bool = False
+    """Whether the running step meters saved activations; False between steps."""
     activation_memory: ActivationMemory
+    """The trainer's activation meter, set before torchtitan builds the job."""
 
     def metered(self) -> contextlib.AbstractContextManager[None]:
-        """The activation meter on the steps that meter, else nothing."""
+        """The activation meter on the steps that meter, else nothing.
+
+        Returns:
+            A context manager: :meth:`ActivationMemory.track` while :attr:`metering`, else a null one.
+        """
         return self.activation_memory.track() if self.metering else contextlib.nullcontext()
 
     def loss_on_every_rank(self, loss: torch.Tensor) -> torch.Tensor:
-        """The step's loss on every pipeline rank: the ranks of the last stage hold it (two under
-        BSIPipe and Chimera, one per chain, each its chain's share), the others -1.
+        """The step's loss on every pipeline rank, summed over the ranks that hold a last stage.
+
+        The ranks of a last stage hold the loss (two under BSIPipe and Chimera, one per chain, each its
+        chain's share); the others, whose loss torchtitan gives as -1, add zero.
 
         Args:
             loss: this rank's loss of the step, a scalar (a DTensor under loss parallelism).
@@ -50,8 +59,12 @@ class InstrumentedSteps:
         return loss
 
     def attach_sequence_pipeline(self) -> None:
-        """Called by the trainer once torchtitan built the job (the version's processor attached):
-        FSDP over gloo on a CPU, the mirror copies following the optimizer, the record's start."""
+        """Finish the job torchtitan built for a sequence pipeline; the trainer calls it once.
+
+        Called after torchtitan built the job and the version's metrics processor is attached: FSDP
+        reduces over gloo on a CPU, the mirror copies of a schedule with parameter copies follow the
+        optimizer, and the metrics processor gets the meter and writes the record's start.
+        """
         cpu_compat.fsdp_for_gloo(self.model_parts)
         schedule = getattr(self, "pp_schedule", None)
         if isinstance(schedule, SequenceSchedule):
@@ -62,6 +75,14 @@ class InstrumentedSteps:
             self.metrics_processor.record_start(schedule)
 
     def train_step(self, data_iterator: Iterator[Any]) -> None:
+        """torchtitan's training step, run inside the metrics processor's instrumented step.
+
+        Under a metrics processor that is no :class:`~torchtitan_seq.titan.metrics.SequenceMetrics`,
+        torchtitan's step runs as it is.
+
+        Args:
+            data_iterator: the batches, as the version's ``train_step`` takes them.
+        """
         processor = self.metrics_processor
         if not isinstance(processor, SequenceMetrics):
             return super().train_step(data_iterator)

@@ -27,8 +27,7 @@ asks first).
 
 from __future__ import annotations
 
-# Beside __all__, every name the module had before the split into this package (the tests reach its
-# helpers as torchtitan_seq.simulate.memory.<name>).
+# Beside __all__, the submodules' names that the tests reach as torchtitan_seq.simulate.memory.<name>.
 from torchtitan_seq.runtime.kv_placement import plan_arenas  # noqa: F401
 from torchtitan_seq.runtime.partition import ffn_hidden_dim  # noqa: F401
 from torchtitan_seq.simulate.memory.actions import ActionPlan, Events, action_plan, all_forwards_first, pass_events  # noqa: F401

@@ -5,8 +5,8 @@ The peak of a schedule whose backwards interleave its forwards is reached within
 2p + (N mod p) microbatches, so the action lists are built for at most that many
 (BSIPipe's basic unit is 2p) and cached per shape; where a rank runs all its forwards
 before any backward (GPipe, TeraPipe) the peak grows with N and is scaled by N / N'.
-Calls after the first for a shape take milliseconds; building BSIPipe's lists at
-p = 16 takes seconds once.
+A shape's lists and bookkeeping are built on its first call and reused by every later one (BSIPipe's
+list scheduling is the costliest part at large p).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 
 **Activations** (what autograd saves for backward, the figure
 :class:`torchtitan_seq.instrumentation.memory.ActivationMemory` measures). Per token and layer, as
-torchtitan's ``TransformerBlock`` saves it with the project's attention (checked against
-autograd's saved tensors on the CPU, ``tests/unit/test_memory_model.py``):
+torchtitan's ``TransformerBlock`` saves it with the project's attention (autograd's saved tensors,
+as counted on the CPU):
 
 * ``none``: each RMSNorm's input (the block input x, and h = x + attention; D/t each under
   sequence parallel) and 1/rms, aD/t + 4/t per norm with CUDA's fused kernel, 8D/t + 4/t

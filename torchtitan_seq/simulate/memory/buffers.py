@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not wit
 def buffer_bytes(
     args: TransformerModelArgs, c: MemoryConfig, a: int, plan: ActionPlan, chunks: Chunks, rank: int, lengths: list[int]
 ) -> float:
+    """Receive buffers of ``rank``'s stages over a step of ``c.shape.microbatches``, units of ``lengths``."""
     scale = c.shape.microbatches / plan.built_microbatches
     forwards = plan.forwards_of(rank, len(lengths))
     total = 0.0

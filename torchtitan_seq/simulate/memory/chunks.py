@@ -1,10 +1,9 @@
 """Model chunks: which layers and ends each chunk of a chain holds, and which chunks each rank's stages run.
 
-sequence for torch's schedules). A chunk is the part of the model a stage runs: torchtitan's
-``generate_llm_fqn_per_model_part`` split (embeddings and norm + output weighted as one
-layer each; :func:`~torchtitan_seq.titan.flavors.chunk_split` computes it without torchtitan), or, when
-that split has an empty chunk (more chunks than layers), an even real-valued share of the layers,
-embeddings on the first chunk and the output on the last.
+A chunk is the part of the model a stage runs: torchtitan's ``generate_llm_fqn_per_model_part`` split
+(embeddings and norm + output weighted as one layer each; :func:`~torchtitan_seq.titan.flavors.chunk_split`
+computes it without torchtitan), or, when that split has an empty chunk (more chunks than layers), an
+even real-valued share of the layers, embeddings on the first chunk and the output on the last.
 """
 
 from __future__ import annotations

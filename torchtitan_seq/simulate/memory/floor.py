@@ -18,9 +18,9 @@ from torchtitan_seq.simulate.network import chunk_parameters
 
 
 def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
-    """A lower bound of ``predict_memory(config).total`` without the schedule's lists (tens of
-    microseconds, where the first estimate of a shape builds its lists and plans its arenas, and
-    every estimate walks them): a search asks it first and drops what cannot fit.
+    """A lower bound of ``predict_memory(config).total`` without the schedule's lists (the first
+    estimate of a shape builds its lists and plans its arenas, and every estimate walks them): a
+    search asks it first and drops what cannot fit.
 
     Each rank holds its stages' parameters, gradients and optimizer states, its workspace and its
     receive buffers (a chain's stage receives every unit of the chain's microbatches: N, or N / 2

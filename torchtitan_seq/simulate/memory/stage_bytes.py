@@ -15,7 +15,7 @@ slab in it:
   (:mod:`.activations`) less 2 Hkv hd a / t a layer);
 * under checkpointing (``full``, op-level ``selective``, and the checkpointed 1/n of
   layer-level ``selective``) the context alone keeps it;
-* in every mode, the slab's gradient (:meth:`~torchtitan_seq.runtime.kv_context.KVSlab.accumulate`):
+* in every mode, the slab's gradient (:meth:`~torchtitan_seq.runtime.kv_slab.KVSlab.accumulate`):
   the keys before the last unit, S - L_{k-1} tokens, from the microbatch's first backward
   (its input-gradient pass) to the slab's end.
 

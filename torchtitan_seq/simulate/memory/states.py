@@ -38,6 +38,7 @@ class StateRates(NamedTuple):
 
 
 def state_rates(c: MemoryConfig) -> StateRates:
+    """Bytes per parameter of ``c``'s job (see the module docstring)."""
     master, compute = dtype_bytes(c.param_dtype, "param_dtype"), dtype_bytes(c.activation_dtype, "compute_dtype")
     if c.fsdp:
         # Under PP torchtitan keeps the unsharded copy through the step and the schedule
@@ -57,6 +58,8 @@ def state_rates(c: MemoryConfig) -> StateRates:
 def state_bytes(
     args: TransformerModelArgs, c: MemoryConfig, plan: ActionPlan, chunks: Chunks, rank: int
 ) -> dict[str, int]:
+    """``rank``'s parameters, gradients and optimizer states, in bytes, keyed as
+    :class:`~.estimate.RankMemory`'s fields."""
     held = [chunk_parameters(args, *chunks[s % plan.chain_length], c.tp) for s in plan.stages_of(rank)]
     primary = [
         chunk_parameters(args, *chunks[s % plan.chain_length], c.tp)

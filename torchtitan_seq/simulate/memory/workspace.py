@@ -45,5 +45,6 @@ def workspace_bytes(
     longest: int,
     unit: bool,
 ) -> float:
+    """The largest transient of a pass on ``rank``'s stages, on units of ``longest`` tokens."""
     chunks_held = (chunks[s % plan.chain_length] for s in plan.stages_of(rank))
     return max(workspace_per_token(args, c, a, chunk, unit) for chunk in chunks_held) * longest

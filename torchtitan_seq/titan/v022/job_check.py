@@ -31,7 +31,21 @@ __all__ = ["check_job"]
 
 
 def check_job(job_config: JobConfig, world_size: int) -> None:
-    """Reject a job that cannot run on ``world_size`` processes (see the module docstring)."""
+    """Reject a torchtitan 0.2.2 job that cannot run on ``world_size`` processes, before anything is built.
+
+    Every job gets the checks that hold for any schedule: its name, the parallel degrees, DDP, the
+    flavor, compile, instrumentation and converters; a sequence schedule also gets its model, attention
+    backend, precision, microbatches, validation, activation checkpointing, documents, context
+    parallelism and shape; torch's schedules get the accelerator and torchtitan's CP. The datasets come
+    last: a setting at odds with another is the likelier fault.
+
+    Args:
+        job_config: the job's config, its ``[sequence_pipeline]`` section included.
+        world_size: the job's process count.
+
+    Raises:
+        ValueError: the first check that fails, in one line naming the setting at fault and the fix.
+    """
     name = job_config.parallelism.pipeline_parallel_schedule
     check_schedule_name(name)
     check_degrees(job_config.parallelism, world_size)
@@ -60,6 +74,7 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
 
 
 def _check_flavor(job_config: JobConfig, spec: TrainSpec) -> None:
+    """``model.flavor`` is one of the train spec's flavors."""
     flavor = job_config.model.flavor
     if flavor not in spec.model_args:
         raise ValueError(
@@ -70,7 +85,7 @@ def _check_flavor(job_config: JobConfig, spec: TrainSpec) -> None:
 
 def _check_compile(job_config: JobConfig) -> None:
     """torchtitan's memory-budget AC is a compile pass; compiled blocks run no split backward, nor
-    tensor parallelism in a pipeline (torch 2.13 to 2.15: tried on each)."""
+    tensor parallelism in a pipeline (:func:`~torchtitan_seq.titan.job_rules.check_compile`)."""
     par, ac = job_config.parallelism, job_config.activation_checkpoint
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     check_compile(
@@ -237,6 +252,7 @@ def _check_validation(job_config: JobConfig, n_microbatches: int) -> None:
 
 
 def _check_activation_checkpointing(job_config: JobConfig) -> None:
+    """A split backward runs under no op-level selective AC."""
     ac = job_config.activation_checkpoint
     check_split_backward_ac(
         ac.mode == "selective" and ac.selective_ac_option == "op",
@@ -246,6 +262,7 @@ def _check_activation_checkpointing(job_config: JobConfig) -> None:
 
 
 def _check_documents(job_config: JobConfig, spec: TrainSpec) -> None:
+    """An expected document length asks for a block-causal flavor (packed documents)."""
     seq, flavor = job_config.sequence_pipeline, job_config.model.flavor
     if seq.expected_document_length and spec.model_args[flavor].attn_mask_type != "block_causal":
         raise ValueError(

@@ -30,8 +30,17 @@ __all__ = ["job_shape", "split_model", "chunk_parallel_dims", "pipeline_sequence
 
 
 def job_shape(job_config: JobConfig, model_args: TransformerModelArgs, tp_degree: int, pp_degree: int) -> JobShape:
-    """The job's :class:`~torchtitan_seq.runtime.shape.JobShape`
-    (:func:`torchtitan_seq.titan.pipeline_core.job_shape`)."""
+    """The job's :class:`~torchtitan_seq.runtime.shape.JobShape` under a sequence schedule.
+
+    Args:
+        job_config: the job's config (``sequence_pipeline``, ``parallelism``, ``training``).
+        model_args: the flavor's model args.
+        tp_degree: the tensor-parallel degree.
+        pp_degree: p, the pipeline ranks.
+
+    Returns:
+        :func:`torchtitan_seq.titan.pipeline_core.job_shape`'s shape of the job.
+    """
     return pipeline_core.job_shape(
         job_config.sequence_pipeline, job_config.parallelism, job_config.training, model_args, tp_degree, pp_degree
     )
@@ -45,12 +54,22 @@ def split_model(
     module_names: list[list[str]],
     **options: Any,
 ) -> list[tuple[int, int, nn.Module]]:
-    """This rank's model chunks for schedule ``name``: [(stage index, chain length, chunk)].
+    """This rank's model chunks for sequence schedule ``name``, cut by torchtitan's ``pipeline_module_split``.
 
-    ``module_names`` names the modules of each of the model's chunks, in model order; the schedule's
-    :meth:`~SequenceSchedule.place_stages` says which stages each rank holds and which chunk each runs.
-    torchtitan's ``pipeline_module_split`` hands chunks out in a loop (rank r: r, r + p, ...), so they
-    are listed in the order that hands each rank its own.
+    The schedule's :meth:`~SequenceSchedule.place_stages` says which stages each rank holds and which
+    chunk each runs. torchtitan's ``pipeline_module_split`` hands chunks out in a loop (rank r: r, r + p,
+    ...), so they are listed in the order that hands each rank its own.
+
+    Args:
+        model: the whole model, on the meta device as torchtitan builds it.
+        pp_mesh: the pipeline's device mesh.
+        name: the sequence schedule's name.
+        device: this rank's device.
+        module_names: the module names of each of the model's chunks, in model order.
+        **options: the schedule's placement options (``options_from_config``).
+
+    Returns:
+        [(stage index, chain length, chunk)] for the stages this rank holds, in the order it holds them.
     """
     p = pp_mesh.size()
     held = SEQUENCE_SCHEDULES[name].place_stages(p, len(module_names), **options)
@@ -60,12 +79,21 @@ def split_model(
 
 
 def chunk_parallel_dims(parallel_dims: ParallelDims) -> ParallelDims:
-    """The degrees a sequence schedule's chunks are parallelised with (``parallelize_fn``): the job's, with
-    the CP ranks as FSDP's. Their parameters are sharded and their gradients summed over data-parallel x
-    CP ranks as torchtitan does under CP (same meshes), but attention runs the schedule's own CP inside
-    each unit (:mod:`torchtitan_seq.runtime.context_parallel`), not the hooks torchtitan puts on attention
-    layers for whole sequences (its ring attention; under flex attention a K/V all-gather of its own).
-    The trainer's data processing sees them too, so that torchtitan does not shard whole sequences."""
+    """The degrees a sequence schedule's chunks are parallelised with: the job's, with the CP ranks as FSDP's.
+
+    The chunks' parameters are sharded and their gradients summed over data-parallel x CP ranks as
+    torchtitan does under CP (same meshes), but attention runs the schedule's own CP inside each unit
+    (:mod:`torchtitan_seq.runtime.context_parallel`), not the hooks torchtitan puts on attention layers
+    for whole sequences (its ring attention; under flex attention a K/V all-gather of its own). The
+    trainer's data processing sees them too, so that torchtitan does not shard whole sequences.
+
+    Args:
+        parallel_dims: the job's parallel degrees and meshes.
+
+    Returns:
+        ``parallel_dims`` itself without CP; else a shallow copy sharing its meshes, with
+        ``dp_shard`` x ``cp`` as ``dp_shard`` and ``cp`` = 1.
+    """
     if not parallel_dims.cp_enabled:
         return parallel_dims
     dims = copy.copy(parallel_dims)  # the meshes, built, are shared
@@ -82,8 +110,26 @@ def pipeline_sequence_llm(
     parallelize_fn: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module],
     loss_fn: Callable[..., torch.Tensor],
 ) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
-    """torchtitan's ``pipelining_fn`` contract: (schedule, model parts, has first, has last stage), for
-    a job :func:`torchtitan_seq.titan.v022.job_check.check_job` passed."""
+    """torchtitan 0.2.2's ``pipelining_fn`` contract, for sequence schedules by name and torch's otherwise.
+
+    A schedule that is not a sequence schedule goes to torchtitan's ``pipeline_llm``. A sequence schedule
+    logs the job's cut, splits the model into chunks (:func:`split_model`), parallelises each with
+    ``parallelize_fn`` under :func:`chunk_parallel_dims` and runs them in sequence pipeline stages.
+
+    Args:
+        model: the whole model, on the meta device as torchtitan builds it.
+        parallel_dims: the job's parallel degrees and meshes.
+        job_config: a job :func:`torchtitan_seq.titan.v022.job_check.check_job` passed.
+        device: this rank's device.
+        model_args: the flavor's model args.
+        parallelize_fn: the train spec's SPMD parallelisation, applied to each chunk.
+        loss_fn: the train spec's loss, ``loss_fn(logits, labels)`` on (B / N, L, vocab) logits and
+            (B / N, L) labels, returning a scalar.
+
+    Returns:
+        (schedule, this rank's model parts, whether it holds the first stage, whether it holds a last
+        stage).
+    """
     par, cfg = job_config.parallelism, job_config.sequence_pipeline
     name = par.pipeline_parallel_schedule
     if name not in SEQUENCE_SCHEDULES:

@@ -15,6 +15,7 @@ from torchtitan_seq.titan.v022.models.llama3_seq import get_train_spec
 __all__ = ["MODEL_NAME", "register"]
 
 MODEL_NAME = "llama3_seq"
+"""The train spec's name, as jobs name it (``[model] name``)."""
 
 
 def register() -> None:

@@ -34,6 +34,15 @@ class SeqTrainer(InstrumentedSteps, Trainer):
     """torchtitan's ``Trainer`` for sequence pipelines; see the module docstring."""
 
     def __init__(self, job_config: JobConfig) -> None:
+        """Check the job, then build it as torchtitan does, with the sequence pipeline attached.
+
+        Args:
+            job_config: the job's config, its ``[sequence_pipeline]`` section included.
+
+        Raises:
+            ValueError: the job cannot run on ``WORLD_SIZE`` processes
+                (:func:`~torchtitan_seq.titan.v022.job_check.check_job`).
+        """
         check_job(job_config, int(os.environ["WORLD_SIZE"]))
         self.activation_memory = ActivationMemory()
         super().__init__(job_config)
@@ -42,9 +51,19 @@ class SeqTrainer(InstrumentedSteps, Trainer):
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
-        """torchtitan's, except that under context parallelism a sequence schedule gets whole sequences:
-        it gives each CP rank a share of every unit (:mod:`torchtitan_seq.runtime.context_parallel`), where
-        torchtitan would shard whole sequences (and their RoPE positions) before the pipeline cuts them."""
+        """torchtitan's, except that under context parallelism a sequence schedule gets whole sequences.
+
+        The schedule gives each CP rank a share of every unit (:mod:`torchtitan_seq.runtime.context_parallel`),
+        where torchtitan would shard whole sequences (and their RoPE positions) before the pipeline cuts them.
+
+        Args:
+            input_dict: the dataloader's tensors, ``input`` (B, S) token ids among them.
+            labels: (B, S) labels.
+
+        Returns:
+            torchtitan's (inputs, labels, extra inputs, extra keyword arguments); for a block-causal
+            flavor the keyword arguments hold (B, S) document ids as ``attention_masks``.
+        """
         if not (self.parallel_dims.cp_enabled and isinstance(getattr(self, "pp_schedule", None), SequenceSchedule)):
             return super().post_dataloading_process(input_dict, labels)
         # torchtitan's own processing with its CP off for the call: the degrees the chunks see
@@ -57,6 +76,23 @@ class SeqTrainer(InstrumentedSteps, Trainer):
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
     ) -> torch.Tensor:
+        """torchtitan's forward and backward of a step, under the activation meter on the steps that meter.
+
+        Under pipeline parallelism every schedule's losses are normalised by ``global_valid_tokens``
+        before backward (the train spec's :class:`~torchtitan_seq.runtime.loss.TokenNormalizedLoss`),
+        and every pipeline rank gets the step's loss.
+
+        Args:
+            input_dict: the dataloader's tensors, ``input`` (B, S) token ids among them.
+            labels: (B, S) labels.
+            global_valid_tokens: the step's token count over data-parallel ranks, a scalar.
+
+        Returns:
+            The step's loss, a scalar: the sum of token losses over ``global_valid_tokens``.
+
+        Raises:
+            TypeError: under pipeline parallelism, a loss that is no ``TokenNormalizedLoss``.
+        """
         with self.metered():
             if not self.parallel_dims.pp_enabled:
                 return super().forward_backward_step(

@@ -1,12 +1,12 @@
 """The job check under torchtitan 0.3: refuse, before anything is built, a job that would fail on its
-ranks or that no test has run, each in one line naming the setting and the fix.
+ranks or that the test suite does not train under 0.3, each in one line naming the setting and the fix.
 
-What 0.3 runs with the sequence schedules (tests/titan03/): pipeline parallelism alone or with FSDP2
-(``data_parallel_shard_degree``) and tensor parallelism, causal and block-causal flavors, full and
+What the test suite trains under 0.3 with the sequence schedules: pipeline parallelism alone or with
+FSDP2 (``data_parallel_shard_degree``) and tensor parallelism, causal and block-causal flavors, full and
 selective activation checkpointing, torch.compile of the blocks, 0.3's metrics (console, TensorBoard)
 and 0.2.2's record beside them (``metrics.jsonl``, the pipeline timeline). The rules 0.2.2 has for
 these compositions hold here too (:mod:`torchtitan_seq.titan.job_rules`).
-Refused with a sequence schedule until tested under 0.3: context parallelism (0.3's ``parallelize_fn``
+Refused with a sequence schedule, as untested under 0.3: context parallelism (0.3's ``parallelize_fn``
 applies its own CP to whole sequences, where a sequence schedule shards each unit itself and folds the
 CP ranks into FSDP's, as 0.2.2's pipelining function and trainer do), replicated data parallelism,
 memory-budget AC and the validator. torch's own schedules get 0.3's checks alone.
@@ -20,16 +20,8 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC, SelectiveAC
 
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.titan import job_rules
 from torchtitan_seq.titan.flavors import flavor_shapes
-from torchtitan_seq.titan.job_rules import (
-    check_compile,
-    check_degrees,
-    check_instrumentation,
-    check_schedule_name,
-    check_shape,
-    check_split_backward_ac,
-    check_unit_precision,
-)
 from torchtitan_seq.titan.v03.model import FLAVORS
 
 __all__ = ["check_job"]
@@ -38,11 +30,24 @@ _FIX = "not tested with the sequence schedules under torchtitan 0.3 yet (torchti
 
 
 def check_job(config: Any, world_size: int) -> None:
-    """Reject a job (0.3's ``SeqTrainer.Config``) that cannot run on ``world_size`` processes."""
+    """Reject a torchtitan 0.3 job that cannot run on ``world_size`` processes, before anything is built.
+
+    Every job gets the schedule name, the parallel degrees and the flavor checked; a sequence schedule
+    also gets the rules of :mod:`torchtitan_seq.titan.job_rules` and the refusals the module docstring
+    lists.
+
+    Args:
+        config: the job's :class:`~torchtitan_seq.titan.v03.trainer.SeqTrainer` config, its
+            ``sequence_pipeline`` section included.
+        world_size: the job's process count.
+
+    Raises:
+        ValueError: the first check that fails, in one line naming the setting at fault and the fix.
+    """
     par = config.parallelism
     name = par.pipeline_parallel_schedule
-    check_schedule_name(name)
-    check_degrees(par, world_size)
+    job_rules.check_schedule_name(name)
+    job_rules.check_degrees(par, world_size)
     if config.model_spec.flavor not in FLAVORS:
         raise ValueError(f"model flavor {config.model_spec.flavor!r}: use one of {', '.join(FLAVORS)}")
     if name in SEQUENCE_SCHEDULES:
@@ -50,19 +55,21 @@ def check_job(config: Any, world_size: int) -> None:
 
 
 def _check_sequence_job(config: Any) -> None:
+    """A sequence schedule's checks: the shared rules, then the compositions untested under 0.3, the loss
+    and the job's shape."""
     par, seq = config.parallelism, config.sequence_pipeline
     name = par.pipeline_parallel_schedule
     compile_model = config.compile.enable and "model" in config.compile.components
-    check_compile(
+    job_rules.check_compile(
         compile_model,
         split_backward=seq.split_backward,
         sequence=True,
         tp_degree=par.tensor_parallel_degree,
         pp_degree=par.pipeline_parallel_degree,
     )
-    check_instrumentation(seq.activation_memory_freq)
+    job_rules.check_instrumentation(seq.activation_memory_freq)
     param = config.training.mixed_precision_param
-    check_unit_precision(
+    job_rules.check_unit_precision(
         name,
         par.pipeline_parallel_degree,
         param,
@@ -70,7 +77,7 @@ def _check_sequence_job(config: Any) -> None:
         "set training.mixed_precision_param = 'bfloat16', or use one of torch's schedules",
     )
     ac = config.activation_checkpoint
-    check_split_backward_ac(
+    job_rules.check_split_backward_ac(
         isinstance(ac, SelectiveAC.Config),
         split_backward=seq.split_backward,
         setting="activation-checkpoint:selective (0.3's selective AC is op-level)",
@@ -103,4 +110,4 @@ def _check_sequence_job(config: Any) -> None:
             f"loss {type(config.loss).__qualname__} with the sequence schedule {name}: units run the whole "
             "output layer, use CrossEntropyLoss.Config (as torchtitan_seq.recipes do)"
         )
-    check_shape(seq, par, config.training, flavor_shapes[config.model_spec.flavor])
+    job_rules.check_shape(seq, par, config.training, flavor_shapes[config.model_spec.flavor])

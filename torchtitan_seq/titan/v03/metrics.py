@@ -30,12 +30,21 @@ class SeqMetricsProcessor(SequenceMetrics, MetricsProcessor):
 
     @property
     def settings(self) -> SequenceMetricsSettings:
+        """The settings :class:`SequenceMetrics` reads, as :meth:`attach` took them.
+
+        Raises:
+            RuntimeError: :meth:`attach` was not called.
+        """
         if self._settings is None:
             raise RuntimeError("SeqMetricsProcessor.attach was not called (SeqTrainer calls it)")
         return self._settings
 
     def attach(self, trainer_config: Any) -> None:
-        """Read the job's settings off 0.3's trainer config and start the record."""
+        """Read the job's settings off 0.3's trainer config and start the record on rank 0.
+
+        Args:
+            trainer_config: the job's :class:`~torchtitan_seq.titan.v03.trainer.SeqTrainer` config.
+        """
         self._settings = SequenceMetricsSettings(
             sequence_pipeline=trainer_config.sequence_pipeline,
             schedule=trainer_config.parallelism.pipeline_parallel_schedule,

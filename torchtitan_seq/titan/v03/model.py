@@ -38,6 +38,11 @@ class SeqInnerAttention(Module, SequenceAttention):
         """The layer's index: names its slab in a stage's KV context."""
 
     def __init__(self, config: Config) -> None:
+        """The inner attention of layer ``config.layer_id``.
+
+        Args:
+            config: its config.
+        """
         SequenceAttention.__init__(self, config.layer_id)
 
     # 0.3's argument names: its sharding config (local_map under TP) maps them to placements.
@@ -52,6 +57,20 @@ class SeqInnerAttention(Module, SequenceAttention):
         enable_gqa: bool = False,
         is_causal: bool = True,
     ) -> torch.Tensor:
+        """Attention over the unit the stage's KV context runs, or over the whole sequence outside a unit.
+
+        Args:
+            q_BLNH: (B, L, Hq, D) queries, post-RoPE.
+            k_BLNH: (B, L, Hkv, D) keys, post-RoPE, before GQA expansion.
+            v_BLNH: (B, L, Hkv, D) values, before GQA expansion.
+            attention_masks: None (causal) or (B, L) document ids (block-causal).
+            scale: the softmax scale; None: D ** -0.5.
+            enable_gqa: SDPA's, on the unbound causal path; units take grouped K/V heads as they are.
+            is_causal: must be True for a unit and for packed documents.
+
+        Returns:
+            (B, L, Hq, D) attention output.
+        """
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))  # to SequenceAttention's B, N, L, H
         out = SequenceAttention.forward(
             self, q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal, documents=attention_masks
@@ -68,6 +87,11 @@ class SeqLlama3Model(Llama3Model):
         """Packed documents: attention stops at each EOS (the trainer passes document ids)."""
 
     def __init__(self, config: Config) -> None:
+        """0.3's Llama 3 model, with no unit running.
+
+        Args:
+            config: its config, the flavor's with ``block_causal``.
+        """
         super().__init__(config)
         self.kv_context: KVContext | None = None
         self._positions = UnitPositions()
@@ -75,7 +99,17 @@ class SeqLlama3Model(Llama3Model):
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """tokens: (B, L) ids on the first stage, else (B, L, dim) activations."""
+        """0.3's forward, with RoPE at the unit's positions while a pipeline stage runs a unit.
+
+        Args:
+            tokens: (B, L) ids on the first stage, else (B, L, dim) activations.
+            positions: RoPE positions; None: the running unit's (:class:`UnitPositions`), or the model's
+                own outside a unit.
+            attention_masks: None (causal) or (B, L) document ids (block-causal).
+
+        Returns:
+            (B, L, vocab) logits on the last stage, else (B, L, dim) activations; contiguous.
+        """
         if positions is None:
             positions = self._positions.of(self.kv_context, tokens.device)
         # Under 0.3's sequence parallelism (TP) a stage's output, (B, L, dim) sharded on L, is a view that is
@@ -84,7 +118,6 @@ class SeqLlama3Model(Llama3Model):
         return super().forward(tokens, positions, attention_masks).contiguous()
 
 
-# 0.2.2's flavor names (the shipped configs' and the planner's), block-causal where 0.2.2's flex flavors are.
 FLAVORS: dict[str, tuple[str, bool]] = {
     "debugmodel": ("debugmodel", False),
     "debugmodel_flex_attn": ("debugmodel", True),
@@ -95,13 +128,23 @@ FLAVORS: dict[str, tuple[str, bool]] = {
     "70B": ("70B", False),
     "405B": ("405B", False),
 }
-"""Per flavor name (0.2.2's, as the planner and :mod:`torchtitan_seq.titan.flavors` name them): 0.3's
-Llama 3 flavor and whether attention is block-causal."""
+"""Per flavor name (0.2.2's, as the shipped configs, the planner and :mod:`torchtitan_seq.titan.flavors`
+name them): 0.3's Llama 3 flavor and whether attention is block-causal (where 0.2.2's flex and varlen
+flavors are)."""
 
 
 def seq_llama3(flavor: str, pipelining_fn: Callable[..., Any]) -> ModelSpec:
-    """0.3's Llama 3 ``flavor`` (a key of :data:`FLAVORS`) with :class:`SeqInnerAttention` in every
-    layer, built as :class:`SeqLlama3Model`, pipelined by ``pipelining_fn``."""
+    """0.3's Llama 3 model spec of a flavor, with chunk-aware attention, under the name ``llama3_seq``.
+
+    Args:
+        flavor: a key of :data:`FLAVORS` (0.2.2's flavor names).
+        pipelining_fn: the spec's pipelining function, e.g.
+            :func:`~torchtitan_seq.titan.v03.pipeline.pipeline_sequence_llm`.
+
+    Returns:
+        0.3's spec of the flavor's Llama 3 with :class:`SeqInnerAttention` in every layer, built as
+        :class:`SeqLlama3Model` (block-causal where :data:`FLAVORS` says), pipelined by ``pipelining_fn``.
+    """
     base_flavor, block_causal = FLAVORS[flavor]
     spec = model_registry(base_flavor)  # its inner attention (flex) is replaced below
     base = spec.model

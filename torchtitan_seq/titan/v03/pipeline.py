@@ -39,10 +39,27 @@ def pipeline_sequence_llm(
     model_shape: ModelShape,
     **spmd: Any,
 ) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:
-    """0.3's ``pipelining_fn`` contract, plus ``sequence_pipeline`` and the flavor's ``model_shape``,
-    which 0.3 does not hand a pipelining function (the trainer binds them). ``spmd``: what 0.3 hands
-    its ``parallelize_fn`` too (``parallel_dims``, ``training``, ``parallelism``, ``compile_config``,
-    ``ac_config``, ``dump_folder``)."""
+    """torchtitan 0.3's ``pipelining_fn`` contract, for sequence schedules by name and torch's otherwise.
+
+    A schedule that is not a sequence schedule goes to 0.3's ``pipeline_llm``. A sequence schedule logs
+    the job's cut, cuts one chunk per stage this rank holds and runs them in sequence pipeline stages.
+
+    Args:
+        model: the whole model, on the meta device as 0.3 builds it.
+        device: this rank's device.
+        model_config: the model's config (0.3's contract; read by ``pipeline_llm`` only).
+        parallelize_fn: the spec's SPMD parallelisation, applied to each chunk with ``spmd``.
+        loss_fn: 0.3's loss, returning (loss, extras); the schedule takes its scalar loss.
+        sequence_pipeline: the job's ``sequence_pipeline`` section, which 0.3 does not hand a pipelining
+            function (:class:`~torchtitan_seq.titan.v03.trainer.SeqTrainer` binds it).
+        model_shape: the flavor's shape, bound by the trainer likewise.
+        **spmd: what 0.3 hands its ``parallelize_fn`` too (``parallel_dims``, ``training``,
+            ``parallelism``, ``compile_config``, ``ac_config``, ``dump_folder``).
+
+    Returns:
+        (schedule, this rank's model parts, whether it holds the first stage, whether it holds a last
+        stage).
+    """
     parallel_dims, parallelism = spmd["parallel_dims"], spmd["parallelism"]
     name = parallelism.pipeline_parallel_schedule
     if name not in SEQUENCE_SCHEDULES:
@@ -69,7 +86,7 @@ def pipeline_sequence_llm(
         sequence_pipeline=sequence_pipeline,
         device=device,
         pp_group=pp_mesh.get_group("pp"),
-        cp_group=None,  # the job check refuses CP under 0.3 for now
+        cp_group=None,  # the job check refuses CP under 0.3
         # 0.3's losses return (loss, extras); a schedule sums scalars, as 0.3's own pipeline does.
         loss_fn=lambda *args, **kwargs: loss_fn(*args, **kwargs)[0],
     )

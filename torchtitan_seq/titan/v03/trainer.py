@@ -45,6 +45,16 @@ class SeqTrainer(InstrumentedSteps, Trainer):
         """0.3's metrics section; its processor also reports the sequence pipeline (:mod:`.metrics`)."""
 
     def __init__(self, config: Config) -> None:
+        """Check the job, bind the pipelining function's settings, then build it as 0.3 does.
+
+        Args:
+            config: the job's config, its ``sequence_pipeline`` section included; its model spec's
+                ``pipelining_fn`` is replaced by one bound to that section and the flavor's shape.
+
+        Raises:
+            ValueError: the job cannot run on ``WORLD_SIZE`` processes
+                (:func:`~torchtitan_seq.titan.v03.job_check.check_job`).
+        """
         check_job(config, int(os.environ["WORLD_SIZE"]))
         self.activation_memory = ActivationMemory()
         spec = config.model_spec
@@ -62,15 +72,35 @@ class SeqTrainer(InstrumentedSteps, Trainer):
         self.attach_sequence_pipeline()
 
     def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
-        """0.3's, under the activation meter on the steps that meter."""
+        """0.3's forward and backward of a step, under the activation meter on the steps that meter.
+
+        Args:
+            **kwargs: 0.3's arguments (``input_dict``, ``labels``, ``global_valid_tokens``).
+
+        Returns:
+            The step's loss, a scalar (on every pipeline rank under pipeline parallelism).
+        """
         with self.metered():
             return super().forward_backward_step(**kwargs)
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """0.3's, without its per-document ``positions`` and, for a block-causal flavor, with the
-        batch's (B, L) document ids as ``attention_masks`` (what every stage and schedule splits)."""
+        """0.3's, without its per-document ``positions`` and with document ids for block-causal flavors.
+
+        Without ``positions`` the model reads RoPE at sequence positions, as under 0.2.2. For a
+        block-causal flavor the batch's document ids are the ``attention_masks``, which every stage and
+        schedule splits.
+
+        Args:
+            input_dict: the dataloader's tensors of a batch (a microbatch under pipeline parallelism),
+                ``input`` (B, L) token ids among them.
+            labels: (B, L) labels.
+
+        Returns:
+            0.3's (inputs, labels, extra keyword arguments); for a block-causal flavor the keyword
+            arguments hold (B, L) document ids as ``attention_masks``.
+        """
         input_dict = {k: v for k, v in input_dict.items() if k != "positions"}
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         if self.model_config.block_causal:
@@ -78,5 +108,12 @@ class SeqTrainer(InstrumentedSteps, Trainer):
         return inputs, labels, extra
 
     def pp_forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
-        """0.3's, its loss on every pipeline rank."""
+        """0.3's pipelined forward and backward of a step, its loss on every pipeline rank.
+
+        Args:
+            **kwargs: 0.3's arguments (``input_dict_mbs``, ``label_mbs``, ``global_valid_tokens``).
+
+        Returns:
+            The step's loss, a scalar, on every pipeline rank (:meth:`loss_on_every_rank`).
+        """
         return self.loss_on_every_rank(super().pp_forward_backward_step(**kwargs))

@@ -20,8 +20,14 @@ __all__ = ["SeqTransformer", "seq_llama3_flavors", "get_train_spec"]
 
 
 def get_train_spec() -> TrainSpec:
-    """Llama 3's train spec with our model, pipelining function (sequence schedules by name,
-    torch's otherwise), token-normalised loss and metrics that include activation memory."""
+    """torchtitan's Llama 3 train spec with the sequence schedules' model, pipelining, loss and metrics.
+
+    Returns:
+        Llama 3's spec with :class:`SeqTransformer` and its flavors, :func:`pipeline_sequence_llm`
+        (sequence schedules by name, torch's otherwise), the cross-entropy loss wrapped in a
+        :class:`~torchtitan_seq.runtime.loss.TokenNormalizedLoss` and a metrics processor that also
+        reports activation memory and the pipeline's bubble.
+    """
     return dataclasses.replace(
         llama3_train_spec(),
         model_cls=SeqTransformer,

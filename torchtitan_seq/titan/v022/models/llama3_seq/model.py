@@ -25,8 +25,8 @@ from torchtitan_seq.runtime.rope import UnitPositions
 
 __all__ = ["SeqAttention", "SeqTransformer", "seq_llama3_flavors"]
 
-# Llama 3's flavors under their own names: SDPA ones causal, flex and varlen ones block-causal.
 seq_llama3_flavors: dict[str, TransformerModelArgs] = dict(_llama3_flavors)
+"""Llama 3's flavors under their own names: SDPA ones causal, flex and varlen ones block-causal."""
 
 
 class SeqAttention(Attention):
@@ -34,6 +34,12 @@ class SeqAttention(Attention):
     :class:`SequenceAttention` and also takes a packed batch's document ids."""
 
     def __init__(self, model_args: TransformerModelArgs, layer_id: int):
+        """Llama 3's attention layer.
+
+        Args:
+            model_args: the flavor's model args.
+            layer_id: the layer's index, which names its slab in a stage's KV context.
+        """
         super().__init__(model_args)
         self.inner_attention = SequenceAttention(layer_id)
 
@@ -44,7 +50,17 @@ class SeqAttention(Attention):
         attention_masks: torch.Tensor | None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: (B, L, dim); attention_masks: None (causal) or (B, L) document ids. Returns (B, L, dim)."""
+        """Attention over the unit the stage's KV context runs, or over the whole sequence outside a unit.
+
+        Args:
+            x: (B, L, dim) hidden states.
+            freqs_cis: the RoPE table.
+            attention_masks: None (causal) or (B, L) document ids (block-causal).
+            positions: (1, L) RoPE positions of the tokens, or None: 0..L-1.
+
+        Returns:
+            (B, L, dim) attention output, after the output projection.
+        """
         bs, seqlen, _ = x.shape
         # -1: the local heads, which TP may have sharded
         xq, xk, xv = [w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv)]
@@ -63,6 +79,14 @@ class SeqTransformer(Transformer):
     """Llama 3 whose attention can run one (microbatch, subsequence) unit at a time."""
 
     def __init__(self, model_args: TransformerModelArgs):
+        """Llama 3 with a :class:`SeqAttention` in every layer.
+
+        Args:
+            model_args: a flavor of torchtitan's Llama 3 (SDPA, flex or varlen attention).
+
+        Raises:
+            ValueError: any other attention type.
+        """
         if model_args.attn_type not in ("sdpa", "flex", "varlen"):
             raise ValueError(f"model attn_type={model_args.attn_type!r}: use a flavor of torchtitan's Llama 3")
         # torchtitan builds SDPA layers, which SeqAttention replaces; the flavor's own
@@ -78,8 +102,22 @@ class SeqTransformer(Transformer):
     def get_attention_masks(
         self, input_batch: torch.Tensor, tokenizer: BaseTokenizer, extra_inputs: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """(B, S) document ids of a packed batch, for the block-causal flavors: what every
-        stage and every sequence schedule splits and reads, in place of a mask."""
+        """A packed batch's document ids, which block-causal flavors attend by in place of a mask.
+
+        Every stage and every sequence schedule splits and reads the ids.
+
+        Args:
+            input_batch: (B, S) token ids.
+            tokenizer: the job's tokenizer, whose EOS token ends each document.
+            extra_inputs: torchtitan's other inputs, not read.
+
+        Returns:
+            (B, S) document ids (:func:`~torchtitan_seq.runtime.documents.document_ids`).
+
+        Raises:
+            TypeError: for a causal flavor, as torchtitan's models raise it.
+            ValueError: a tokenizer without an EOS token.
+        """
         if (mask_type := self.model_args.attn_mask_type) != "block_causal":
             # TypeError, as torchtitan's models raise it: its validator takes it for "no masks" (causal)
             raise TypeError(f"attention masks asked of a flavor with attn_mask_type={mask_type!r}")
@@ -90,7 +128,17 @@ class SeqTransformer(Transformer):
     def forward(
         self, tokens: torch.Tensor, attention_masks: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """tokens: (B, L) ids on the first stage, else (B, L, dim) activations (L / tp with SP)."""
+        """Llama 3's forward, with RoPE at the unit's positions while a pipeline stage runs a unit.
+
+        Args:
+            tokens: (B, L) ids on the first stage, else (B, L, dim) activations (L / tp with SP).
+            attention_masks: None (causal) or (B, L) document ids (block-causal).
+            positions: RoPE positions; None: the running unit's (:class:`UnitPositions`), or 0..L-1
+                outside a unit.
+
+        Returns:
+            (B, L, vocab) logits on the last stage, else (B, L, dim) activations.
+        """
         if positions is None:
             positions = self._positions.of(self.kv_context, tokens.device)
         return super().forward(tokens, attention_masks, positions)
