@@ -47,7 +47,7 @@ FULL_STEP = StepSizes(
     dtype=torch.bfloat16,
     weight_std=None,
 )
-# tests/harness.py's model and weights: every gradient far above fp32 round-off
+# tests/helpers/harness.py's model and weights: every gradient far above fp32 round-off
 TINY_STEP = StepSizes(
     model=dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=16, rope_theta=10000, vocab_size=64),
     seq_len=64,

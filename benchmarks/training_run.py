@@ -1,6 +1,6 @@
 """One training run through ``./run_train.sh`` and its figures, read from the trainer's record,
 ``<dump_folder>/metrics.jsonl`` (schema: docs/metrics.md), not from the console,
-which is kept to show why a run failed. Used by :mod:`bench` and the tests (``tests/titan.py``).
+which is kept to show why a run failed. Used by :mod:`bench` and the tests (``tests/helpers/titan.py``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ cpu_compat.apply()  # the tests' entry point, as torchtitan_seq.train is the tra
 # The benchmark is no part of the package: its modules (bench, training_run,
 # calibration) import from benchmarks/, and titan.py runs training through them.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+# The tests' helpers (the exactness harness, the mutations, the settings walk, ...), one folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 from torchtitan_seq.titan.version import TITAN_03  # noqa: E402
 

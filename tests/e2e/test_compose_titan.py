@@ -24,7 +24,7 @@ TOL_CP = 2e-5  # pp=2 x cp=2 against pp=2 from the same weights: fp32 round-off,
 LOSS = "loss_metrics/global_avg_loss"
 
 # The runs below are the jobs run_train.sh starts, on ranks forked from a server that imported torch
-# and torchtitan once (check=False: tests/forked_run.py; every rank checks the job anyway): these tests
+# and torchtitan once (check=False: tests/helpers/forked_run.py; every rank checks the job anyway): these tests
 # are about torchtitan's parallelisms, not the start-up, which the context-parallel test below and
 # tests/e2e/test_train.py exercise.
 

@@ -5,7 +5,7 @@ The walk covers every field of ``[sequence_pipeline]``, every schedule name (tor
 project's) and the torchtitan settings the job check reasons about: parallel degrees, compile,
 activation checkpointing modes, validation, float8, attention flavors, mixed precision. On a CPU,
 CUDA-only values (flash-attn, float8, DualPipeV's overlap callback) must be refused by the check,
-not by a rank. All cases run in one torchrun job of 2 ranks (tests/settings_walk.py).
+not by a rank. All cases run in one torchrun job of 2 ranks (tests/helpers/settings_walk.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from titan import REFERENCE, assert_same_losses, assert_trained, max_diff, run_t
 SMALL = ("--training.seq_len", "512", "--training.local_batch_size", "4")
 
 # The shared runs and the bad-input tests go through ./run_train.sh as a user runs it; the other
-# runs' jobs are valid (check=False: forked ranks, tests/forked_run.py), and every rank checks the
+# runs' jobs are valid (check=False: forked ranks, tests/helpers/forked_run.py), and every rank checks the
 # job again.
 
 

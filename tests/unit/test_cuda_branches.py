@@ -372,7 +372,7 @@ ADAPTER_BLOCKS = [
 @pytest.mark.parametrize(("adapter", "block"), ADAPTER_BLOCKS)
 def test_cuda_adapter_equals_the_cpu_kernel(adapter, block, fake_aten, fake_flash_attn):
     """Forward and backward equal the CPU kernel of the same alignment: torch's (top-left) on square
-    causal and unmasked blocks, tests/bottom_right.py's on a bottom-right adapter's non-square causal one."""
+    causal and unmasked blocks, tests/helpers/bottom_right.py's on a bottom-right adapter's non-square causal one."""
     from bottom_right import BottomRightCpuKernel
 
     lq, lk, causal = block

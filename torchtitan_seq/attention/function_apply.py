@@ -18,10 +18,10 @@ __all__ = ["function_apply"]
 
 def function_apply(fn: type[torch.autograd.Function], tensors: int) -> Callable[..., Any]:
     """``fn.apply`` (``fn`` defines no ``setup_context``; its first ``tensors`` arguments are tensors) as
-    torch 2.15 runs it, in C. Before 2.15 ``Function.apply`` was Python: it binds every call's arguments
-    for a ``setup_context`` and unwraps functorch's dead wrappers in a generator, some 30 interpreted lines
-    a call, once per unit and layer here; without a functorch transform active that is the C apply of the
-    arguments unwrapped, and under one it is torch's own."""
+    torch 2.15 runs it, in C. Under older torch ``Function.apply`` is Python: it binds every call's
+    arguments for a ``setup_context`` and unwraps functorch's dead wrappers in a generator, once per unit
+    and layer here; without a functorch transform active that is the C apply of the arguments unwrapped,
+    and under one it is torch's own."""
     in_c = torch.autograd.Function.__dict__["apply"] is C_FUNCTION_APPLY
     if in_c or fn.setup_context is not torch.autograd.Function.setup_context:
         return fn.apply

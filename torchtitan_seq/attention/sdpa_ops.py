@@ -1,9 +1,9 @@
 """The aten kernels behind SDPA that return the log-sum-exp, and their backwards, bound once for the block
 kernels' calls (:mod:`torchtitan_seq.attention.kernels`).
 
-Called through its op packet (``torch.ops.aten.<op>(...)``) an op has its overload resolved at each call,
-some 10K host instructions, at each of four calls per unit and layer: here the forwards are bound as
-torch's C functions and the backwards as their ``default`` overloads, once. The ops are torch's private
+Called through its op packet (``torch.ops.aten.<op>(...)``) an op has its overload resolved in Python at
+each call, four calls per unit and layer: here the forwards are bound as torch's C functions and the
+backwards as their ``default`` overloads, once. The ops are torch's private
 names, reached through :mod:`torchtitan_seq.runtime.torch_internals`.
 """
 

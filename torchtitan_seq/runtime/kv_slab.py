@@ -45,7 +45,7 @@ the unit's attention saves for its backward (:meth:`KVSlab.stored`)."""
 class DescendingRows:
     """The rows of a descending slab of ``size`` positions (position p at row size - 1 - p), an int64
     (size,) index on the slab's device, and views of it by position range, kept: the same few units
-    run every step, and a view costs the host a few µs."""
+    run every step, and each view is host work."""
 
     __slots__ = ("rows", "_views")
 
@@ -89,8 +89,8 @@ class KVSlab:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``k``, ``v`` (the slab's keys, or their gradients: (B, H, _, D)) at positions [start, stop) of batch
         rows ``rows``, views where the slab lays those positions out. One call for the pair, and ``narrow``
-        for all rows, where an index is parsed first: each call and view costs the host a µs or more, a
-        few times per unit and layer."""
+        for all rows, where an index is parsed first: each call and view is host work, a few times per
+        unit and layer."""
         if self.descending:
             size = self.k.shape[2]
             start, stop = size - stop, size - start
@@ -136,7 +136,7 @@ class KVSlab:
     def keys(self, start: int, stop: int, rows: slice = EVERY) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, stop) of batch rows ``rows``, views as the slab lays them out
         (a descending slab's last position first: right for an unmasked kernel call). Those of every row
-        are kept: a unit reads its prefix forward and again backward (a view costs the host ~2 µs)."""
+        are kept: a unit reads its prefix forward and again backward, one view made for both."""
         if rows != EVERY:
             return self._pair(self.k, self.v, start, stop, rows)
         views = self._views.get((start, stop))

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from harness import _free_port, _start_fork_server
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
 WORLD = 2
 BASE = (

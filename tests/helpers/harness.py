@@ -467,9 +467,9 @@ def _start_fork_server() -> None:
     multiprocessing.set_forkserver_preload(["rank_imports"])
     # The server imports it from PYTHONPATH: Python 3.11's server ignores the sys.path it is sent.
     # benchmarks/ holds training_run, which forked_run reads a run's record with.
-    tests = os.path.dirname(os.path.abspath(__file__))
-    benchmarks = os.path.join(os.path.dirname(tests), "benchmarks")
-    path = os.pathsep.join(filter(None, [tests, benchmarks, os.environ.get("PYTHONPATH")]))
+    helpers = os.path.dirname(os.path.abspath(__file__))
+    benchmarks = os.path.join(os.path.dirname(os.path.dirname(helpers)), "benchmarks")
+    path = os.pathsep.join(filter(None, [helpers, benchmarks, os.environ.get("PYTHONPATH")]))
     with mock.patch.dict(os.environ, PYTHONPATH=path):
         multiprocessing.forkserver.ensure_running()
 

@@ -7,7 +7,7 @@ once (:func:`harness._start_fork_server`, :mod:`rank_imports`) and runs what ``p
 torchtitan_seq.train`` runs: torchtitan's ``main`` with the package registered, on the command line
 run_train.sh builds (its ``CONFIG_FILE`` and ``NGPU``), each rank's console in ``rank<r>.log`` of the
 dump folder. The tests of the entry point itself (the start-up check, torchrun, the exit code) keep
-``./run_train.sh``: ``tests/titan.py``'s ``run_train(check=True)``.
+``./run_train.sh``: ``tests/helpers/titan.py``'s ``run_train(check=True)``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ its prefix and its own keys in one causal call where its slab is ascending (two 
 one, and for the last unit, whose keys the slab does not hold), on a machine without a GPU. It is the
 :class:`~torchtitan_seq.attention.kernels.AttentionKernel` protocol in plain float32 matrix products, exact
 to round-off; every exactness variant runs its compared step with it as well as with torch's CPU kernel
-(``Variant.kernels``, tests/harness.py).
+(``Variant.kernels``, tests/helpers/harness.py).
 """
 
 from __future__ import annotations
