@@ -150,8 +150,13 @@ class KVContext:
 
     @property
     def lengths(self) -> list[int] | None:
-        """The units' lengths [L_0, ..., L_{k-1}] of every microbatch (None: not told)."""
+        """The units' lengths [L_0, ..., L_{k-1}] of every microbatch (None: not told); set them to size
+        the slabs of the units that follow."""
         return self.arenas.lengths
+
+    @lengths.setter
+    def lengths(self, lengths: list[int] | None) -> None:
+        self.arenas.lengths = lengths
 
     @property
     def action_plan(self) -> ArenaPlan | None:
