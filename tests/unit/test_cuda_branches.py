@@ -231,6 +231,12 @@ def _backward_lengths(a: dict[str, Any]) -> None:
     assert (a["max_q"], a["max_k"]) == (a["query"].shape[2], a["key"].shape[2])
 
 
+def _aten_grads(a: dict[str, Any], lse: Tensor) -> tuple[Tensor, ...]:
+    """dq, dk, dv of a backward op's call, from its arguments and its (B, H, Lq) log-sum-exp."""
+    args = (a["grad_out"], a["query"], a["key"], a["value"], a["out"], lse, a["is_causal"], a["scale"])
+    return _attention_grads(*args)
+
+
 def _flash_forward(a):
     _no_extras(a)
     return _attention(a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
@@ -240,16 +246,7 @@ def _flash_backward(a):
     _no_extras(a)
     _backward_lengths(a)
     assert a["logsumexp"].shape == a["query"].shape[:-1]
-    return _attention_grads(
-        a["grad_out"],
-        a["query"],
-        a["key"],
-        a["value"],
-        a["out"],
-        a["logsumexp"].squeeze(-1),
-        a["is_causal"],
-        a["scale"],
-    )
+    return _aten_grads(a, a["logsumexp"])
 
 
 def _top_left_square(a: dict[str, Any]) -> None:
@@ -271,16 +268,7 @@ def _cudnn_backward(a):
     _backward_lengths(a)
     assert a["logsumexp"].shape == (*a["query"].shape[:-1], 1)
     assert a["logsumexp"].is_contiguous()
-    return _attention_grads(
-        a["grad_out"],
-        a["query"],
-        a["key"],
-        a["value"],
-        a["out"],
-        a["logsumexp"].squeeze(-1),
-        a["is_causal"],
-        a["scale"],
-    )
+    return _aten_grads(a, a["logsumexp"].squeeze(-1))
 
 
 @pytest.fixture
