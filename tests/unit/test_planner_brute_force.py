@@ -23,7 +23,7 @@ import math
 from unittest import mock
 
 import pytest
-from test_planner_exhaustive import _assert_same_rows, plan_table
+from test_planner_exhaustive import assert_top_plans
 
 from torchtitan_seq import plan as planner
 from torchtitan_seq.plan import measure, memory_check, search
@@ -275,16 +275,8 @@ def _assert_plans_are_the_brute_force_table(flavor, seq_len, batch, gpus, node, 
     # Evaluated once: a row's tokens/s and peak do not depend on the budget, only whether it fits.
     every = [_evaluate(job, loose, key) for key in sorted(_brute_force(job, loose))]
     peaks = sorted(p.peak_memory_gib for p in every)
-    for budget in (2 * peaks[-1], peaks[len(peaks) // 2], peaks[len(peaks) // 20], 0.99 * peaks[0]):
-        cluster = dataclasses.replace(loose, gpu_memory_gib=budget)
-        table = plan_table([dataclasses.replace(p, fits=p.peak_memory_gib <= budget) for p in every])
-        for top in (1, 3, 10):
-            if not table:
-                with pytest.raises(ValueError, match="nothing fits"):
-                    planner.plan(job, cluster, top=top, processes=1)
-                break
-            got = [p for p in planner.plan(job, cluster, top=top, processes=1) if p.fits]
-            _assert_same_rows(got, table[:top], table)
+    budgets = (2 * peaks[-1], peaks[len(peaks) // 2], peaks[len(peaks) // 20], 0.99 * peaks[0])
+    assert_top_plans(job, loose, every, budgets, wider=False)
 
 
 @pytest.mark.parametrize("flavor,seq_len,batch,gpus,node,overhead", PLANS)

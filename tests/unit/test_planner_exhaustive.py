@@ -75,6 +75,27 @@ def _assert_same_rows(got: list[planner.Plan], want: list[planner.Plan], table: 
     assert len({_row(g) for g in got}) == len(got)
 
 
+def assert_top_plans(
+    job: planner.Job, cluster: planner.Cluster, every: list[planner.Plan], budgets: tuple[float, ...], wider: bool
+) -> None:
+    """At each memory budget, for N in 1, 3, 10: the planner's top N on ``cluster`` are the first N rows of
+    the table of ``every`` evaluated candidate (or it says nothing fits); ``wider``: and the first N of its
+    top 3N are its top N."""
+    for budget in budgets:
+        at_budget = dataclasses.replace(cluster, gpu_memory_gib=budget)
+        table = plan_table([dataclasses.replace(p, fits=p.peak_memory_gib <= budget) for p in every])
+        for top in (1, 3, 10):
+            if not table:
+                with pytest.raises(ValueError, match="nothing fits"):
+                    planner.plan(job, at_budget, top=top, processes=1)
+                continue
+            got = [p for p in planner.plan(job, at_budget, top=top, processes=1) if p.fits]
+            _assert_same_rows(got, table[:top], table)
+            if wider:
+                more = [p for p in planner.plan(job, at_budget, top=3 * top, processes=1) if p.fits]
+                _assert_same_rows(more[:top], got, table)
+
+
 JOBS = [("debugmodel", 2048, 4, 8), ("debugmodel", 4096, 8, 4)]
 """(flavor, seq_len, GPUs, local batch): small shapes, every candidate evaluated in about a second."""
 
@@ -87,15 +108,6 @@ def test_top_n_is_the_first_n_rows_of_the_exhaustive_table(flavor, seq_len, gpus
     # Evaluated once: a row's tokens/s and peak do not depend on the budget, only whether it fits.
     every = _exhaustive(job, planner.Cluster(gpus, 1e6, unit_overhead_s=overhead))
     peaks = sorted(p.peak_memory_gib for p in every)
-    for budget in (max(peaks) * 2, peaks[len(peaks) // 2], peaks[0] * 0.99):
-        cluster = planner.Cluster(gpus, budget, unit_overhead_s=overhead)
-        table = plan_table([dataclasses.replace(p, fits=p.peak_memory_gib <= budget) for p in every])
-        for top in (1, 3, 10):
-            if not table:
-                with pytest.raises(ValueError, match="nothing fits"):
-                    planner.plan(job, cluster, top=top, processes=1)
-                continue
-            got = [p for p in planner.plan(job, cluster, top=top, processes=1) if p.fits]
-            _assert_same_rows(got, table[:top], table)
-            wider = [p for p in planner.plan(job, cluster, top=3 * top, processes=1) if p.fits]
-            _assert_same_rows(wider[:top], got, table)
+    budgets = (max(peaks) * 2, peaks[len(peaks) // 2], peaks[0] * 0.99)
+    cluster = planner.Cluster(gpus, 1e6, unit_overhead_s=overhead)
+    assert_top_plans(job, cluster, every, budgets, wider=True)
