@@ -6,9 +6,9 @@ Usage, from the source checkout (each run is its ``./run_train.sh``)::
         --seq-lens 2048,4096 --steps 4 --rounds 2 --out bench_out [--calibrate]
 
 Not part of the installed package: it imports :mod:`training_run` (a run
-through ``./run_train.sh`` and its figures) and :mod:`calibration` beside it as
-top-level modules, with ``benchmarks/`` on ``sys.path`` (a script's own folder;
-the tests' ``conftest.py`` puts it there), and the checkout's ``torchtitan_seq``.
+through ``./run_train.sh``, read back with :mod:`torchtitan_seq.instrumentation.record`)
+and :mod:`calibration` beside it (``benchmarks/``, the script's own folder, is on
+``sys.path``), and the checkout's ``torchtitan_seq``.
 
 A schedule is ``NAME[:K[:PARTITION]]``: a sequence schedule's k and partition
 default to ``--subsequences`` and ``--partition``; torch's schedules (1F1B,
@@ -18,6 +18,8 @@ job of ``--config`` (default: the Llama 3 debug model) through
 ``--pp`` ranks with ``--microbatches`` microbatches of one sequence. For each
 length the schedules alternate run by run (A B C A B C ...) for ``--rounds``
 rounds, so that drift in the machine's speed spreads over all of them.
+``--dry-run`` prints each run's command, and what the job check refuses,
+without running anything.
 
 What is measured, per schedule and length, over the steps of all rounds
 after the first ``--warmup`` of each run, all of it read from the trainer's
@@ -87,22 +89,22 @@ from pathlib import Path
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from calibration import calibrate, merge  # noqa: E402
+from torchtitan_seq.instrumentation.record import Run  # noqa: E402
 from torchtitan_seq.runtime.partition import PARTITIONS  # noqa: E402
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES  # noqa: E402
 from torchtitan_seq.schedules.ordering import compute_leaves  # noqa: E402
 from torchtitan_seq.simulate import SimConfig, simulate  # noqa: E402
 from torchtitan_seq.simulate.build import build  # noqa: E402
 from torchtitan_seq.simulate.costs import fit_cost_files  # noqa: E402
-from training_run import ROOT, Run, run_train  # noqa: E402
+from training_run import ROOT, run_train  # noqa: E402
 
 __all__ = [
     "Variant",
     "parse_variants",
     "Record",
     "refusals",
+    "dry_run",
     "measure",
-    "calibrate",
-    "merge",
     "chunks_of_ranks",
     "predicted_step_time",
     "calibrate_run",
@@ -161,22 +163,25 @@ def parse_variants(
 ) -> list[Variant]:
     """``"1F1B,Seq1F1B,Seq1F1B:8:even"`` -> variants; k and partition default to the given ones.
     ``compile``: ``"off"``, ``"on"``, or ``"both"`` (each schedule eager, then compiled);
-    ``instrumentation`` likewise (``"both"``: each instrumented, then not)."""
-    variants = []
+    ``instrumentation`` likewise (``"both"``: each instrumented, then not). A ValueError names
+    every item that is not a schedule spec."""
+    variants, errors = [], []
     for item in spec.split(","):
         name, *rest = item.strip().split(":")
         if name not in SEQUENCE_SCHEDULES:
             if rest:
-                raise ValueError(f"{item!r}: {name} is torch's schedule, it takes no k or partition")
+                errors.append(f"{item!r}: {name} is torch's schedule, it takes no k or partition")
             variants.append(Variant(name))
             continue
-        if len(rest) > 2:
-            raise ValueError(f"{item!r}: use NAME[:K[:PARTITION]]")
-        k = int(rest[0]) if rest else subsequences
+        if len(rest) > 2 or (rest and not rest[0].isdigit()):
+            errors.append(f"{item!r}: use NAME[:K[:PARTITION]], K a whole number")
+            continue
         part = rest[1] if len(rest) > 1 else partition
         if part not in PARTITIONS:
-            raise ValueError(f"{item!r}: partition {part!r} is not one of {PARTITIONS}")
-        variants.append(Variant(name, k, part))
+            errors.append(f"{item!r}: partition {part!r} is not one of {PARTITIONS}")
+        variants.append(Variant(name, int(rest[0]) if rest else subsequences, part))
+    if errors:
+        raise ValueError("; ".join(errors))
     modes = {"off": (False,), "on": (True,), "both": (False, True)}
     return [
         dataclasses.replace(v, compiled=c, instrumented=i)
@@ -283,6 +288,20 @@ def refusals(variants: list[Variant], args: argparse.Namespace) -> dict[tuple[Va
             except (ValueError, FileNotFoundError) as e:
                 out[v, seq_len] = str(e)
     return out
+
+
+def dry_run(variants: list[Variant], args: argparse.Namespace, refused: dict[tuple[Variant, int], str]) -> str:
+    """``--dry-run``: the runs of one round at each length, in the order :func:`measure` runs them,
+    each as its ``./run_train.sh`` command; nothing runs."""
+    lines = [f"{args.rounds} round(s) of these runs, alternating (--dry-run: nothing runs):"]
+    for seq_len in args.seq_lens:
+        for v in variants:
+            if (v, seq_len) not in refused:
+                overrides = " ".join(_job_overrides(v, seq_len, args))
+                lines.append(
+                    f"seq {seq_len}, {v.label}: NGPU={args.pp} CONFIG_FILE={args.config} ./run_train.sh {overrides}"
+                )
+    return "\n".join(lines)
 
 
 def measure(
@@ -581,6 +600,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibrate", action="store_true", help="measure unit costs, compare the simulator")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per calibration")
     ap.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="print each run's command and what the job check refuses; run nothing"
+    )
     return ap
 
 
@@ -595,12 +617,15 @@ def main(argv: list[str] | None = None) -> int:
         variants = parse_variants(args.schedules, args.subsequences, args.partition, args.compile, args.instrumentation)
     except ValueError as e:
         ap.error(str(e))
-    args.out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     began, load = datetime.now(), os.getloadavg()[0]
     refused = refusals(variants, args)
     for (v, seq_len), message in refused.items():
         print(f"skipped: {v.label} at seq {seq_len}, refused by the job check: {message}", file=sys.stderr)
+    if args.dry_run:
+        print(dry_run(variants, args, refused))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
     try:
         records = measure(variants, args, refused)
     except RuntimeError as e:

@@ -20,7 +20,7 @@ from torchtitan_seq.instrumentation.memory import ActivationMemory
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
 from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer, seq_llama3_flavors
 
-__all__ = ["calibrate", "merge", "meter_cost"]
+__all__ = ["calibrate", "merge"]
 
 
 def _stage_model(flavor: str, seq_len: int, pp: int, stage: int) -> tuple[torch.nn.Module, object]:
@@ -239,37 +239,6 @@ def calibrate(
         "metered": metered,
     }
     return _cost_file(chunks, chunk_times, meta)
-
-
-def meter_cost(
-    seq_len: int,
-    lengths: list[int],
-    pp: int,
-    *,
-    chunk: int = 0,
-    flavor: str = "debugmodel",
-    repeats: int = 6,
-    device: str = "cpu",
-) -> list[float]:
-    """What the activation meter costs a unit's passes, paired: this process (one thread on a
-    CPU, as a training rank) runs rounds of chunk ``chunk`` of ``pp``'s units ``lengths``
-    (:func:`_round`: every unit forward, backward, forward, input and weight gradients), with
-    the meter and without, alternating (ABBA), and returns each pair's wall time metered over
-    unmetered. Pairs run seconds apart, so a machine whose speed drifts moves both alike."""
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        torch.set_num_threads(1)
-    torch.manual_seed(chunk)
-    timer = _Chunk(seq_len, lengths, pp, chunk, True, flavor, dev)
-    _round([timer])  # allocations, kernel choice
-    ratios = []
-    for i in range(repeats):
-        seconds = {}
-        for metered in (True, False) if i % 2 == 0 else (False, True):
-            with ActivationMemory().track() if metered else contextlib.nullcontext():
-                seconds[metered], _ = _timed(lambda: _round([timer]), dev)
-        ratios.append(seconds[True] / seconds[False])
-    return ratios
 
 
 def _cost_file(chunks: list[list[int]], chunk_times: list[list[dict[str, list[float]]]], meta: dict) -> dict:

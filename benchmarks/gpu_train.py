@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchtitan_seq.instrumentation.record import RECORD_FILE, Run, read_record
+
 __all__ = ["check_training"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,11 +51,6 @@ def _overrides(dump: Path, seq_len: int, steps: int) -> list[str]:
 
 def check_training(tiny: bool, cuda: bool, timeout: int = 600) -> dict:
     """Train, read what the run wrote, and say whether it is all there."""
-    # Imported here: they import torchtitan, which reads the device type at import time (gpu_check's
-    # main applies cpu_compat first).
-    from torchtitan_seq.titan.metrics import RECORD_FILE
-    from training_run import Run, read_record
-
     seq_len, steps = (256, TINY_STEPS) if tiny else (8192, STEPS)
     env = {**os.environ, **({} if cuda else {"OMP_NUM_THREADS": "1"})}
     began = time.monotonic()

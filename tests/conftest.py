@@ -11,9 +11,6 @@ from torchtitan_seq.titan import cpu_compat
 
 cpu_compat.apply()  # the tests' entry point, as torchtitan_seq.train is the trainer's
 
-# The benchmark is no part of the package: its modules (bench, training_run,
-# calibration) import from benchmarks/, and titan.py runs training through them.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 # The tests' helpers (the exactness harness, the mutations, the settings walk, ...), one folder.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
@@ -24,7 +21,7 @@ if TITAN_03:
     # configs, train spec and model, or torchtitan_seq's 0.2.2 layer), which 0.3 does not have.
     collect_ignore_glob = ["unit/*", "exactness/*", "e2e/*"]
 else:
-    from titan import run_train  # after the two lines above: it imports torchtitan
+    from titan import run_train  # helpers/titan.py, which imports torchtitan: after cpu_compat and the path
 
 
 def pytest_report_header() -> str:

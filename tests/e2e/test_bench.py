@@ -1,4 +1,5 @@
-"""The benchmark's command line and the trainer's TensorBoard pipeline figures, through ./run_train.sh."""
+"""The benchmark's command line (benchmarks/bench.py) and the trainer's TensorBoard pipeline figures,
+through ./run_train.sh."""
 
 from __future__ import annotations
 
@@ -6,21 +7,27 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-import bench
 import pytest
 
 from titan import assert_trained, run_train
 from torchtitan_seq.instrumentation import timeline
 
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
 
-@pytest.mark.slow
-def test_bench_cli_smoke(tmp_path):
+
+@pytest.mark.slow  # 6 training runs and 3 calibrations: about 2 minutes on 2 cores
+def test_bench_measures_calibrates_and_predicts(tmp_path):
+    """One round of 2 steps at 256 tokens, calibrated, every schedule instrumented and not: a run of
+    torch's schedule, one of a sequence schedule (a stage a rank) and one of an interleaved one (two
+    model chunks a rank); DualPipeV is refused on a CPU by the job check, and left out. One test, so
+    that the runs are made once."""
     out = tmp_path / "out"
     proc = subprocess.run(
         [
             sys.executable,
-            bench.__file__,
+            str(SCRIPT),
             "--seq-lens",
             "256",
             "--steps",
@@ -28,7 +35,9 @@ def test_bench_cli_smoke(tmp_path):
             "--rounds",
             "1",
             "--schedules",
-            "1F1B,DualPipeV,Seq1F1B",  # DualPipeV: refused on a CPU by the job check, left out
+            "1F1B,DualPipeV,Seq1F1B,InterleavedSeq1F1B",
+            "--instrumentation",
+            "both",
             "--calibrate",
             "--repeats",
             "1",
@@ -39,26 +48,69 @@ def test_bench_cli_smoke(tmp_path):
         env={**os.environ, "TORCHTITAN_SEQ_SKIP_CHECK": "1"},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (
-        "skipped: DualPipeV at seq 256, refused by the job check: parallelism.pipeline_parallel_schedule" in proc.stderr
-    )
     records = json.loads((out / "bench.json").read_text())
-    assert [(r["schedule"], r["num_subsequences"], r["partition"]) for r in records] == [
-        ("1F1B", 1, None),
-        ("Seq1F1B", 4, "compute"),
+    _check_records(records, proc.stderr)
+    assert (out / "bench.md").is_file() and (out / "bench.png").stat().st_size > 0
+    _check_calibration(records, out)
+
+
+def _check_records(records: list[dict], stderr: str) -> None:
+    """Each schedule instrumented and not, against 1F1B run alike; the instrumentation's cost."""
+    for arm in ("", " uninstrumented"):
+        message = (
+            f"skipped: DualPipeV{arm} at seq 256, refused by the job check: parallelism.pipeline_parallel_schedule"
+        )
+        assert message in stderr
+    assert [(r["schedule"], r["num_subsequences"], r["partition"], r["instrumented"]) for r in records] == [
+        (name, k, partition, instrumented)
+        for name, k, partition in (("1F1B", 1, None), ("Seq1F1B", 4, "compute"), ("InterleavedSeq1F1B", 4, "compute"))
+        for instrumented in (True, False)
     ]
     for r in records:
-        assert r["seq_len"] == 256 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
-        assert len(r["peak_activation_bytes"]) == 2 and min(r["peak_activation_bytes"]) > 0
-        assert r["tokens_per_s_ratio"] > 0 and r["peak_activation_ratio"] > 0
-        assert r["predicted_step_time_s"] > 0 and json.loads((out / r["cost_file"]).read_text())["rounds"] == 1
-    assert records[0]["bubble_ratio"] is None and len(records[1]["bubble_ratio"]) == 2
-    assert 0 < records[1]["pipeline_time_s"] < records[1]["step_time_s"]
-    assert records[1]["partition"] == "compute" and sum(records[1]["lengths"]) == 256
-    assert (out / "bench.md").is_file() and (out / "bench.png").stat().st_size > 0
+        assert r["seq_len"] == 256 and sum(r["lengths"]) == 256 and r["steps_measured"] == 1
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["tokens_per_s_ratio"] > 0
+    for on, off in zip(records[::2], records[1::2]):
+        assert off["label"] == on["label"] + " uninstrumented"
+        assert len(on["peak_activation_bytes"]) == 2 and min(on["peak_activation_bytes"]) > 0
+        assert on["peak_activation_ratio"] > 0 and off["peak_activation_bytes"] is None
+        assert on["instrumentation_cost"] == pytest.approx(on["step_time_s"] / off["step_time_s"] - 1)
+        assert off["instrumentation_cost"] is None and off["bubble_ratio"] is None
+    one_f_one_b, seq1f1b = records[0], records[2]
+    assert one_f_one_b["bubble_ratio"] is None and one_f_one_b["tokens_per_s_ratio"] == 1
+    assert len(seq1f1b["bubble_ratio"]) == 2 and 0 < seq1f1b["pipeline_time_s"] < seq1f1b["step_time_s"]
+
+
+def _check_calibration(records: list[dict], out: Path) -> None:
+    """A cost file per cut and layout, merged over the round(s); the simulator's prediction from it, and
+    every unit's fit to a fixed cost plus costs per token and per pair."""
+    assert {r["cost_file"] for r in records} == {
+        "cost_s256_whole_256.json",
+        "cost_s256_units_64-64-64-64.json",
+        "cost_s256_units_64-64-64-64_chunks-0.2-1.3.json",  # InterleavedSeq1F1B: chunks 0, 2 on rank 0
+    }
+    for r in records:
+        cost = json.loads((out / r["cost_file"]).read_text())
+        assert cost["rounds"] == 1 and cost["lengths"] == r["lengths"] and cost["unit"] == "s"
+        assert cost["F"] == cost["stages"][cost["stage"]]["F"]
+        assert all(len(st[p]) == len(r["lengths"]) and min(st[p]) > 0 for st in cost["stages"] for p in "FBW")
+        assert set(r["unit_fit"]) == {"fixed_s", "per_token_s", "per_pair_s"} and 0 <= r["fixed_cost_share"] < 1
+        assert cost["unit_fit"] == r["unit_fit"] and "fixed_share" in cost
+        assert r["predicted_step_time_s"] > 0
+        assert r["prediction_error"] == pytest.approx(r["predicted_step_time_s"] / r["step_time_s"] - 1)
+    seq1f1b = next(r for r in records if r["schedule"] == "Seq1F1B")
+    first, last = json.loads((out / seq1f1b["cost_file"]).read_text())["stages"]
+    assert first["I"] == [0.0] * 4 and min(last["I"]) > 0  # torch's first stage has no I pass
+    # Rank 0 runs F and B of every unit of the 4 microbatches.
+    assert seq1f1b["predicted_step_time_s"] >= 4 * (sum(first["F"]) + sum(first["B"]))
+    interleaved = json.loads((out / records[4]["cost_file"]).read_text())
+    assert interleaved["chunks"] == [[0, 2], [1, 3]]
+    # A rank's times are its chunks' mean in the simulator's unit of 1/pp of the layers: their sum here.
+    for rank, chunks in zip(interleaved["stages"], interleaved["chunk_times"]):
+        assert len(chunks) == 2 and all(min(t["F"]) > 0 for t in chunks)
+        assert rank["F"] == pytest.approx([a + b for a, b in zip(chunks[0]["F"], chunks[1]["F"])])
 
 
 @pytest.mark.slow

@@ -24,10 +24,12 @@ import torch
 import torch.multiprocessing as mp
 
 from harness import _free_port, _start_fork_server
-from torchtitan_seq.titan.metrics import RECORD_FILE
-from training_run import ROOT, Run, read_record
+from torchtitan_seq.instrumentation.record import Run
 
-__all__ = ["run_forked"]
+__all__ = ["ROOT", "run_forked"]
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout: run_train.sh's folder, where the job runs."""
 
 
 def _rank(rank: int, world: int, port: int, argv: list[str], env: dict[str, str], dump_folder: str) -> None:
@@ -98,4 +100,4 @@ def run_forked(*overrides: str, dump_folder: Path, env: dict | None = None, time
             if process.is_alive():
                 process.kill()
     output = (dump_folder / "rank0.log").read_text(errors="replace")
-    return Run.from_record(returncode, output, read_record(dump_folder / RECORD_FILE))
+    return Run.from_dump_folder(dump_folder, returncode, output)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from harness import _free_port, _start_fork_server
+from torchtitan_seq.instrumentation.record import Run
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
@@ -78,8 +79,6 @@ def _rank(rank: int, port: int, overrides: list[str], dump_folder: str) -> None:
 
 def _train(overrides: list[str], dump_folder: Path) -> dict:
     """Train one step of a case on :data:`WORLD` forked ranks."""
-    from training_run import read_record
-
     dump_folder.mkdir(parents=True)
     _start_fork_server()
     try:
@@ -92,8 +91,7 @@ def _train(overrides: list[str], dump_folder: Path) -> dict:
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
         return {"outcome": "crashed", "message": errors[0]}
-    # rank 0 keeps the metrics record (torchtitan_seq.titan.metrics)
-    losses = [r["loss"] for r in read_record(dump_folder / "metrics.jsonl") if r["event"] == "step"]
+    losses = Run.from_dump_folder(dump_folder).losses  # rank 0 keeps the metrics record
     trained = all(r["steps"] == 1 for r in ranks) and len(losses) == 1 and math.isfinite(losses[0])
     return {"outcome": "trained" if trained else "crashed", "losses": losses, "steps": [r["steps"] for r in ranks]}
 

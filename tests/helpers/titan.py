@@ -1,15 +1,14 @@
-"""Run ./run_train.sh as a user would and read its metrics record (the benchmark's reader).
-
-Needs ``benchmarks/`` on ``sys.path`` (conftest.py puts it there)."""
+"""Run ./run_train.sh as a user would and read its metrics record (:mod:`torchtitan_seq.instrumentation.record`)."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 from pathlib import Path
 
-import training_run
-from forked_run import run_forked
-from training_run import Run
+from forked_run import ROOT, run_forked
+from torchtitan_seq.instrumentation.record import Run
 
 __all__ = ["Run", "run_train", "assert_trained", "assert_same_losses", "max_diff", "REFERENCE"]
 
@@ -43,9 +42,18 @@ def run_train(
     the training, not the start-up: the same job on ranks forked from a server that imported them
     once (:func:`forked_run.run_forked`), about 15 s less a run.
     """
-    if check:
-        return training_run.run_train(*overrides, dump_folder=dump_folder, env=env, timeout=timeout)
-    return run_forked(*overrides, dump_folder=dump_folder, env=env, timeout=timeout)
+    if not check:
+        return run_forked(*overrides, dump_folder=dump_folder, env=env, timeout=timeout)
+    dump_folder = Path(dump_folder).resolve()  # the job runs in the checkout, the test maybe elsewhere
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump_folder), *overrides],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Run.from_dump_folder(dump_folder, proc.returncode, proc.stdout + proc.stderr)
 
 
 def assert_trained(run: Run, steps: int) -> None:

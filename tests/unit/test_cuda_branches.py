@@ -1,5 +1,5 @@
-"""What only CUDA reaches, reached on the CPU: each CUDA-only branch of the package (and of the
-GPU check's timing) run against a fake of what needs a GPU.
+"""What only CUDA reaches, reached on the CPU: each CUDA-only branch of the package run against a
+fake of what needs a GPU.
 
 * Timing events: :class:`FakeCudaEvent` stands in for ``torch.cuda.Event`` on a fake GPU clock
   whose events complete only when synchronised, as a real stream's do.
@@ -119,23 +119,6 @@ def test_timeline_on_cuda_reads_the_events_once_synchronised(fake_cuda_events):
     FakeGpuClock.now = 200.0
     recorder.start_step()  # the next step forgets the last one's actions
     assert recorder.intervals() == []
-
-
-def test_gpu_check_times_passes_with_cuda_events(fake_cuda_events, monkeypatch):
-    import gpu_check  # benchmarks/ (on the path: conftest.py), as the tests of the benchmark import it
-
-    marks = gpu_check._Marks(CUDA)
-    for t in (1.0, 3.5, 4.0):
-        FakeGpuClock.now = t
-        marks.mark()
-    assert marks.intervals() == [2.5e-3, 0.5e-3]  # seconds
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    assert gpu_check._device_name(CUDA) == "NVIDIA H200"
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", None)  # not installed
-    kernels = gpu_check._kernels(CUDA)
-    assert isinstance(kernels["CudaSdpaKernel"], CudaSdpaKernel)
-    assert isinstance(kernels["CudnnSdpaKernel"], CudnnSdpaKernel)
-    assert kernels["FlashAttnKernel"].startswith("skipped: flash_attn does not import")
 
 
 # --------------------------------------------------------------------------

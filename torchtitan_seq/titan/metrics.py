@@ -35,13 +35,11 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_seq.instrumentation import timeline
 from torchtitan_seq.instrumentation.memory import ActivationMemory
+from torchtitan_seq.instrumentation.record import RECORD_FILE
 from torchtitan_seq.instrumentation.render import bubble_ratios, busy_and_end
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 
 __all__ = ["RECORD_FILE", "STEP_FIELDS", "MetricsRecord", "SequenceMetricsSettings", "SequenceMetrics"]
-
-RECORD_FILE = "metrics.jsonl"
-"""The structured record's file name in the job's dump folder."""
 
 STEP_FIELDS = {
     "loss": "loss_metrics/global_avg_loss",
