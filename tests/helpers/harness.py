@@ -72,6 +72,7 @@ class Variant:
     # top-left) and bottom_right.py's (bottom-right: the one-call path of flash-attn and torch's CUDA flash)
     kernels: tuple[str, ...] = ("top_left", "bottom_right")
     pre_split: bool = False  # step() given one entry per microbatch (arg_mbs, ...), as torch 2.14's step takes them
+    family: str = "llama3"  # the tiny model's: llama3, qwen3 or qwen3_moe (harness_titan.Titan022.model_args)
 
     @property
     def world(self) -> int:
@@ -127,6 +128,24 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _canonical(name: str) -> str:
+    """A chunk's parameter or buffer name as the whole model names it."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def expert_counts(model: torch.nn.Module, zero: bool = False) -> dict[str, torch.Tensor]:
+    """The tokens routed to each expert that ``model``'s MoE layers counted (torchtitan's
+    ``tokens_per_expert``, read by its load-balancing update), by the whole model's buffer names;
+    ``zero``: counted from zero on from now."""
+    counts = {}
+    for name, buffer in model.named_buffers():
+        if name.endswith("tokens_per_expert"):
+            counts[_canonical(name)] = buffer.clone()
+            if zero:
+                buffer.zero_()
+    return counts
+
+
 def _relative_errors(chunks, ref_grads: dict) -> dict[str, float]:
     """Per parameter of this rank's primary chunks: max |grad - reference| / max |reference|.
 
@@ -137,7 +156,7 @@ def _relative_errors(chunks, ref_grads: dict) -> dict[str, float]:
         if index >= chain:
             continue
         for n, p in chunk.named_parameters():
-            ref = ref_grads[n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")]
+            ref = ref_grads[_canonical(n)]
             errors[n] = (
                 float((_full(p.grad) - ref).abs().max() / ref.abs().max()) if p.grad is not None else float("inf")
             )
@@ -213,10 +232,11 @@ def _stages(v: Variant, args, chunks, dims) -> list:
     from torchtitan_seq.runtime.context_parallel import ContextShard
     from torchtitan_seq.runtime.shape import JobShape
     from torchtitan_seq.schedules.stage import SequencePipelineStage
+    from torchtitan_seq.titan.flavors import model_shape
 
     # Cut as the runtime cuts: sequence parallelism shards every unit evenly over the TP ranks, CP
     # into 2 cp chunks.
-    lengths = JobShape.of_model(args, v.seq_len, v.k, v.partition, tp=v.tp, cp=v.cp).lengths
+    lengths = JobShape.of_model(model_shape(args), v.seq_len, v.k, v.partition, tp=v.tp, cp=v.cp).lengths
     shard = ContextShard.of_group(dims.get_mesh("cp").get_group() if v.cp > 1 else None)
     pp_mesh = dims.get_mesh("pp")
     return [
@@ -294,6 +314,10 @@ class _PipelineRun:
         self.schedule = SEQUENCE_SCHEDULES[v.schedule](stages, v.microbatches, loss_fn, split_backward=v.split_backward)
         self.pre_split = v.microbatches if v.pre_split else 0
         self.dims = dims
+        # Forwards of the compared steps. Under activation checkpointing a recomputed MoE layer counts
+        # its tokens again, as in torchtitan's own training (its TODO: its load balancing reads the
+        # counts' signs only): the counts are not compared there.
+        self.steps_per_compare = v.steps if v.ac == "none" else None
 
     def step(self, b: Batch, repeats: int = 1) -> list | None:
         """``repeats`` schedule steps on ``b``; the last stage's unit losses of the last one."""
@@ -345,7 +369,7 @@ def _report(run: _PipelineRun, chunks, stages: list, losses: list | None, compar
     (:func:`run_variants` merges the ranks')."""
     from torch._dynamo.utils import counters
 
-    ref_loss, ref_grads = compared
+    ref_loss, ref_grads, ref_counts = compared
     errors = _relative_errors(chunks, ref_grads)
     worst = max(errors, key=errors.get)
     out = {
@@ -362,6 +386,7 @@ def _report(run: _PipelineRun, chunks, stages: list, losses: list | None, compar
         "graphs": run.graphs,
         "graph_breaks": sum(counters["graph_break"].values()),
         "host_reads": run.host_reads,
+        "expert_counts_diff": _expert_counts_diff(chunks, ref_counts, run.steps_per_compare, dims),
     }
     # Every last stage holds its units' losses (BSIPipe and Chimera have two); the pipeline's sum is the
     # loss, and under CP the sum of the CP ranks' shares.
@@ -373,6 +398,23 @@ def _report(run: _PipelineRun, chunks, stages: list, losses: list | None, compar
         out["loss_rel"] = abs(loss.item() - ref_loss) / abs(ref_loss)
         out["n_losses"] = len(losses)
     return out
+
+
+def _expert_counts_diff(chunks, ref_counts: dict, steps: int | None, dims) -> float:
+    """The largest difference between the tokens per expert this rank's primary chunks counted in the
+    compared steps, summed over the data-parallel ranks, and the reference's whole batch's, ``steps``
+    times; 0.0 for a model without MoE, or where ``steps`` is None (not compared)."""
+    worst = 0.0
+    if steps is None:
+        return worst
+    for index, chain, chunk in chunks:
+        if index >= chain:
+            continue
+        for name, counted in expert_counts(chunk).items():
+            if dims.dp_shard > 1:
+                dist.all_reduce(counted, group=dims.get_mesh("batch").get_group())
+            worst = max(worst, float((counted - steps * ref_counts[name]).abs().max()))
+    return worst
 
 
 def _run_variant(v: Variant, rank: int) -> dict:
@@ -393,11 +435,14 @@ def _run_variant(v: Variant, rank: int) -> dict:
             reference.step(b)
             run.optimizer_step()
             reference.optimizer.step()
-        compared = reference.step(batches[-1])
+        expert_counts(model, zero=True)
+        compared = (*reference.step(batches[-1]), expert_counts(model))
         for i, kernel in enumerate(v.kernels):
             if i:
                 _use_kernel(stages, kernel)
                 run.next_kernel()
+            for _, _, chunk in chunks:
+                expert_counts(chunk, zero=True)
             losses = run.step(batches[-1], repeats=v.steps)
             reports[kernel] = _report(run, chunks, stages, losses, compared, dims)
     return {"kernels": reports}
@@ -458,6 +503,7 @@ def _merge(name: str, recs: list[dict]) -> dict:
         "graphs": [r.get("graphs") for r in recs],
         "graph_breaks": sum(r.get("graph_breaks", 0) for r in recs),
         "host_reads": [read for r in recs for read in r.get("host_reads", [])],
+        "expert_counts_diff": max((r.get("expert_counts_diff", float("inf")) for r in recs), default=float("inf")),
     }
 
 
@@ -466,10 +512,8 @@ def _start_fork_server() -> None:
     imported: a process group of w ranks then starts in about a second, not w x 6 s of CPU."""
     multiprocessing.set_forkserver_preload(["rank_imports"])
     # The server imports it from PYTHONPATH: Python 3.11's server ignores the sys.path it is sent.
-    # benchmarks/ holds training_run, which forked_run reads a run's record with.
     helpers = os.path.dirname(os.path.abspath(__file__))
-    benchmarks = os.path.join(os.path.dirname(os.path.dirname(helpers)), "benchmarks")
-    path = os.pathsep.join(filter(None, [helpers, benchmarks, os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [helpers, os.environ.get("PYTHONPATH")]))
     with mock.patch.dict(os.environ, PYTHONPATH=path):
         multiprocessing.forkserver.ensure_running()
 
@@ -524,7 +568,11 @@ def assert_exact(r: dict, n_losses: int | None = None) -> None:
         assert k["loss_rel"] <= TOL and k["grad_rel"] <= TOL, k
         assert k["kv_left"] == 0, k
         assert k["activations_left"] == 0, k
-        assert not k["host_reads"], f"{k['name']}: a tensor read on the host during the units:\n{k['host_reads'][0]}"
+        assert k["expert_counts_diff"] == 0, k  # an MoE's tokens per expert, as the whole batch routes them
+        # torchtitan's MoE experts read their token counts on the host in its for-loop fallback, the CPU's
+        # (its grouped GEMMs, which a GPU runs, do not): not the unit path's
+        reads = [r for r in k["host_reads"] if "_run_experts_for_loop" not in r]
+        assert not reads, f"{k['name']}: a tensor read on the host during the units:\n{reads[0]}"
         if n_losses is not None:
             assert k["n_losses"] == n_losses, k  # one loss per microbatch, as torch's schedules
 

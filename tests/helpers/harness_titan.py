@@ -35,15 +35,20 @@ __all__ = ["TITAN", "Titan022", "Titan03", "DenseDocumentAttention", "init_test_
 
 # The tiny model of every variant: GQA (4 query heads, 2 K/V heads), fp32.
 DIM, HEADS, KV_HEADS, VOCAB, MULTIPLE_OF, ROPE_THETA = 32, 4, 2, 64, 16, 10000
+QWEN3_HEAD_DIM = 12  # not DIM / HEADS: Qwen3's heads have a width of their own
 
 
 class DenseDocumentAttention(torch.nn.Module):
     """The reference's inner attention: SDPA with the dense document mask, or causal; q, k, v and the
-    output (B, heads, L, head_dim)."""
+    output (B, heads, L, head_dim). Under 0.2.2 its layer hands it the call's document ids as
+    ``documents``, as it hands torchtitan_seq's."""
+
+    documents: torch.Tensor | None = None
 
     def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True, documents=None):
         from torchtitan_seq.runtime.documents import document_mask
 
+        documents = self.documents if documents is None else documents
         mask = None if documents is None else document_mask(documents)
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
@@ -55,28 +60,52 @@ class Titan022:
 
     version = "0.2.2"
 
-    def model_args(self, seq_len: int, n_layers: int = 4):
-        from torchtitan.models.llama3 import TransformerModelArgs
+    def model_args(self, seq_len: int, n_layers: int = 4, family: str = "llama3"):
+        """The tiny model's args of ``family``: Llama 3's, or Qwen3's (QK-norm, head dims of their own,
+        ``qwen3_moe``: every MLP an MoE of 4 experts, 2 routed a token, one shared)."""
+        if family == "llama3":
+            from torchtitan.models.llama3 import TransformerModelArgs
 
-        return TransformerModelArgs(
+            return TransformerModelArgs(
+                dim=DIM,
+                n_layers=n_layers,
+                n_heads=HEADS,
+                n_kv_heads=KV_HEADS,
+                vocab_size=VOCAB,
+                multiple_of=MULTIPLE_OF,
+                max_seq_len=seq_len,
+                rope_theta=ROPE_THETA,
+            )
+        from torchtitan.models.moe import MoEArgs
+        from torchtitan.models.qwen3 import Qwen3ModelArgs
+
+        return Qwen3ModelArgs(
             dim=DIM,
             n_layers=n_layers,
             n_heads=HEADS,
             n_kv_heads=KV_HEADS,
             vocab_size=VOCAB,
-            multiple_of=MULTIPLE_OF,
+            head_dim=QWEN3_HEAD_DIM,
+            hidden_dim=2 * DIM,
             max_seq_len=seq_len,
             rope_theta=ROPE_THETA,
+            qk_norm=True,
+            moe_enabled=family == "qwen3_moe",
+            moe_inter_dim=DIM,
+            moe_args=MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, use_grouped_mm=False),
         )
 
     def models(self, v) -> tuple[Any, torch.nn.Module, torch.nn.Module]:
-        """``(args, whole, reference)``: the tiny model with the test weights, and its copy whose
-        attention is SDPA over the whole sequence (with the dense document mask)."""
-        from torchtitan_seq.titan.v022.models.llama3_seq import SeqTransformer
+        """``(args, whole, reference)``: the tiny model of the variant's family with the test weights,
+        and its copy whose attention is SDPA over the whole sequence (with the dense document mask)."""
+        from torchtitan.models.llama3 import Transformer
+        from torchtitan.models.qwen3 import Qwen3Model
 
-        args = self.model_args(v.seq_len, v.layers)
+        from torchtitan_seq.titan.v022.models.sequence_model import sequence_model_class
+
+        args = self.model_args(v.seq_len, v.layers, v.family)
         torch.manual_seed(0)
-        whole = SeqTransformer(args)
+        whole = sequence_model_class(Transformer if v.family == "llama3" else Qwen3Model)(args)
         init_test_weights(whole)
         reference = copy.deepcopy(whole)
         for layer in reference.layers.values():
@@ -102,6 +131,7 @@ class Titan022:
         from torchtitan.distributed import ParallelDims
         from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
         from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+        from torchtitan.models.qwen3 import parallelize_qwen3
 
         from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
         from torchtitan_seq.titan.cpu_compat import fsdp_for_gloo
@@ -130,7 +160,8 @@ class Titan022:
         job.activation_checkpoint.mode = mode
         job.activation_checkpoint.selective_ac_option = option or "2"
         chunk_dims = chunk_parallel_dims(dims)  # as torchtitan_seq parallelises chunks inside torchtitan
-        chunks = [(index, chain, parallelize_llama(chunk, chunk_dims, job)) for index, chain, chunk in split]
+        parallelize = parallelize_llama if v.family == "llama3" else parallelize_qwen3
+        chunks = [(index, chain, parallelize(chunk, chunk_dims, job)) for index, chain, chunk in split]
         fsdp_for_gloo([chunk for _, _, chunk in chunks])
         return chunks, dims
 
@@ -302,5 +333,5 @@ def init_test_weights(model: torch.nn.Module) -> None:
     """
     TITAN.init_weights(model)
     for p in model.parameters():
-        if p.dim() == 2:
+        if p.dim() >= 2:  # matrices, and an MoE's experts' stacked matrices
             p.normal_(0.0, 0.1)

@@ -269,6 +269,19 @@ def _host_read_in_units(ctx: MutationContext) -> list:
     return [mock.patch.object(KVContext, "append", reading)]
 
 
+def _inference_counts_kept(ctx: MutationContext) -> list:
+    """The stages' metadata inference (torch's, on the first step) leaves what it changed in the chunks'
+    buffers: an MoE layer's tokens per expert count its made-up tokens too."""
+    from torchtitan_seq.runtime import torch_internals
+
+    def prepare(self, num_microbatches, *args, **kwargs):
+        out = torch_internals.PipelineStage._prepare_forward_infra(self, num_microbatches, *args, **kwargs)
+        self.resize_receives(self.args_recv_info)
+        return out
+
+    return [mock.patch.object(torch_internals.UnitStageBase, "_prepare_forward_infra", prepare)]
+
+
 MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "prefix_dk_dropped": lambda ctx: _prefix_grads(keep_k=False, keep_v=True),
     "prefix_dv_dropped": lambda ctx: _prefix_grads(keep_k=True, keep_v=False),
@@ -288,6 +301,7 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "cp_second_chunk_positions": _cp_second_chunk_positions,
     "bottom_right_descending": _bottom_right_descending,
     "host_read_in_units": _host_read_in_units,
+    "inference_counts_kept": _inference_counts_kept,
 }
 
 

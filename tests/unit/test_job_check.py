@@ -48,7 +48,10 @@ REFUSALS: list[tuple[tuple[str, ...], str]] = [
     (("--model.flavor", "debugmodel_flash"), "model.flavor = 'debugmodel_flash' is not a flavor"),
     (("--parallelism.pipeline_parallel_schedule", "Bogus"), "parallelism.pipeline_parallel_schedule = 'Bogus'"),
     (("--sequence_pipeline.num_subsequences", "4096"), "sequence_pipeline.num_subsequences = 4096"),
-    (("--model.name", "llama3"), 'set [model] name = "llama3_seq"'),
+    (
+        ("--model.name", "gpt_oss", "--model.flavor", "debugmodel"),
+        "cannot run model.name = 'gpt_oss': its attention sinks and sliding windows",
+    ),
     (
         ("--sequence_pipeline.expected_document_length", "512"),
         "sequence_pipeline.expected_document_length = 512 needs a block-causal flavor",

@@ -22,10 +22,10 @@ INTERNALS = pathlib.Path(torch_internals.__file__)
 
 
 def _torch_private_attributes() -> frozenset[str]:
-    """The private attributes and methods torch's pipelining defines (``self._x``, ``def _x``) in the
-    installed torch: reaching one on a torch object, or overriding one, is a private use."""
+    """The private attributes and methods torch's pipelining and ``nn.Module`` define (``self._x``,
+    ``def _x``) in the installed torch: reaching one on a torch object, or overriding one, is a private use."""
     names: set[str] = set()
-    for f in pathlib.Path(pipelining.__file__).parent.glob("*.py"):
+    for f in [*pathlib.Path(pipelining.__file__).parent.glob("*.py"), pathlib.Path(torch.nn.modules.module.__file__)]:
         text = f.read_text()
         names |= set(re.findall(r"self\.(_[A-Za-z]\w*)", text)) | set(re.findall(r"def (_[A-Za-z]\w*)", text))
     # torch 2.11's stage hooks, overridden for it where it still runs (benchmarks/gpu_check.sh)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan_seq.attention.handles import BINDINGS, LayerBinding
 from torchtitan_seq.attention.kernels import AttentionKernel
@@ -64,7 +65,8 @@ class SequenceAttention(nn.Module):
         is given), an unbound layer's over the whole sequence.
 
         Args:
-            q: (B, Hq, L, D) queries, post-RoPE.
+            q: (B, Hq, L, D) queries, post-RoPE; under a TP plan that keeps them distributed, a DTensor
+                sharded on the heads (then k, v and the output are too).
             k: (B, Hkv, L, D) keys, post-RoPE, before GQA expansion.
             v: (B, Hkv, L, D) values, before GQA expansion.
             scale: the softmax scale; None: D ** -0.5.
@@ -77,6 +79,19 @@ class SequenceAttention(nn.Module):
         Returns:
             (B, Hq, L, D).
         """
+        if isinstance(q, DTensor):
+            # A TP plan that keeps the heads distributed (Qwen3's): heads attend apart, each rank its own.
+            local = SequenceAttention.forward(
+                self,
+                q.to_local(),
+                k.to_local(),
+                v.to_local(),
+                scale=scale,
+                enable_gqa=enable_gqa,
+                is_causal=is_causal,
+                documents=documents,
+            )
+            return DTensor.from_local(local, q.device_mesh, q.placements, run_check=False)
         if self.ids is None:
             return whole_sequence_attention(q, k, v, documents, scale, is_causal, enable_gqa)
         if not is_causal:

@@ -29,7 +29,10 @@ PARTITIONS: tuple[str, ...] = get_args(Partition)
 
 def ffn_hidden_dim(args: TransformerModelArgs) -> int:
     """Width of a Llama 3 SwiGLU MLP (w1, w3 outputs), as torchtitan's ``FeedForward`` computes it
-    from ``TransformerModelArgs``: 8/3 dim, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``."""
+    from ``TransformerModelArgs``: 8/3 dim, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``;
+    a model shape's own ``ffn_width`` where it has one (another family's, or an MoE's active width)."""
+    if (width := getattr(args, "ffn_width", None)) is not None:
+        return width
     hidden = int(2 * 4 * args.dim / 3)
     if args.ffn_dim_multiplier is not None:
         hidden = int(args.ffn_dim_multiplier * hidden)
@@ -57,7 +60,7 @@ class UnitCost:
         and token, 2 * dim * (q, k, v, o widths) + 2 * 3 * dim * ffn matmul FLOPs (the output
         layer spread over the layers), and 4 * heads * head_dim per attended key."""
         dim, n_heads = args.dim, args.n_heads
-        n_kv, head_dim = args.n_kv_heads or n_heads, dim // n_heads
+        n_kv, head_dim = args.n_kv_heads or n_heads, getattr(args, "head_dim", None) or dim // n_heads
         linear = (
             2 * dim * head_dim * (2 * n_heads + 2 * n_kv)  # q, k, v, o
             + 2 * 3 * dim * ffn_hidden_dim(args)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch._dynamo.config
 import torch._utils
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
@@ -48,6 +49,7 @@ __all__ = [
     "detach_tensors",
     "allow_recompiles",
     "dispatch_mode_active",
+    "persistent_buffers",
     "C_FUNCTION_APPLY",
     "unwrap_if_dead",
     "functorch_transforms_active",
@@ -113,6 +115,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "_validate_fwd_input": "torch 2.11 checks every unit's inputs against unit 0's shape; units differ",
     "_validate_fwd_outputs": "torch 2.11 checks every unit's outputs against unit 0's shape; units differ",
     "_get_init_p2p_neighbors_ops": "torch 2.11 warms up a link to a stage on the same rank, which gloo refuses",
+    "_non_persistent_buffers_set": "which of a module's buffers are state (an MoE's expert bias) and which are "
+    "caches (RoPE tables); only state_dict() tells otherwise, which gathers every parameter's shards",
 }
 """Every private torch name the package uses, and why the public API does not serve."""
 
@@ -154,6 +158,17 @@ def detach_tensors(tree: Any) -> Any:
 def allow_recompiles(graphs: int) -> None:
     """Let torch.compile keep at least ``graphs`` graphs per compiled function (one per unit length)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of the buffers of ``module`` and its submodules that its state dict holds, in module
+    order; the name is the buffer's own (e.g. ``expert_bias``)."""
+    return [
+        (name, b)
+        for m in module.modules()
+        for name, b in m.named_buffers(recurse=False)
+        if name not in m._non_persistent_buffers_set
+    ]
 
 
 def dispatch_mode_active() -> bool:
@@ -297,8 +312,17 @@ class UnitStageBase(PipelineStage):
 
     def _prepare_forward_infra(self, num_microbatches, *args, **kwargs):
         # Metadata inference runs the chunk on unit 0 outside any unit: plain causal attention, nothing
-        # cached. (torch 2.13 also passes has_backward; torch 2.11 does not.)
+        # cached. It leaves the chunk's buffers as they were: an MoE layer counts the tokens it routes
+        # (torchtitan's tokens_per_expert), and these are made up. (torch 2.13 also passes has_backward;
+        # torch 2.11 does not.)
+        buffers = [(b, b.clone()) for b in self.submod.buffers()]
         out = super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
+        with torch.no_grad():
+            for buffer, before in buffers:
+                # only those it changed: the inference's graph, which torch's backward inference reads,
+                # may hold the others (a RoPE table), and a copy would bump their versions
+                if not torch.equal(buffer, before):
+                    buffer.copy_(before)
         self.resize_receives(self.args_recv_info)
         return out
 

@@ -30,7 +30,13 @@ from torch import nn
 from torch.distributed.pipelining.schedules import RECV_B, RECV_F, SEND_B, SEND_F
 from torch.distributed.tensor import DTensor
 
-from torchtitan_seq.runtime.torch_internals import Action, add_reduce_grad, add_send_waits, add_unshard_reshard
+from torchtitan_seq.runtime.torch_internals import (
+    Action,
+    add_reduce_grad,
+    add_send_waits,
+    add_unshard_reshard,
+    persistent_buffers,
+)
 from torchtitan_seq.schedules.base import ScheduleShape, SequenceSchedule, StagePlacement
 from torchtitan_seq.schedules.ordering import B, F, I, fed_by, feeds
 from torchtitan_seq.schedules.stage import SequencePipelineStage
@@ -172,14 +178,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+STEP_COUNTERS: tuple[str, ...] = ("tokens_per_expert",)
+"""Names of buffers that count what a step's forwards see: torchtitan's MoE layers count the tokens routed
+to each expert, which its load balancing reads after the step."""
+
+
 class MirroredCopies:
     """The two copies of this rank's model chunks and of its mirror's, kept identical.
 
     Chain A's copy of a chunk is the primary: after a step :meth:`combine_gradients` adds the mirror
     copy's gradient to it and drops the mirror copy's, so the optimizer steps each chunk once and
-    gradient-norm clipping counts it once; :meth:`sync_parameters` then copies the primaries' new
-    values over the mirror copies. Each is one all-reduce per pair, on one flat buffer in the order
-    both ranks share: by chunk index. Constructing it is a collective over the world: every process
+    gradient-norm clipping counts it once, and moves the mirror's step counters
+    (:data:`STEP_COUNTERS`) onto the primary's, so they count the whole step's tokens;
+    :meth:`sync_parameters` then copies the primaries' new values and persistent buffers (an MoE's
+    expert bias, which torchtitan's optimizer hook updates) over the mirror copies. Each is one
+    all-reduce per pair, on one flat buffer in the order both ranks share: by chunk index.
+    Constructing it is a collective over the world: every process
     creates every pair's process group.
 
     Args:
@@ -199,10 +213,28 @@ class MirroredCopies:
         groups = {pair: dist.new_group(list(pair)) for pair in pairs}
         self._group = next((g for pair, g in groups.items() if dist.get_rank() in pair), None)
 
-    def _parameters(self) -> list[tuple[nn.Parameter, bool]]:
+    def _parameter_pairs(self) -> list[tuple[nn.Parameter, bool]]:
         """(parameter, is a primary) in the pair's common order."""
         # Read at each use: torchtitan materialises meta parameters after the schedule is built.
         return [(p, primary) for module, primary in self._chunks for p in module.parameters()]
+
+    def _counters(self) -> list[tuple[torch.Tensor, bool]]:
+        """(step counter, is a primary) in the pair's common order."""
+        return [
+            (b, primary)
+            for module, primary in self._chunks
+            for name, b in module.named_buffers()
+            if name.rsplit(".", 1)[-1] in STEP_COUNTERS
+        ]
+
+    def _state_buffers(self) -> list[tuple[torch.Tensor, bool]]:
+        """(persistent buffer, is a primary) in the pair's common order, but the step counters."""
+        return [
+            (b, primary)
+            for module, primary in self._chunks
+            for name, b in persistent_buffers(module)
+            if name not in STEP_COUNTERS
+        ]
 
     def _pair_sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` summed over the pair, as one flat all-reduce."""
@@ -213,7 +245,7 @@ class MirroredCopies:
     @torch.no_grad()
     def combine_gradients(self) -> None:
         """Primary grad <- primary + mirror grad (over the pair); mirror grads -> None."""
-        params = self._parameters()
+        params = self._parameter_pairs()
         grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p, _ in params]
         for (p, primary), total in zip(params, self._pair_sum(grads)):
             if not primary:
@@ -222,20 +254,28 @@ class MirroredCopies:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             _local(p.grad).copy_(total)
+        self._move_counters()
+
+    def _move_counters(self) -> None:
+        """Primary counters <- primary + mirror counters (over the pair); mirror counters <- 0."""
+        counters = self._counters()
+        for (b, primary), total in zip(counters, self._pair_sum([b for b, _ in counters]) if counters else []):
+            b.copy_(total if primary else torch.zeros_like(b))
 
     @torch.no_grad()
     def sync_parameters(self) -> None:
         """Mirror copies <- primary copies (over the pair)."""
-        params = self._parameters()
-        values = [_local(p).detach() if primary else torch.zeros_like(_local(p)) for p, primary in params]
-        for (p, primary), total in zip(params, self._pair_sum(values)):
+        params = [(_local(p).detach(), primary) for p, primary in self._parameter_pairs()] + self._state_buffers()
+        values = [t if primary else torch.zeros_like(t) for t, primary in params]
+        for (t, primary), total in zip(params, self._pair_sum(values)):
             if not primary:
-                _local(p).copy_(total)
+                t.copy_(total)
+        self._move_counters()
 
     @torch.no_grad()
     def max_difference(self) -> float:
         """Largest |primary - mirror| over this pair's chunks (0.0: the copies are identical)."""
-        values = [_local(p).detach() if primary else -_local(p).detach() for p, primary in self._parameters()]
+        values = [_local(p).detach() if primary else -_local(p).detach() for p, primary in self._parameter_pairs()]
         return max((float(d.abs().max()) for d in self._pair_sum(values) if d.numel()), default=0.0)
 
 

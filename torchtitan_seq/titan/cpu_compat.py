@@ -13,7 +13,9 @@ files stay unmodified on disk:
 * ``barrier(device_ids=["cpu"])`` drops the device ids gloo rejects;
 * ``torch.profiler.profile`` ignores the ``None`` that torchtitan's profiler lists as its activity
   when there is no GPU, so ``[profiling]`` works;
-* FSDP2 reduces gradients with plain sums (:func:`fsdp_for_gloo`), since gloo has no PREMUL_SUM.
+* FSDP2 reduces gradients with plain sums (:func:`fsdp_for_gloo`), since gloo has no PREMUL_SUM;
+* ``torch.histc`` counts integers (an MoE router's expert indices, which torchtitan counts tokens per
+  expert by) as floats, as its CUDA kernel takes them and its CPU kernel does not.
 
 Attention needs nothing: the models use SDPA, which has a CPU backward (under 0.3 too, whose Llama 3
 flavors default to flex attention, with no CPU backward: torchtitan_seq's model replaces it).
@@ -71,6 +73,16 @@ def _block_mask_on_cpu(create_block_mask):
     return wrapped
 
 
+def _histc_of_integers(histc):
+    def wrapped(input, *args, **kwargs):
+        if input.is_floating_point():
+            return histc(input, *args, **kwargs)
+        # exact: expert indices and counts are far below 2**24; the counts in the input's dtype, as CUDA's
+        return histc(input.float(), *args, **kwargs).to(input.dtype)
+
+    return wrapped
+
+
 def _patch(owner: object, name: str, wrap) -> None:
     """Replace ``owner.name`` by ``wrap(owner.name)``, once: the mark keeps :func:`apply` idempotent."""
     original = getattr(owner, name)
@@ -92,6 +104,7 @@ def apply() -> None:
     _patch(flex_attention, "create_block_mask", _block_mask_on_cpu)
     _patch(dist, "barrier", _barrier_without_cpu_ids)
     _patch(torch.profiler.profile, "__init__", _profile_without_missing_device)
+    _patch(torch, "histc", _histc_of_integers)
     for name, fn in {
         "get_device_name": lambda *a, **k: "cpu",
         "get_device_properties": _cpu_device_properties,

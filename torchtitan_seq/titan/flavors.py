@@ -10,9 +10,10 @@ checks :func:`chunk_split` against torchtitan's ``generate_llm_fqn_per_model_par
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
-__all__ = ["ModelShape", "flavor_shapes", "chunk_split"]
+__all__ = ["ModelShape", "flavor_shapes", "chunk_split", "model_shape"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,14 @@ class ModelShape:
     vocab_size: int
     multiple_of: int
     ffn_dim_multiplier: float | None
+    head_dim: int | None = None
+    """Width of a query or key head; None: dim / n_heads, as Llama 3's."""
+    ffn_width: int | None = None
+    """Width of the MLP a token runs through (an MoE layer's: its routed experts' and shared experts'
+    widths summed); None: Llama 3's SwiGLU width from ``multiple_of`` and ``ffn_dim_multiplier``."""
 
 
+_OWN_WIDTHS = ("head_dim", "ffn_width")
 _DEBUG = ModelShape(256, 6, 16, None, 2048, 256, None)
 _8B = ModelShape(4096, 32, 32, 8, 128256, 1024, 1.3)
 
@@ -43,6 +50,41 @@ flavor_shapes: dict[str, ModelShape] = {
     "405B": ModelShape(16384, 126, 128, 8, 128256, 4096, 1.2),
 }
 """Per flavor of ``torchtitan_seq.titan.v022.models.llama3_seq.seq_llama3_flavors`` (torchtitan's), its shape."""
+
+
+def model_shape(args: Any) -> ModelShape:
+    """What the cost models read of a model family's args (torchtitan 0.2.2's, or a :class:`ModelShape`).
+
+    Llama 3's ``TransformerModelArgs`` are read as they are. A family with head dims of its own and an
+    MLP width (Qwen3) gives them; its MoE layers count the width of the experts a token runs through
+    (``top_k`` routed and the shared ones).
+
+    Args:
+        args: the flavor's model args.
+
+    Returns:
+        Its shape.
+    """
+    if isinstance(args, ModelShape):
+        return args
+    if hasattr(args, "multiple_of"):  # Llama 3's
+        return ModelShape(*(getattr(args, f.name) for f in fields(ModelShape) if f.name not in _OWN_WIDTHS))
+    if getattr(args, "moe_enabled", False):
+        moe = args.moe_args
+        ffn_width = (moe.top_k + moe.num_shared_experts) * args.moe_inter_dim
+    else:
+        ffn_width = args.hidden_dim
+    return ModelShape(
+        args.dim,
+        args.n_layers,
+        args.n_heads,
+        args.n_kv_heads,
+        args.vocab_size,
+        1,
+        None,
+        head_dim=args.head_dim,
+        ffn_width=ffn_width,
+    )
 
 
 def chunk_split(n_layers: int, num_chunks: int) -> tuple[tuple[int, bool, bool], ...] | None:

@@ -17,6 +17,8 @@ from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, Schedu
 from torchtitan_seq.titan import pipeline_core
 
 __all__ = [
+    "FAMILY_GAPS",
+    "check_family",
     "check_schedule_name",
     "check_degrees",
     "check_unit_precision",
@@ -25,6 +27,33 @@ __all__ = [
     "check_instrumentation",
     "check_shape",
 ]
+
+
+FAMILY_GAPS: dict[str, str] = {
+    "gpt_oss": "its attention sinks and sliding windows are not chunk-aware yet",
+    "llama4": "its chunked local attention is not chunk-aware yet",
+    "deepseek_v3": "its multi-head latent attention is not chunk-aware yet",
+}
+"""Why torchtitan's LLM families that sequence schedules do not run yet cannot, by model name."""
+
+
+def check_family(schedule: str, model_name: str, families: tuple[str, ...]) -> None:
+    """Refuse a sequence schedule for a model without chunk-aware attention.
+
+    Args:
+        schedule: ``parallelism.pipeline_parallel_schedule``, a sequence schedule.
+        model_name: ``model.name``.
+        families: the model names whose attention is chunk-aware under the installed torchtitan.
+
+    Raises:
+        ValueError: ``model_name`` is not one of ``families``.
+    """
+    if model_name not in families:
+        why = FAMILY_GAPS.get(model_name, "it has no chunk-aware attention")
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule = {schedule!r} cannot run model.name = {model_name!r}: "
+            f"{why}; use one of {', '.join(families)} (or one of torch's schedules)"
+        )
 
 
 def check_schedule_name(name: str) -> None:

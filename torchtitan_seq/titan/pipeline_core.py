@@ -21,6 +21,7 @@ from torchtitan_seq.runtime.shape import JobShape
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, SequenceSchedule
 from torchtitan_seq.schedules.stage import SequencePipelineStage
 from torchtitan_seq.titan.config import SequencePipeline
+from torchtitan_seq.titan.flavors import model_shape
 
 __all__ = ["job_shape", "stages_per_rank", "describe_shape", "chunk_module_names", "build_sequence_schedule"]
 
@@ -89,8 +90,8 @@ def job_shape(
         sequence_pipeline: the job's ``[sequence_pipeline]`` section.
         parallelism: its ``parallelism`` section (a sequence schedule named).
         training: its ``training`` section (``seq_len``, ``local_batch_size``).
-        model_args: the fields of :class:`~torchtitan_seq.titan.flavors.ModelShape` (torchtitan 0.2.2's
-            ``TransformerModelArgs`` has them), for the partition's unit cost.
+        model_args: the flavor's model args (any family's, read by
+            :func:`~torchtitan_seq.titan.flavors.model_shape`), for the partition's unit cost.
         tp_degree: the tensor-parallel degree.
         pp_degree: p, the pipeline ranks.
 
@@ -102,7 +103,7 @@ def job_shape(
     """
     cfg, par = sequence_pipeline, parallelism
     return JobShape.of_model(
-        model_args,
+        model_shape(model_args),
         training.seq_len,
         cfg.num_subsequences,
         cfg.partition,

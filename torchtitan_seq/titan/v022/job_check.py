@@ -19,12 +19,14 @@ from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.titan.job_rules import (
     check_compile,
     check_degrees,
+    check_family,
     check_instrumentation,
     check_schedule_name,
     check_shape,
     check_split_backward_ac,
     check_unit_precision,
 )
+from torchtitan_seq.titan.v022.models.train_specs import ALIASES, SEQUENCE_FAMILIES
 from torchtitan_seq.titan.v022.pipeline import pipeline_sequence_llm
 
 __all__ = ["check_job"]
@@ -147,12 +149,8 @@ def _check_datasets(job_config: JobConfig) -> None:
 
 def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
     """A sequence schedule needs chunk-aware attention."""
-    name = job_config.parallelism.pipeline_parallel_schedule
-    if spec.pipelining_fn is not pipeline_sequence_llm:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule = {name!r} needs a model with chunk-aware attention, "
-            f'but model.name = {job_config.model.name!r} has none: set [model] name = "llama3_seq"'
-        )
+    families = (*SEQUENCE_FAMILIES, *ALIASES)
+    check_family(job_config.parallelism.pipeline_parallel_schedule, job_config.model.name, families)
 
 
 def _check_attention_backend(job_config: JobConfig) -> None:

@@ -19,7 +19,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import pipeline_parallel as titan_pp
-from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.tools.logging import logger
 
 from torchtitan_seq.runtime.shape import JobShape
@@ -29,12 +28,12 @@ from torchtitan_seq.titan import pipeline_core
 __all__ = ["job_shape", "split_model", "chunk_parallel_dims", "pipeline_sequence_llm"]
 
 
-def job_shape(job_config: JobConfig, model_args: TransformerModelArgs, tp_degree: int, pp_degree: int) -> JobShape:
+def job_shape(job_config: JobConfig, model_args: Any, tp_degree: int, pp_degree: int) -> JobShape:
     """The job's :class:`~torchtitan_seq.runtime.shape.JobShape` under a sequence schedule.
 
     Args:
         job_config: the job's config (``sequence_pipeline``, ``parallelism``, ``training``).
-        model_args: the flavor's model args.
+        model_args: the flavor's model args (any family's, read by :func:`~torchtitan_seq.titan.flavors.model_shape`).
         tp_degree: the tensor-parallel degree.
         pp_degree: p, the pipeline ranks.
 
@@ -106,7 +105,7 @@ def pipeline_sequence_llm(
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     device: torch.device,
-    model_args: TransformerModelArgs,
+    model_args: Any,
     parallelize_fn: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module],
     loss_fn: Callable[..., torch.Tensor],
 ) -> tuple[SequenceSchedule, list[nn.Module], bool, bool]:

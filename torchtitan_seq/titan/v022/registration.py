@@ -1,6 +1,11 @@
 """The one place torchtitan_seq registers with torchtitan, through its own extension points: the train
-spec ``llama3_seq`` (:mod:`torchtitan_seq.titan.v022.models.llama3_seq`), and the shipped datasets
+specs of the model families sequence schedules run, under torchtitan's own model names and the alias
+``llama3_seq`` (:mod:`torchtitan_seq.titan.v022.models.train_specs`), and the shipped datasets
 (:mod:`torchtitan_seq.titan.data`) in torchtitan's dataset table, its documented place for new datasets.
+
+torchtitan looks a model name up among registered specs before its own packages, so a job naming
+``qwen3`` gets the family's spec with chunk-aware attention; it trains exactly as torchtitan's own
+under torch's schedules and without a pipeline.
 """
 
 from __future__ import annotations
@@ -10,16 +15,18 @@ from torchtitan.protocols import train_spec
 
 from torchtitan_seq.titan import data
 from torchtitan_seq.titan.titan_internals import registered_train_specs
-from torchtitan_seq.titan.v022.models.llama3_seq import get_train_spec
+from torchtitan_seq.titan.v022.models.train_specs import ALIASES, SEQUENCE_FAMILIES, sequence_train_spec
 
 __all__ = ["MODEL_NAME", "register"]
 
 MODEL_NAME = "llama3_seq"
-"""The train spec's name, as jobs name it (``[model] name``)."""
+"""The name the shipped configs give the model (``[model] name``): Llama 3's alias."""
 
 
 def register() -> None:
-    """Make the model, its train spec and the shipped datasets known to torchtitan (idempotent)."""
+    """Make the families' train specs and the shipped datasets known to torchtitan (idempotent)."""
     data.add_to(text_datasets.DATASETS)
-    if MODEL_NAME not in registered_train_specs():
-        train_spec.register_train_spec(MODEL_NAME, get_train_spec())
+    registered = registered_train_specs()
+    for name in (*SEQUENCE_FAMILIES, *ALIASES):
+        if name not in registered:
+            train_spec.register_train_spec(name, sequence_train_spec(ALIASES.get(name, name)))

@@ -1,38 +1,33 @@
-"""``llama3_seq``: torchtitan's Llama 3 with chunk-aware attention (:mod:`.model`), and its train spec.
+"""``llama3_seq``: torchtitan's Llama 3 with chunk-aware attention under the name jobs gave it first (an
+alias of ``llama3``, :mod:`torchtitan_seq.titan.v022.models.train_specs`).
 
-Laid out as torchtitan lays out its own models (``torchtitan/models/llama3``).
+Every Llama 3 flavor is offered under its torchtitan name; the block-causal ones
+(``debugmodel_flex_attn``, ``8B_varlen``, ...) attend by the batch's document ids
+(:mod:`torchtitan_seq.runtime.documents`), whatever kernel runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+from torchtitan.models.llama3 import llama3_args as _llama3_flavors
 from torchtitan.protocols.train_spec import TrainSpec
 
-from torchtitan_seq.runtime.loss import TokenNormalizedLoss
-from torchtitan_seq.titan.v022.metrics import build_seq_metrics_processor
-from torchtitan_seq.titan.v022.models.llama3_seq.model import SeqTransformer, seq_llama3_flavors
-from torchtitan_seq.titan.v022.pipeline import pipeline_sequence_llm
+from torchtitan_seq.titan.v022.models.sequence_model import sequence_model_class
+from torchtitan_seq.titan.v022.models.train_specs import sequence_train_spec
 
 __all__ = ["SeqTransformer", "seq_llama3_flavors", "get_train_spec"]
+
+SeqTransformer = sequence_model_class(Transformer)
+"""torchtitan's Llama 3 whose attention can run one (microbatch, subsequence) unit at a time."""
+
+seq_llama3_flavors: dict[str, TransformerModelArgs] = dict(_llama3_flavors)
+"""Llama 3's flavors under their own names: SDPA ones causal, flex and varlen ones block-causal."""
 
 
 def get_train_spec() -> TrainSpec:
     """torchtitan's Llama 3 train spec with the sequence schedules' model, pipelining, loss and metrics.
 
     Returns:
-        Llama 3's spec with :class:`SeqTransformer` and its flavors, :func:`pipeline_sequence_llm`
-        (sequence schedules by name, torch's otherwise), the cross-entropy loss wrapped in a
-        :class:`~torchtitan_seq.runtime.loss.TokenNormalizedLoss` and a metrics processor that also
-        reports activation memory and the pipeline's bubble.
+        :func:`~torchtitan_seq.titan.v022.models.train_specs.sequence_train_spec` of ``llama3``.
     """
-    return dataclasses.replace(
-        llama3_train_spec(),
-        model_cls=SeqTransformer,
-        model_args=seq_llama3_flavors,
-        pipelining_fn=pipeline_sequence_llm,
-        build_loss_fn=lambda job_config, **kwargs: TokenNormalizedLoss(build_cross_entropy_loss(job_config, **kwargs)),
-        build_metrics_processor_fn=build_seq_metrics_processor,
-    )
+    return sequence_train_spec("llama3")
