@@ -5,11 +5,9 @@ why a run failed. Used by :mod:`bench` and :mod:`context_parallel`.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
-from torchtitan_seq.instrumentation.record import Run
+from torchtitan_seq.instrumentation.record import Run, run_job
 
 __all__ = ["ROOT", "run_train"]
 
@@ -21,13 +19,4 @@ def run_train(*overrides: str, dump_folder: Path, env: dict | None = None, timeo
     script = ROOT / "run_train.sh"
     if not script.is_file():
         raise FileNotFoundError(f"{script} not found: the benchmark runs from the source checkout")
-    dump_folder = Path(dump_folder).resolve()  # the job runs in ROOT, the caller maybe elsewhere
-    proc = subprocess.run(
-        [str(script), "--job.dump_folder", str(dump_folder), *overrides],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return Run.from_dump_folder(dump_folder, proc.returncode, proc.stdout + proc.stderr)
+    return run_job([str(script), *overrides], dump_folder, cwd=ROOT, env=env, timeout=timeout)

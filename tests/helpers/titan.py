@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 from pathlib import Path
 
 from forked_run import ROOT, run_forked
-from torchtitan_seq.instrumentation.record import Run
+from torchtitan_seq.instrumentation.record import Run, run_job
 
 __all__ = ["Run", "run_train", "assert_trained", "assert_same_losses", "max_diff", "REFERENCE"]
 
@@ -44,16 +42,7 @@ def run_train(
     """
     if not check:
         return run_forked(*overrides, dump_folder=dump_folder, env=env, timeout=timeout)
-    dump_folder = Path(dump_folder).resolve()  # the job runs in the checkout, the test maybe elsewhere
-    proc = subprocess.run(
-        [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump_folder), *overrides],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return Run.from_dump_folder(dump_folder, proc.returncode, proc.stdout + proc.stderr)
+    return run_job([str(ROOT / "run_train.sh"), *overrides], dump_folder, cwd=ROOT, env=env, timeout=timeout)
 
 
 def assert_trained(run: Run, steps: int) -> None:

@@ -49,6 +49,10 @@ REFUSALS: list[tuple[tuple[str, ...], str]] = [
     (("--parallelism.pipeline_parallel_schedule", "Bogus"), "parallelism.pipeline_parallel_schedule = 'Bogus'"),
     (("--sequence_pipeline.num_subsequences", "4096"), "sequence_pipeline.num_subsequences = 4096"),
     (
+        ("--model.name", "qwen3", "--model.flavor", "debugmodel"),
+        "model.flavor = 'debugmodel' of model.name = 'qwen3' ties its output layer to the embeddings",
+    ),
+    (
         ("--model.name", "gpt_oss", "--model.flavor", "debugmodel"),
         "cannot run model.name = 'gpt_oss': its attention sinks and sliding windows",
     ),

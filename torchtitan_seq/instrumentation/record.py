@@ -11,11 +11,13 @@ with the exit status and console output of whatever launched the job.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECORD_FILE", "Run", "read_record"]
+__all__ = ["RECORD_FILE", "Run", "read_record", "run_job"]
 
 RECORD_FILE = "metrics.jsonl"
 """The structured record's file name in the job's dump folder."""
@@ -108,3 +110,29 @@ class Run:
             The run of ``<dump_folder>/metrics.jsonl``'s latest records; no steps when there is no record.
         """
         return cls.from_record(returncode, output, read_record(Path(dump_folder) / RECORD_FILE))
+
+
+def run_job(command: list[str], dump_folder: Path, *, cwd: Path, env: dict | None = None, timeout: int = 600) -> Run:
+    """Run a training job's command line and read its run from its record.
+
+    Args:
+        command: the command (e.g. ``./run_train.sh`` and torchtitan overrides), to which
+            ``--job.dump_folder <dump_folder>`` is added.
+        dump_folder: where the job writes its record.
+        cwd: the directory the command runs in.
+        env: variables set for the job, over this process's environment.
+        timeout: seconds before the job is killed (``subprocess.TimeoutExpired``).
+
+    Returns:
+        The job's exit status, console output and figures (:meth:`Run.from_dump_folder`).
+    """
+    dump_folder = Path(dump_folder).resolve()  # the job runs in cwd, the caller maybe elsewhere
+    proc = subprocess.run(
+        [*command, "--job.dump_folder", str(dump_folder)],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Run.from_dump_folder(dump_folder, proc.returncode, proc.stdout + proc.stderr)

@@ -19,6 +19,7 @@ from torchtitan_seq.titan import pipeline_core
 __all__ = [
     "FAMILY_GAPS",
     "check_family",
+    "check_weight_tying",
     "check_schedule_name",
     "check_degrees",
     "check_unit_precision",
@@ -53,6 +54,28 @@ def check_family(schedule: str, model_name: str, families: tuple[str, ...]) -> N
         raise ValueError(
             f"parallelism.pipeline_parallel_schedule = {schedule!r} cannot run model.name = {model_name!r}: "
             f"{why}; use one of {', '.join(families)} (or one of torch's schedules)"
+        )
+
+
+def check_weight_tying(model_name: str, flavor: str, tied: bool, pp_degree: int) -> None:
+    """Refuse a pipeline over a flavor whose output layer shares the embeddings' weight (Qwen3's small
+    flavors): the first and last stages would each train a copy of their own. torchtitan 0.3 refuses
+    the pair too.
+
+    Args:
+        model_name: ``model.name``.
+        flavor: ``model.flavor``.
+        tied: whether the flavor ties them (its ``enable_weight_tying``).
+        pp_degree: ``parallelism.pipeline_parallel_degree``.
+
+    Raises:
+        ValueError: a tied flavor in a pipeline.
+    """
+    if tied and pp_degree > 1:
+        raise ValueError(
+            f"model.flavor = {flavor!r} of model.name = {model_name!r} ties its output layer to the embeddings "
+            "(enable_weight_tying), which a pipeline puts on different stages: use a flavor without tied "
+            "weights (e.g. debugmodel_moe) or parallelism.pipeline_parallel_degree = 1"
         )
 
 

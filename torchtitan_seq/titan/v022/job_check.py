@@ -25,6 +25,7 @@ from torchtitan_seq.titan.job_rules import (
     check_shape,
     check_split_backward_ac,
     check_unit_precision,
+    check_weight_tying,
 )
 from torchtitan_seq.titan.v022.models.train_specs import ALIASES, SEQUENCE_FAMILIES
 from torchtitan_seq.titan.v022.pipeline import pipeline_sequence_llm
@@ -54,6 +55,7 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
     _check_replicate(job_config, world_size)
     spec = get_train_spec(job_config.model.name)
     _check_flavor(job_config, spec)
+    _check_weight_tying(job_config, spec)
     _check_compile(job_config)
     check_instrumentation(job_config.sequence_pipeline.activation_memory_freq)
     _check_converters(job_config)
@@ -83,6 +85,14 @@ def _check_flavor(job_config: JobConfig, spec: TrainSpec) -> None:
             f"model.flavor = {flavor!r} is not a flavor of model.name = {job_config.model.name!r}: "
             f"use one of {', '.join(spec.model_args)}"
         )
+
+
+def _check_weight_tying(job_config: JobConfig, spec: TrainSpec) -> None:
+    """A pipeline cannot tie the output layer to the embeddings
+    (:func:`~torchtitan_seq.titan.job_rules.check_weight_tying`)."""
+    model = job_config.model
+    tied = getattr(spec.model_args[model.flavor], "enable_weight_tying", False)
+    check_weight_tying(model.name, model.flavor, tied, job_config.parallelism.pipeline_parallel_degree)
 
 
 def _check_compile(job_config: JobConfig) -> None:
