@@ -6,7 +6,9 @@
 function per TOML file of ``train_configs/`` (torchtitan 0.2.2), with the same settings: the Llama 3
 debug model and 8B at 32K tokens, causal and block-causal (packed documents). Each returns
 :class:`~torchtitan_seq.titan.v03.trainer.SeqTrainer`'s config; its ``sequence_pipeline`` section is
-0.2.2's ``[sequence_pipeline]``. Needs torchtitan 0.3 (importing this module imports it).
+0.2.2's ``[sequence_pipeline]``. Beside them, Qwen3's debug models (MoE, and dense with its output
+layer untied), which 0.2.2's TOML files do not ship. Needs torchtitan 0.3 (importing this module imports
+it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torchtitan_seq.assets import TOKENIZER_DIR
 from torchtitan_seq.titan.config import SequencePipeline
 from torchtitan_seq.titan.data import DATASET_NAME, PACKED_DATASET_NAME
 from torchtitan_seq.titan.v03.metrics import SeqMetricsProcessor
-from torchtitan_seq.titan.v03.model import seq_llama3
+from torchtitan_seq.titan.v03.model import sequence_model_spec
 from torchtitan_seq.titan.v03.pipeline import pipeline_sequence_llm
 from torchtitan_seq.titan.v03.trainer import SeqTrainer
 
@@ -30,6 +32,8 @@ __all__ = [
     "llama3_debugmodel_block_causal_seq1f1b",
     "llama3_8b_32k_seq1f1b",
     "llama3_8b_32k_block_causal_seq1f1b",
+    "qwen3_debugmodel_moe_seq1f1b",
+    "qwen3_debugmodel_untied_seq1f1b",
 ]
 
 # The packed corpus: about 610 tokens a document, BOS and EOS included.
@@ -42,7 +46,7 @@ def llama3_debugmodel_seq1f1b() -> SeqTrainer.Config:
     ``train_configs/debug_model.toml``'s settings: 20 steps of 4 sequences of 2048 tokens from the
     shipped corpus.
     """
-    return _debugmodel("debugmodel", DATASET_NAME, SequencePipeline(num_subsequences=4, length_multiple=64))
+    return _debugmodel("llama3", "debugmodel", DATASET_NAME, SequencePipeline(num_subsequences=4, length_multiple=64))
 
 
 def llama3_debugmodel_block_causal_seq1f1b() -> SeqTrainer.Config:
@@ -51,6 +55,7 @@ def llama3_debugmodel_block_causal_seq1f1b() -> SeqTrainer.Config:
     ``train_configs/debug_block_causal.toml``'s settings, on the shipped packed corpus.
     """
     return _debugmodel(
+        "llama3",
         "debugmodel_flex_attn",
         PACKED_DATASET_NAME,
         SequencePipeline(num_subsequences=4, length_multiple=64, expected_document_length=_PACKED_DOCUMENT_LENGTH),
@@ -73,22 +78,36 @@ def llama3_8b_32k_block_causal_seq1f1b() -> SeqTrainer.Config:
     return _8b("8B_flex")
 
 
-def _config(flavor: str, **fields) -> SeqTrainer.Config:
+def qwen3_debugmodel_moe_seq1f1b() -> SeqTrainer.Config:
+    """Qwen3's MoE debug model (8 layers of 64 experts, 8 routed a token), Seq1F1B (k = 4) on 2 pipeline
+    ranks (CPU by default), at 512 tokens a sequence (:func:`_qwen3_debugmodel`)."""
+    return _qwen3_debugmodel("debugmodel_moe")
+
+
+def qwen3_debugmodel_untied_seq1f1b() -> SeqTrainer.Config:
+    """Qwen3's dense debug model with its output layer untied from its embeddings (0.3 pipelines no tied
+    model), Seq1F1B (k = 4) on 2 pipeline ranks (CPU by default), at 512 tokens a sequence
+    (:func:`_qwen3_debugmodel`)."""
+    return _qwen3_debugmodel("debugmodel_untied")
+
+
+def _config(family: str, flavor: str, **fields) -> SeqTrainer.Config:
     """The settings every shipped job shares, around the job's own.
 
     ``training.disable_cuda_graphs`` is on in each job's ``training``, as 0.3 asks of every
     pipeline-parallel job.
 
     Args:
-        flavor: the model's flavor, a key of :data:`~torchtitan_seq.titan.v03.model.FLAVORS`.
+        family: the model's family, a key of :data:`~torchtitan_seq.titan.v03.model.FLAVORS`.
+        flavor: the model's flavor, a key of the family's.
         **fields: the job's other fields of :class:`SeqTrainer.Config`.
 
     Returns:
-        The job's config: the flavor's ``llama3_seq`` model pipelined by
+        The job's config: the flavor's ``<family>_seq`` model pipelined by
         :func:`~torchtitan_seq.titan.v03.pipeline.pipeline_sequence_llm`, with the whole output layer
         in each unit's loss, no activation checkpointing and seed 42.
     """
-    model_spec = seq_llama3(flavor, pipeline_sequence_llm)
+    model_spec = sequence_model_spec(family, flavor, pipeline_sequence_llm)
     return SeqTrainer.Config(
         model_spec=model_spec,
         # The whole output layer in each unit's loss (0.3's default chunks it inside the loss).
@@ -99,18 +118,24 @@ def _config(flavor: str, **fields) -> SeqTrainer.Config:
     )
 
 
-def _debugmodel(flavor: str, dataset: str, sequence: SequencePipeline) -> SeqTrainer.Config:
-    """The debug model's job: 2 pipeline ranks, the shipped tokenizer, a shipped ``dataset``, no checkpoints.
+def _debugmodel(
+    family: str, flavor: str, dataset: str, sequence: SequencePipeline, seq_len: int = 2048, steps: int = 20
+) -> SeqTrainer.Config:
+    """A debug model's job: 2 pipeline ranks, the shipped tokenizer, a shipped ``dataset``, no checkpoints.
 
     Args:
-        flavor: the debug model's flavor (causal or block-causal).
+        family: the debug model's family.
+        flavor: its flavor (causal or block-causal).
         dataset: a shipped dataset's name.
         sequence: the job's ``sequence_pipeline`` section.
+        seq_len: tokens a sequence.
+        steps: training steps.
 
     Returns:
         The job's config.
     """
     return _config(
+        family,
         flavor,
         hf_assets_path=str(TOKENIZER_DIR),  # the tokenizer shipped with torchtitan_seq
         dump_folder="./outputs",
@@ -119,7 +144,9 @@ def _debugmodel(flavor: str, dataset: str, sequence: SequencePipeline) -> SeqTra
         lr_scheduler=LRSchedulersContainer.Config(
             warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
         ),
-        training=TrainingConfig(local_batch_size=4, seq_len=2048, max_norm=1.0, steps=20, disable_cuda_graphs=True),
+        training=TrainingConfig(
+            local_batch_size=4, seq_len=seq_len, max_norm=1.0, steps=steps, disable_cuda_graphs=True
+        ),
         dataloader=HuggingFaceTextDataLoader.Config(dataset=dataset),  # shipped with torchtitan_seq
         parallelism=ParallelismConfig(
             data_parallel_shard_degree=1, pipeline_parallel_degree=2, pipeline_parallel_schedule="Seq1F1B"
@@ -128,6 +155,21 @@ def _debugmodel(flavor: str, dataset: str, sequence: SequencePipeline) -> SeqTra
         checkpoint=CheckpointManager.Config(enable=False, folder="checkpoint", interval=10),
         compile=CompileConfig(enable=False),
     )
+
+
+def _qwen3_debugmodel(flavor: str) -> SeqTrainer.Config:
+    """A Qwen3 debug model's job: the Llama 3 debug job's settings at 512 tokens a sequence (a quarter of
+    its), for 10 steps (torchtitan's own Qwen3 debug jobs' count): the MoE debug model, 300M parameters,
+    takes some 25 s a step there on 2 CPU cores.
+
+    Args:
+        flavor: a Qwen3 debug flavor without tied weights.
+
+    Returns:
+        The job's config.
+    """
+    sequence = SequencePipeline(num_subsequences=4, length_multiple=64)
+    return _debugmodel("qwen3", flavor, DATASET_NAME, sequence, seq_len=512, steps=10)
 
 
 def _8b(flavor: str) -> SeqTrainer.Config:
@@ -140,6 +182,7 @@ def _8b(flavor: str) -> SeqTrainer.Config:
         The job's config.
     """
     return _config(
+        "llama3",
         flavor,
         hf_assets_path="./assets/hf/Llama-3.1-8B",
         dump_folder="./outputs/llama3_8b_32k",

@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 
 from harness_titan import TITAN, DenseDocumentAttention, init_test_weights  # noqa: F401  (the harness's API)
 from host_reads import reads_during_units
+from torchtitan_seq.schedules.bidirectional import STEP_COUNTERS
 
 TOL = 1e-5  # relative; fp32 round-off stays below 1e-6 here
 GRAD_FLOOR = 5e-4  # every parameter's largest reference gradient is at least this: 1e4 x fp32 round-off
@@ -135,11 +136,12 @@ def _canonical(name: str) -> str:
 
 def expert_counts(model: torch.nn.Module, zero: bool = False) -> dict[str, torch.Tensor]:
     """The tokens routed to each expert that ``model``'s MoE layers counted (torchtitan's
-    ``tokens_per_expert``, read by its load-balancing update), by the whole model's buffer names;
+    ``tokens_per_expert``, 0.3's ``tokens_per_expert_E``, read by its load-balancing update), by the
+    whole model's buffer names;
     ``zero``: counted from zero on from now."""
     counts = {}
     for name, buffer in model.named_buffers():
-        if name.endswith("tokens_per_expert"):
+        if name.rsplit(".", 1)[-1] in STEP_COUNTERS:
             counts[_canonical(name)] = buffer.clone()
             if zero:
                 buffer.zero_()

@@ -10,13 +10,13 @@ this rank's chunks, parallelising each chunk with the version's parallelize func
   :class:`~torchtitan_seq.titan.v022.models.llama3_seq.SeqTransformer`, chunks placed by
   :func:`torchtitan_seq.titan.v022.pipeline.split_model` and parallelised by ``parallelize_llama`` with a
   ``JobConfig`` (the CP ranks as FSDP's, :func:`~torchtitan_seq.titan.v022.pipeline.chunk_parallel_dims`).
-- :class:`Titan03`: torchtitan 0.3's Llama 3 built from configs with
-  :class:`~torchtitan_seq.titan.v03.model.SeqInnerAttention` in every layer (as
-  :func:`~torchtitan_seq.titan.v03.model.seq_llama3` builds a flavor), chunks cut by 0.3's
-  ``_split_module`` as :mod:`torchtitan_seq.titan.v03.pipeline` cuts them, parallelised by the model
-  spec's ``parallelize_fn`` (keyword configs: ``training``, ``parallelism``, ``compile_config``,
+- :class:`Titan03`: torchtitan 0.3's Llama 3 or Qwen3 (dense or MoE, the shape of Titan022's) built
+  from configs with :class:`~torchtitan_seq.titan.v03.model.SeqInnerAttention` in every layer (as
+  :func:`~torchtitan_seq.titan.v03.model.sequence_model_spec` builds a flavor), chunks cut by 0.3's
+  ``_split_module`` as :mod:`torchtitan_seq.titan.v03.pipeline` cuts them, parallelised by the family's
+  model spec's ``parallelize_fn`` (keyword configs: ``training``, ``parallelism``, ``compile_config``,
   ``ac_config``), pipeline steps inside 0.3's SPMD context (its ``spmd_types`` backend, as the
-  trainer's ``train_context``). 0.3's Llama 3 fuses wq, wk and wv into one ``wqkv``; the names the
+  trainer's ``train_context``). 0.3's families fuse wq, wk and wv into one ``wqkv``; the names the
   harness compares are each version's own, on both sides. CP is refused under 0.3 (as
   :mod:`torchtitan_seq.titan.v03.job_check` refuses it).
 """
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -185,43 +187,20 @@ class Titan03:
 
     version = "0.3"
 
-    def model_args(self, seq_len: int, n_layers: int = 4):
+    def model_args(self, seq_len: int, n_layers: int = 4, family: str = "llama3"):
         """The tiny model's shape (torchtitan_seq's :class:`~torchtitan_seq.titan.flavors.ModelShape`, which
-        the partition's cost model reads as it reads 0.2.2's args)."""
-        from torchtitan_seq.titan.flavors import ModelShape
+        the partition's cost model reads as it reads 0.2.2's args), read from its 0.3 config."""
+        from torchtitan_seq.titan.flavors import model_shape
 
-        return ModelShape(DIM, n_layers, HEADS, KV_HEADS, VOCAB, MULTIPLE_OF, None)
+        return model_shape(_config03(seq_len, n_layers, family))
 
     def model_config(self, v):
-        """0.3's Llama 3 config of the tiny model, its inner attention torchtitan_seq's (as
-        :func:`~torchtitan_seq.titan.v03.model.seq_llama3` builds a flavor), block-causal with documents.
-        ``_build_llama3_layers`` and the initialisers are 0.3's private ones, its flavors'."""
-        from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
-        from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
+        """0.3's config of the variant's tiny model, its inner attention torchtitan_seq's (as
+        :func:`~torchtitan_seq.titan.v03.model.sequence_model_spec` builds a flavor), block-causal with
+        documents."""
+        from torchtitan_seq.titan.v03.model import sequence_model_config
 
-        from torchtitan_seq.titan.v03.model import SeqInnerAttention, SeqLlama3Model
-
-        layers = _build_llama3_layers(
-            fuse_qkv=True,
-            n_layers=v.layers,
-            dim=DIM,
-            n_heads=HEADS,
-            n_kv_heads=KV_HEADS,
-            hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=MULTIPLE_OF),
-            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=v.seq_len, theta=ROPE_THETA, scaling="none"),
-            attn_backend="flex",  # replaced below, as seq_llama3 replaces a flavor's
-        )
-        for layer_id, layer in enumerate(layers):
-            layer.attention.inner_attention = SeqInnerAttention.Config(layer_id=layer_id)
-        return SeqLlama3Model.Config(
-            dim=DIM,
-            vocab_size=VOCAB,
-            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-            norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
-            layers=layers,
-            block_causal=v.documents,
-        )
+        return sequence_model_config(_config03(v.seq_len, v.layers, v.family), block_causal=v.documents)
 
     def configs(self, v) -> dict[str, Any]:
         """The configs 0.3 hands a ``parallelize_fn`` (but ``parallel_dims``)."""
@@ -246,6 +225,8 @@ class Titan03:
 
     def models(self, v) -> tuple[Any, torch.nn.Module, torch.nn.Module]:
         """``(shape, whole, reference)``: as :meth:`Titan022.models`, 0.3's model."""
+        from torchtitan_seq.titan.flavors import model_shape
+
         if v.cp > 1:
             raise NotImplementedError("context parallelism: torchtitan_seq refuses it under torchtitan 0.3")
         config = self.model_config(v)
@@ -256,7 +237,7 @@ class Titan03:
         reference = copy.deepcopy(whole)
         for layer in reference.layers.values():
             layer.attention.inner_attention = _DenseDocumentAttention03()
-        return self.model_args(v.seq_len, v.layers), whole, reference
+        return model_shape(config), whole, reference
 
     def init_weights(self, model: torch.nn.Module) -> None:
         model.init_weights(buffer_device=None)
@@ -274,26 +255,27 @@ class Titan03:
         """As :meth:`Titan022.pipeline_chunks`: chunks cut and placed as
         :func:`torchtitan_seq.titan.v03.pipeline.pipeline_sequence_llm` does, parallelised by the
         model spec's ``parallelize_fn``."""
-        from torchtitan.distributed import ParallelDims
         from torchtitan.distributed import pipeline_parallel as titan_pp
         from torchtitan.distributed import utils as dist_utils
 
         from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
         from torchtitan_seq.titan.cpu_compat import fsdp_for_gloo
-        from torchtitan_seq.titan.v03.model import seq_llama3
+        from torchtitan_seq.titan.v03.model import sequence_model_spec
         from torchtitan_seq.titan.v03.pipeline import pipeline_sequence_llm
 
         configs = self.configs(v)
         dist_utils.set_spmd_backend(configs["parallelism"].spmd_backend)  # as 0.3's trainer does
-        dims = ParallelDims.from_config(configs["parallelism"], v.world)
-        dims.build_mesh()
+        dims = _parallel_dims03(v.pp, v.dp_shard, v.tp, v.world)
         pp_mesh = dims.get_mesh("pp")
         cls = SEQUENCE_SCHEDULES[v.schedule]
         names = titan_pp._generate_llm_fqn_per_model_part(
             v.pp * v.stages_per_rank // cls.parameter_copies, args.n_layers, 1, 1
         )
         held = cls.place_stages(pp_mesh.size(), len(names))[pp_mesh.get_local_rank()]
-        parallelize_fn = seq_llama3("debugmodel", pipeline_sequence_llm).parallelize_fn
+        # the family's own (a flavor's spec holds it)
+        parallelize_fn = sequence_model_spec(
+            v.family.removesuffix("_moe"), "debugmodel", pipeline_sequence_llm
+        ).parallelize_fn
         split = [(stage, titan_pp._split_module(whole, names[chunk])) for stage, chunk in held]
         chunks = [(stage, len(names), parallelize_fn(chunk, parallel_dims=dims, **configs)) for stage, chunk in split]
         fsdp_for_gloo([chunk for _, _, chunk in chunks])
@@ -305,6 +287,144 @@ class Titan03:
         from torchtitan.distributed import utils as dist_utils
 
         return dist_utils.get_spmd_context(parallel_dims=dims)()
+
+
+def _config03(seq_len: int, n_layers: int, family: str):
+    """0.3's own config of the tiny model of ``family`` (:func:`_llama3_config03`, :func:`_qwen3_config03`),
+    its attention backend the flavors' (flex), which torchtitan_seq's replaces."""
+    if family == "llama3":
+        return _llama3_config03(seq_len, n_layers)
+    return _qwen3_config03(seq_len, n_layers, moe=family == "qwen3_moe")
+
+
+def _llama3_config03(seq_len: int, n_layers: int):
+    """0.3's Llama 3 config of the tiny model. ``_build_llama3_layers`` and the initialisers are 0.3's
+    private ones, its flavors'."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.llama3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        Llama3Model,
+        _build_llama3_layers,
+        _output_linear_init,
+    )
+
+    return Llama3Model.Config(
+        dim=DIM,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=_build_llama3_layers(
+            fuse_qkv=True,
+            n_layers=n_layers,
+            dim=DIM,
+            n_heads=HEADS,
+            n_kv_heads=KV_HEADS,
+            hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=MULTIPLE_OF),
+            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=seq_len, theta=ROPE_THETA, scaling="none"),
+            attn_backend="flex",
+        ),
+    )
+
+
+def _qwen3_config03(seq_len: int, n_layers: int, moe: bool):
+    """0.3's Qwen3 config of the tiny model, :meth:`Titan022.model_args`' shape: QK-norm, heads of
+    ``QWEN3_HEAD_DIM``, untied; ``moe``: every MLP an MoE of 4 experts, 2 routed a token, and one shared
+    expert (0.3's MoE flavors have none, its MoE config takes one), its experts in fp32
+    (:func:`_float32_experts`). Fused QKV, as 0.3's flavors.
+    ``_build_qwen3*_layers``, ``_qwen3_norm`` and the initialisers are 0.3's private ones, its flavors'."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.config_utils import make_ffn_config
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_layers,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
+
+    shape = dict(n_layers=n_layers, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=QWEN3_HEAD_DIM)
+    rope = CosSinRoPE.Config(dim=QWEN3_HEAD_DIM, max_seq_len=seq_len, theta=ROPE_THETA)
+    if not moe:
+        layers = _build_qwen3_layers(**shape, hidden_dim=2 * DIM, attn_backend="flex", rope=rope)
+    else:
+        layers = _build_qwen3_moe_layers(
+            **shape,
+            moe_hidden_dim=DIM,
+            num_experts=4,
+            top_k=2,
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=rope,
+        )
+        for layer in layers:
+            layer.moe.shared_experts = make_ffn_config(
+                dim=DIM, hidden_dim=DIM, w1_param_init=_LINEAR_INIT, w2w3_param_init=_LINEAR_INIT
+            )
+            experts = layer.moe.routed_experts.inner_experts
+            fields = {f.name: getattr(experts, f.name) for f in dataclasses.fields(experts) if f.init}
+            layer.moe.routed_experts.inner_experts = _float32_experts().Config(**fields)
+    return Qwen3Model.Config(
+        dim=DIM,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=_qwen3_norm(DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+        layers=layers,
+    )
+
+
+@functools.cache
+def _parallel_dims03(pp: int, dp_shard: int, tp: int, world: int):
+    """0.3's ``ParallelDims`` of the degrees, its mesh built, one per degrees in a rank's process.
+
+    Variants of the same degrees share it: 0.3's FSDP under its ``spmd_types`` backend finds a
+    parameter's storage mesh equal to, but not the same object as, the mesh it shards over where a
+    second ``ParallelDims`` of the same degrees builds its meshes again ("Expected param's DTensor
+    mesh to be the same mesh passed to fully_shard").
+    """
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    parallelism = ParallelismConfig(
+        pipeline_parallel_degree=pp, data_parallel_shard_degree=dp_shard, tensor_parallel_degree=tp
+    )
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    return dims
+
+
+@functools.cache
+def _float32_experts() -> type:
+    """0.3's grouped experts computing in their parameters' dtype, for the tiny MoE.
+
+    0.3's ``GroupedExperts`` casts its input and weights to bf16 for its grouped GEMMs whatever their
+    dtype, so each unit's share of an expert's weight gradient is rounded to bf16 on its own, where the
+    whole sequence's is rounded once: some 4e-3 apart, above the harness's fp32 tolerance. These run
+    the same grouped GEMMs (``torch._grouped_mm``, on the same routing) in fp32.
+    """
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class Float32GroupedExperts(GroupedExperts):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            pass
+
+        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+            # local weights under TP, as 0.3's forward takes them
+            w1, w2, w3 = (
+                w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+            )
+            offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(x_RD, w1.transpose(-2, -1), offs=offsets))
+            h = h * torch._grouped_mm(x_RD, w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+
+    return Float32GroupedExperts
 
 
 class _JobLike:

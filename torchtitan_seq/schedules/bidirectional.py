@@ -178,9 +178,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-STEP_COUNTERS: tuple[str, ...] = ("tokens_per_expert",)
+STEP_COUNTERS: tuple[str, ...] = ("tokens_per_expert", "tokens_per_expert_E")
 """Names of buffers that count what a step's forwards see: torchtitan's MoE layers count the tokens routed
-to each expert, which its load balancing reads after the step."""
+to each expert (0.2.2's name, 0.3's), which its load balancing reads after the step."""
 
 
 class MirroredCopies:

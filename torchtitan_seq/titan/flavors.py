@@ -53,20 +53,24 @@ flavor_shapes: dict[str, ModelShape] = {
 
 
 def model_shape(args: Any) -> ModelShape:
-    """What the cost models read of a model family's args (torchtitan 0.2.2's, or a :class:`ModelShape`).
+    """What the cost models read of a model family's args (torchtitan 0.2.2's, a torchtitan 0.3 decoder's
+    config, or a :class:`ModelShape`).
 
     Llama 3's ``TransformerModelArgs`` are read as they are. A family with head dims of its own and an
     MLP width (Qwen3) gives them; its MoE layers count the width of the experts a token runs through
-    (``top_k`` routed and the shared ones).
+    (``top_k`` routed and the shared ones). A 0.3 config (``Decoder.Config``) is read the same way from
+    its first layer (:func:`_decoder_shape`).
 
     Args:
-        args: the flavor's model args.
+        args: the flavor's model args, or its 0.3 model config.
 
     Returns:
         Its shape.
     """
     if isinstance(args, ModelShape):
         return args
+    if hasattr(args, "first_attention"):  # 0.3's Decoder.Config
+        return _decoder_shape(args)
     if hasattr(args, "multiple_of"):  # Llama 3's
         return ModelShape(*(getattr(args, f.name) for f in fields(ModelShape) if f.name not in _OWN_WIDTHS))
     if getattr(args, "moe_enabled", False):
@@ -74,17 +78,30 @@ def model_shape(args: Any) -> ModelShape:
         ffn_width = (moe.top_k + moe.num_shared_experts) * args.moe_inter_dim
     else:
         ffn_width = args.hidden_dim
-    return ModelShape(
-        args.dim,
-        args.n_layers,
-        args.n_heads,
-        args.n_kv_heads,
-        args.vocab_size,
-        1,
-        None,
-        head_dim=args.head_dim,
-        ffn_width=ffn_width,
+    return _with_own_widths(
+        args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size, args.head_dim, ffn_width
     )
+
+
+def _decoder_shape(config: Any) -> ModelShape:
+    """The shape of a torchtitan 0.3 decoder's config, whose layers are alike: the first layer's
+    attention (heads, K/V heads, head width) and MLP (a dense layer's ``w1`` width; an MoE layer's
+    ``top_k`` routed experts' and shared experts' widths summed)."""
+    attention, layer = config.first_attention, config.layers[0]
+    if (moe := getattr(layer, "moe", None)) is not None:
+        shared = moe.shared_experts.w1.out_features if moe.shared_experts is not None else 0
+        ffn_width = moe.router.top_k * moe.routed_experts.inner_experts.hidden_dim + shared
+    else:
+        ffn_width = layer.feed_forward.w1.out_features
+    heads = (attention.n_heads, attention.n_kv_heads)
+    return _with_own_widths(config.dim, len(config.layers), *heads, config.vocab_size, attention.head_dim, ffn_width)
+
+
+def _with_own_widths(
+    dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int, head_dim: int, ffn_width: int
+) -> ModelShape:
+    """The shape of a family that gives its head and MLP widths (no Llama 3 rounding to read)."""
+    return ModelShape(dim, n_layers, n_heads, n_kv_heads, vocab_size, 1, None, head_dim=head_dim, ffn_width=ffn_width)
 
 
 def chunk_split(n_layers: int, num_chunks: int) -> tuple[tuple[int, bool, bool], ...] | None:

@@ -9,7 +9,10 @@ these compositions hold here too (:mod:`torchtitan_seq.titan.job_rules`).
 Refused with a sequence schedule, as untested under 0.3: context parallelism (0.3's ``parallelize_fn``
 applies its own CP to whole sequences, where a sequence schedule shards each unit itself and folds the
 CP ranks into FSDP's, as 0.2.2's pipelining function and trainer do), replicated data parallelism,
-memory-budget AC and the validator. torch's own schedules get 0.3's checks alone.
+memory-budget AC and the validator. A sequence schedule runs the model specs of
+:func:`~torchtitan_seq.titan.v03.model.sequence_model_spec` alone (chunk-aware attention; a family's own
+spec has none), and no job pipelines a flavor whose output layer is tied to its embeddings, which 0.3
+refuses. torch's own schedules get those flavor checks and 0.3's own.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC, Selecti
 
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.titan import job_rules
-from torchtitan_seq.titan.flavors import flavor_shapes
-from torchtitan_seq.titan.v03.model import FLAVORS
+from torchtitan_seq.titan.flavors import model_shape
+from torchtitan_seq.titan.v03.model import FLAVORS, SEQUENCE_MODELS, family_of
 
 __all__ = ["check_job"]
 
@@ -32,9 +35,9 @@ _FIX = "not tested with the sequence schedules under torchtitan 0.3 yet (torchti
 def check_job(config: Any, world_size: int) -> None:
     """Reject a torchtitan 0.3 job that cannot run on ``world_size`` processes, before anything is built.
 
-    Every job gets the schedule name, the parallel degrees and the flavor checked; a sequence schedule
-    also gets the rules of :mod:`torchtitan_seq.titan.job_rules` and the refusals the module docstring
-    lists.
+    Every job gets the schedule name, the parallel degrees, the flavor and its weight tying checked; a
+    sequence schedule also gets its model's attention, the rules of :mod:`torchtitan_seq.titan.job_rules`
+    and the refusals the module docstring lists.
 
     Args:
         config: the job's :class:`~torchtitan_seq.titan.v03.trainer.SeqTrainer` config, its
@@ -48,17 +51,20 @@ def check_job(config: Any, world_size: int) -> None:
     name = par.pipeline_parallel_schedule
     job_rules.check_schedule_name(name)
     job_rules.check_degrees(par, world_size)
-    if config.model_spec.flavor not in FLAVORS:
-        raise ValueError(f"model flavor {config.model_spec.flavor!r}: use one of {', '.join(FLAVORS)}")
+    spec = config.model_spec
+    if (family := family_of(spec.name)) is not None and spec.flavor not in FLAVORS[family]:
+        raise ValueError(f"model flavor {spec.flavor!r} of {spec.name}: use one of {', '.join(FLAVORS[family])}")
+    job_rules.check_weight_tying(spec.name, spec.flavor, spec.model.enable_weight_tying, par.pipeline_parallel_degree)
     if name in SEQUENCE_SCHEDULES:
         _check_sequence_job(config)
 
 
 def _check_sequence_job(config: Any) -> None:
-    """A sequence schedule's checks: the shared rules, then the compositions untested under 0.3, the loss
-    and the job's shape."""
+    """A sequence schedule's checks: its model's attention, the shared rules, then the compositions
+    untested under 0.3, the loss and the job's shape."""
     par, seq = config.parallelism, config.sequence_pipeline
     name = par.pipeline_parallel_schedule
+    job_rules.check_family(name, config.model_spec.name, SEQUENCE_MODELS)
     compile_model = config.compile.enable and "model" in config.compile.components
     job_rules.check_compile(
         compile_model,
@@ -110,4 +116,4 @@ def _check_sequence_job(config: Any) -> None:
             f"loss {type(config.loss).__qualname__} with the sequence schedule {name}: units run the whole "
             "output layer, use CrossEntropyLoss.Config (as torchtitan_seq.recipes do)"
         )
-    job_rules.check_shape(seq, par, config.training, flavor_shapes[config.model_spec.flavor])
+    job_rules.check_shape(seq, par, config.training, model_shape(config.model_spec.model))

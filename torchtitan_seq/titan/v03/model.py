@@ -1,22 +1,31 @@
-"""torchtitan 0.3's Llama 3 with chunk-aware attention: the model the sequence schedules run there.
+"""torchtitan 0.3's decoder families with chunk-aware attention: the models the sequence schedules run there.
 
-0.3 builds a model from configs, and its attention takes the inner attention as a config of its own
-(``GQAttention.Config.inner_attention``): :class:`SeqInnerAttention` is that plug, a
-:class:`~torchtitan_seq.attention.SequenceAttention` in 0.3's (B, L, heads, head_dim) layout.
-:func:`seq_llama3` swaps it into every layer of a flavor of 0.3's ``model_registry``, so parameters,
-FQNs, initialisation, TP plan and checkpoints stay Llama 3's. While a pipeline stage runs a unit at
-offset s, :class:`SeqLlama3Model` reads RoPE at positions [s, s+L) (a CP rank at its share's).
+0.3 builds a model from configs, and every decoder family (``torchtitan.models.<family>``, a
+``Decoder`` subclass) takes its attention's inner attention as a config of its own
+(``GQAttention.Config.inner_attention``), called as ``(q, k, v, attention_masks=, scale=, enable_gqa=)``
+in (B, L, heads, head_dim) layout after QK-norm and RoPE. :class:`SeqInnerAttention` is that plug, a
+:class:`~torchtitan_seq.attention.SequenceAttention`. :func:`sequence_model_config` swaps it into every
+layer of a family's config (:func:`sequence_model_spec`: a flavor of its ``model_registry``), so
+parameters, FQNs, initialisation, TP plan, MoE layers and checkpoints stay the family's, and builds the
+model as the family's class from :func:`sequence_model_class`: while a pipeline stage runs a unit at
+offset s, it reads RoPE at positions [s, s+L) (a CP rank at its share's). 0.3's MoE layers run their
+experts as ``torch._grouped_mm`` in bf16, which torch implements on the CPU too (no Triton), so
+nothing changes there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torchtitan.models.llama3 import Llama3Model, model_registry
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.module import Module
 
@@ -24,7 +33,17 @@ from torchtitan_seq.attention import SequenceAttention
 from torchtitan_seq.runtime.kv_context import KVContext
 from torchtitan_seq.runtime.rope import UnitPositions
 
-__all__ = ["SeqInnerAttention", "SeqLlama3Model", "seq_llama3"]
+__all__ = [
+    "SeqInnerAttention",
+    "SeqFlavor",
+    "FLAVORS",
+    "SEQUENCE_MODELS",
+    "family_of",
+    "sequence_model_class",
+    "sequence_model_config",
+    "sequence_model_spec",
+    "seq_llama3",
+]
 
 
 class SeqInnerAttention(Module, SequenceAttention):
@@ -78,20 +97,10 @@ class SeqInnerAttention(Module, SequenceAttention):
         return out.transpose(1, 2)
 
 
-class SeqLlama3Model(Llama3Model):
-    """0.3's Llama 3 whose attention can run one (microbatch, subsequence) unit at a time."""
+class _SequenceDecoder(Decoder):
+    """Mixed before a family's model class; see :func:`sequence_model_class`."""
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(Llama3Model.Config):
-        block_causal: bool = False
-        """Packed documents: attention stops at each EOS (the trainer passes document ids)."""
-
-    def __init__(self, config: Config) -> None:
-        """0.3's Llama 3 model, with no unit running.
-
-        Args:
-            config: its config, the flavor's with ``block_causal``.
-        """
+    def __init__(self, config: Decoder.Config) -> None:
         super().__init__(config)
         self.kv_context: KVContext | None = None
         self._positions = UnitPositions()
@@ -118,38 +127,142 @@ class SeqLlama3Model(Llama3Model):
         return super().forward(tokens, positions, attention_masks).contiguous()
 
 
-FLAVORS: dict[str, tuple[str, bool]] = {
-    "debugmodel": ("debugmodel", False),
-    "debugmodel_flex_attn": ("debugmodel", True),
-    "8B": ("8B", False),
-    "8B_flex": ("8B", True),
-    "debugmodel_varlen_attn": ("debugmodel", True),
-    "8B_varlen": ("8B", True),
-    "70B": ("70B", False),
-    "405B": ("405B", False),
+@functools.cache
+def sequence_model_class(model_cls: type[Decoder]) -> type[Decoder]:
+    """A torchtitan 0.3 decoder family's class whose attention can run one (microbatch, subsequence) unit
+    at a time (its layers' inner attention a :class:`SeqInnerAttention`, as its config says).
+
+    Args:
+        model_cls: the family's model class (``Llama3Model``, ``Qwen3Model``, ...).
+
+    Returns:
+        Its subclass ``Seq<name>`` (one per class), built from its ``Config``: the family's with
+        ``block_causal`` (packed documents: attention stops at each EOS, the trainer passes document
+        ids), which 0.3 wires to the subclass (``Configurable.__init_subclass__``).
+    """
+    name = f"Seq{model_cls.__name__}"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(model_cls.Config):
+        block_causal: bool = False
+        """Packed documents: attention stops at each EOS (the trainer passes document ids)."""
+
+    Config.__qualname__ = f"{name}.Config"
+    namespace = {
+        "Config": Config,
+        "__module__": __name__,
+        "__doc__": f"{model_cls.__name__} with chunk-aware attention.",
+    }
+    return type(name, (_SequenceDecoder, model_cls), namespace)
+
+
+class SeqFlavor(NamedTuple):
+    """A flavor the sequence schedules run: which of the family's flavors, and how it differs."""
+
+    base: str
+    """The flavor of the family's ``model_registry``."""
+    block_causal: bool = False
+    """Whether attention is block-causal (packed documents)."""
+    untied: bool = False
+    """The base flavor ties its output layer to its embeddings, which 0.3 does not pipeline: this one has
+    embeddings of their own, drawn as the base draws the shared weight (its output layer's init)."""
+
+
+FLAVORS: dict[str, dict[str, SeqFlavor]] = {
+    "llama3": {
+        "debugmodel": SeqFlavor("debugmodel"),
+        "debugmodel_flex_attn": SeqFlavor("debugmodel", block_causal=True),
+        "8B": SeqFlavor("8B"),
+        "8B_flex": SeqFlavor("8B", block_causal=True),
+        "debugmodel_varlen_attn": SeqFlavor("debugmodel", block_causal=True),
+        "8B_varlen": SeqFlavor("8B", block_causal=True),
+        "70B": SeqFlavor("70B"),
+        "405B": SeqFlavor("405B"),
+    },
+    "qwen3": {
+        **{flavor: SeqFlavor(flavor) for flavor in qwen3_configs},
+        "debugmodel_untied": SeqFlavor("debugmodel", untied=True),
+    },
 }
-"""Per flavor name (0.2.2's, as the shipped configs, the planner and :mod:`torchtitan_seq.titan.flavors`
-name them): 0.3's Llama 3 flavor and whether attention is block-causal (where 0.2.2's flex and varlen
-flavors are)."""
+"""Per family (``torchtitan.models.<family>``), its flavors by name. Llama 3's are 0.2.2's names (as the
+shipped configs, the planner and :mod:`torchtitan_seq.titan.flavors` name them), block-causal where
+0.2.2's flex and varlen flavors are; Qwen3's are 0.3's, and its dense debug model untied."""
+
+SEQUENCE_MODELS: tuple[str, ...] = tuple(f"{family}_seq" for family in FLAVORS)
+"""The model names of :func:`sequence_model_spec`'s specs: ``<family>_seq``. A family's own spec (named
+``<family>``) has no chunk-aware attention."""
+
+
+def family_of(model_name: str) -> str | None:
+    """The family of a model spec's name.
+
+    Args:
+        model_name: ``ModelSpec.name``.
+
+    Returns:
+        The family (a key of :data:`FLAVORS`) of a name of :data:`SEQUENCE_MODELS`, else None.
+    """
+    family = model_name.removesuffix("_seq")
+    return family if model_name in SEQUENCE_MODELS else None
+
+
+def sequence_model_config(base: Decoder.Config, *, block_causal: bool = False, untied: bool = False) -> Decoder.Config:
+    """A decoder family's model config with :class:`SeqInnerAttention` in every layer (the layers' configs
+    changed in place), as the config of :func:`sequence_model_class`'s class.
+
+    Args:
+        base: the family's config (``<Family>Model.Config``), e.g. a flavor's.
+        block_causal: whether attention is block-causal (packed documents).
+        untied: give the embeddings a weight of their own where ``base`` ties them to the output layer,
+            drawn as the output layer's (the shared weight's init).
+
+    Returns:
+        The config, which builds the family's model with chunk-aware attention.
+    """
+    # the family's model class: the one of its module that ``base`` configures
+    module = sys.modules[type(base).__module__]
+    model_cls = next(
+        c for c in vars(module).values() if isinstance(c, type) and getattr(c, "Config", None) is type(base)
+    )
+    for layer_id, layer in enumerate(base.layers):
+        layer.attention.inner_attention = SeqInnerAttention.Config(layer_id=layer_id)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    if untied:
+        embedding_init = {"weight": base.lm_head.param_init["weight"]}
+        embeddings = dataclasses.replace(base.tok_embeddings, param_init=embedding_init)
+        fields.update(enable_weight_tying=False, tok_embeddings=embeddings)
+    return sequence_model_class(model_cls).Config(**fields, block_causal=block_causal)
+
+
+def sequence_model_spec(family: str, flavor: str, pipelining_fn: Callable[..., Any]) -> ModelSpec:
+    """0.3's model spec of a family's flavor, with chunk-aware attention, under the name ``<family>_seq``.
+
+    Args:
+        family: a key of :data:`FLAVORS` (``torchtitan.models.<family>``).
+        flavor: a key of the family's :data:`FLAVORS`.
+        pipelining_fn: the spec's pipelining function, e.g.
+            :func:`~torchtitan_seq.titan.v03.pipeline.pipeline_sequence_llm`.
+
+    Returns:
+        The family's spec of the base flavor (its parallelisation, optimizer hook and checkpoint adapter)
+        with :func:`sequence_model_config`'s model (block-causal and untied as :data:`FLAVORS` says),
+        pipelined by ``pipelining_fn``.
+    """
+    seq_flavor = FLAVORS[family][flavor]
+    spec = importlib.import_module(f"torchtitan.models.{family}").model_registry(seq_flavor.base)
+    # its inner attention (flex) replaced
+    model = sequence_model_config(spec.model, block_causal=seq_flavor.block_causal, untied=seq_flavor.untied)
+    return dataclasses.replace(spec, name=f"{family}_seq", flavor=flavor, model=model, pipelining_fn=pipelining_fn)
 
 
 def seq_llama3(flavor: str, pipelining_fn: Callable[..., Any]) -> ModelSpec:
     """0.3's Llama 3 model spec of a flavor, with chunk-aware attention, under the name ``llama3_seq``.
 
     Args:
-        flavor: a key of :data:`FLAVORS` (0.2.2's flavor names).
-        pipelining_fn: the spec's pipelining function, e.g.
-            :func:`~torchtitan_seq.titan.v03.pipeline.pipeline_sequence_llm`.
+        flavor: a key of Llama 3's :data:`FLAVORS` (0.2.2's flavor names).
+        pipelining_fn: the spec's pipelining function.
 
     Returns:
-        0.3's spec of the flavor's Llama 3 with :class:`SeqInnerAttention` in every layer, built as
-        :class:`SeqLlama3Model` (block-causal where :data:`FLAVORS` says), pipelined by ``pipelining_fn``.
+        :func:`sequence_model_spec` of Llama 3's ``flavor``.
     """
-    base_flavor, block_causal = FLAVORS[flavor]
-    spec = model_registry(base_flavor)  # its inner attention (flex) is replaced below
-    base = spec.model
-    for layer_id, layer in enumerate(base.layers):
-        layer.attention.inner_attention = SeqInnerAttention.Config(layer_id=layer_id)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-    model = SeqLlama3Model.Config(**fields, block_causal=block_causal)
-    return dataclasses.replace(spec, name="llama3_seq", flavor=flavor, model=model, pipelining_fn=pipelining_fn)
+    return sequence_model_spec("llama3", flavor, pipelining_fn)

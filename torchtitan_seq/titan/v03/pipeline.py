@@ -1,4 +1,4 @@
-"""Building a sequence pipeline inside torchtitan 0.3 (the ``pipelining_fn`` of :func:`~.model.seq_llama3`).
+"""Building a sequence pipeline inside torchtitan 0.3 (the ``pipelining_fn`` of :func:`~.model.sequence_model_spec`).
 
 A sequence schedule's chunks are cut with torchtitan's own ``_split_module`` (one chunk per held stage,
 as :meth:`~torchtitan_seq.schedules.SequenceSchedule.place_stages` says), parallelised with 0.3's
@@ -52,7 +52,7 @@ def pipeline_sequence_llm(
         loss_fn: 0.3's loss, returning (loss, extras); the schedule takes its scalar loss.
         sequence_pipeline: the job's ``sequence_pipeline`` section, which 0.3 does not hand a pipelining
             function (:class:`~torchtitan_seq.titan.v03.trainer.SeqTrainer` binds it).
-        model_shape: the flavor's shape, bound by the trainer likewise.
+        model_shape: the model's shape, bound by the trainer likewise.
         **spmd: what 0.3 hands its ``parallelize_fn`` too (``parallel_dims``, ``training``,
             ``parallelism``, ``compile_config``, ``ac_config``, ``dump_folder``).
 

@@ -2,7 +2,7 @@
 
 0.3 normalises every loss by the step's token count itself (``loss_kwargs``' ``global_valid_tokens``,
 per unit here), which is the recipe that makes sums over units exact, so unlike 0.2.2 nothing wraps
-the loss. The trainer binds ``sequence_pipeline`` and the flavor's shape to the pipelining function
+the loss. The trainer binds ``sequence_pipeline`` and the model's shape to the pipelining function
 (0.3 hands a pipelining function no config section of its own), feeds the model sequence positions
 (RoPE at 0..L-1, as under 0.2.2, where 0.3's dataloaders emit per-document positions) and, for the
 block-causal flavors, the batch's document ids as ``attention_masks``, and every rank logs the loss.
@@ -25,7 +25,7 @@ from torchtitan.trainer import Trainer
 from torchtitan_seq.instrumentation.memory import ActivationMemory
 from torchtitan_seq.runtime.documents import document_ids
 from torchtitan_seq.titan.config import SequencePipeline
-from torchtitan_seq.titan.flavors import flavor_shapes
+from torchtitan_seq.titan.flavors import model_shape
 from torchtitan_seq.titan.trainer_steps import InstrumentedSteps
 from torchtitan_seq.titan.v03.job_check import check_job
 from torchtitan_seq.titan.v03.metrics import SeqMetricsProcessor
@@ -49,7 +49,7 @@ class SeqTrainer(InstrumentedSteps, Trainer):
 
         Args:
             config: the job's config, its ``sequence_pipeline`` section included; its model spec's
-                ``pipelining_fn`` is replaced by one bound to that section and the flavor's shape.
+                ``pipelining_fn`` is replaced by one bound to that section and the model's shape.
 
         Raises:
             ValueError: the job cannot run on ``WORLD_SIZE`` processes
@@ -61,9 +61,7 @@ class SeqTrainer(InstrumentedSteps, Trainer):
         config.model_spec = dataclasses.replace(
             spec,
             pipelining_fn=functools.partial(
-                pipeline_sequence_llm,
-                sequence_pipeline=config.sequence_pipeline,
-                model_shape=flavor_shapes[spec.flavor],
+                pipeline_sequence_llm, sequence_pipeline=config.sequence_pipeline, model_shape=model_shape(spec.model)
             ),
         )
         super().__init__(config)
