@@ -65,32 +65,26 @@ class Titan022:
     def model_args(self, seq_len: int, n_layers: int = 4, family: str = "llama3"):
         """The tiny model's args of ``family``: Llama 3's, or Qwen3's (QK-norm, head dims of their own,
         ``qwen3_moe``: every MLP an MoE of 4 experts, 2 routed a token, one shared)."""
-        if family == "llama3":
-            from torchtitan.models.llama3 import TransformerModelArgs
-
-            return TransformerModelArgs(
-                dim=DIM,
-                n_layers=n_layers,
-                n_heads=HEADS,
-                n_kv_heads=KV_HEADS,
-                vocab_size=VOCAB,
-                multiple_of=MULTIPLE_OF,
-                max_seq_len=seq_len,
-                rope_theta=ROPE_THETA,
-            )
-        from torchtitan.models.moe import MoEArgs
-        from torchtitan.models.qwen3 import Qwen3ModelArgs
-
-        return Qwen3ModelArgs(
+        shape = dict(
             dim=DIM,
             n_layers=n_layers,
             n_heads=HEADS,
             n_kv_heads=KV_HEADS,
             vocab_size=VOCAB,
-            head_dim=QWEN3_HEAD_DIM,
-            hidden_dim=2 * DIM,
             max_seq_len=seq_len,
             rope_theta=ROPE_THETA,
+        )
+        if family == "llama3":
+            from torchtitan.models.llama3 import TransformerModelArgs
+
+            return TransformerModelArgs(**shape, multiple_of=MULTIPLE_OF)
+        from torchtitan.models.moe import MoEArgs
+        from torchtitan.models.qwen3 import Qwen3ModelArgs
+
+        return Qwen3ModelArgs(
+            **shape,
+            head_dim=QWEN3_HEAD_DIM,
+            hidden_dim=2 * DIM,
             qk_norm=True,
             moe_enabled=family == "qwen3_moe",
             moe_inter_dim=DIM,

@@ -270,7 +270,6 @@ class MirroredCopies:
         for (t, primary), total in zip(params, self._pair_sum(values)):
             if not primary:
                 t.copy_(total)
-        self._move_counters()
 
     @torch.no_grad()
     def max_difference(self) -> float:
