@@ -29,37 +29,43 @@ def _reduce(t: Tensor, n_rep: int) -> Tensor:
     return t.unflatten(1, (-1, n_rep)).sum(2)
 
 
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    """(B, Hq, Lq, Lk) scaled scores; causal: query i sees keys up to i + Lk - Lq (bottom-right)."""
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, band) -> Tensor:
+    """(B, Hq, Lq, Lk) scaled scores; causal: query i sees keys up to i + Lk - Lq (bottom-right); a band
+    (shift, window): query i sees key j only where i + shift - j < window."""
     scores = q @ k.transpose(-2, -1) * scale
+    lq, lk = q.shape[2], k.shape[2]
+    shift = lk - lq if band is None else band[0]
+    distance = torch.arange(lq).unsqueeze(1) + shift - torch.arange(lk).unsqueeze(0)
+    hidden = torch.zeros(lq, lk, dtype=torch.bool)
     if causal:
-        lq, lk = q.shape[2], k.shape[2]
-        rows = torch.arange(lq).unsqueeze(1) + (lk - lq)
-        scores = scores.masked_fill(torch.arange(lk).unsqueeze(0) > rows, float("-inf"))
-    return scores
+        hidden |= distance < 0
+    if band is not None:
+        hidden |= distance >= band[1]
+    return scores.masked_fill(hidden, float("-inf"))
 
 
 class BottomRightCpuKernel:
-    """Block attention with log-sum-exp: q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D), Hq a multiple of Hkv;
-    a causal call aligns its mask bottom-right (Lq <= Lk)."""
+    """Block attention with log-sum-exp: q (B, Hq, Lq, D); k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), Hq a
+    multiple of Hkv; a causal call aligns its mask bottom-right (Lq <= Lk); a band windows it."""
 
     bottom_right = True
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        """out (B, Hq, Lq, D) and lse (B, Hq, Lq), float32."""
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, band=None) -> tuple[Tensor, Tensor]:
+        """out (B, Hq, Lq, Dv) and lse (B, Hq, Lq), float32."""
         n_rep = q.shape[1] // k.shape[1]
-        scores = _scores(q, _expand(k, n_rep), causal, scale)
+        scores = _scores(q, _expand(k, n_rep), causal, scale, band)
         lse = torch.logsumexp(scores, dim=-1)
         out = torch.exp(scores - lse.unsqueeze(-1)) @ _expand(v, n_rep)
         return out, lse.float()
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
+        band=None,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """dq, dk, dv shaped like q, k, v: softmax's gradient with the forward's lse, as flash kernels take it."""
         n_rep = q.shape[1] // k.shape[1]
         ke, ve = _expand(k, n_rep), _expand(v, n_rep)
-        probs = torch.exp(_scores(q, ke, causal, scale) - lse.unsqueeze(-1))
+        probs = torch.exp(_scores(q, ke, causal, scale, band) - lse.unsqueeze(-1))
         dprobs = dout @ ve.transpose(-2, -1)
         dscores = probs * (dprobs - (dout * out).sum(-1, keepdim=True))
         dq = dscores @ ke * scale

@@ -52,8 +52,8 @@ def _prefix_dq(ctx: MutationContext) -> list:
 
     backward = CpuSdpaKernel.backward
 
-    def no_prefix_dq(self, dout, q, k, v, out, lse, causal, scale):
-        dq, dk, dv = backward(self, dout, q, k, v, out, lse, causal, scale)
+    def no_prefix_dq(self, dout, q, k, v, out, lse, causal, scale, band=None):
+        dq, dk, dv = backward(self, dout, q, k, v, out, lse, causal, scale, band)
         return (dq if causal else torch.zeros_like(dq)), dk, dv
 
     return [mock.patch.object(CpuSdpaKernel, "backward", no_prefix_dq)]
@@ -124,8 +124,8 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
 
     calls = unit_op.kernel_calls
 
-    def without_prefix(documents, segments, bottom_right):
-        causal, prefix = calls(documents, segments, bottom_right)
+    def without_prefix(documents, segments, bottom_right, reach):
+        causal, prefix = calls(documents, segments, bottom_right, reach)
         caller = sys._getframe(2)  # the forward op (through _unit_calls), in the phase the KV context gave it
         recomputing = caller.f_code.co_name == "_unit_attention" and caller.f_locals.get("phase") is Phase.RECOMPUTE
         return causal, [] if recomputing else prefix

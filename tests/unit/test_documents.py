@@ -73,10 +73,10 @@ def test_a_unit_reads_only_its_continuing_documents_keys():
         def __init__(self):
             self.prefix_keys: list[list[float]] = []
 
-        def forward(self, q, k, v, causal, scale):
+        def forward(self, q, k, v, causal, scale, band=None):
             if not causal:
                 self.prefix_keys.append(k[0, 0, :, 0].tolist())
-            return super().forward(q, k, v, causal, scale)
+            return super().forward(q, k, v, causal, scale, band)
 
     ids = torch.tensor([[0] * 6 + [1] * 10])  # a document starts at 6, in unit 1 of 4 units of 4
     context, kernel, layer = KVContext([4] * 4), Recording(), SequenceAttention(0)

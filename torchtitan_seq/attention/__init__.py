@@ -29,7 +29,7 @@ diagonal block, and only the queries of the document that continues into the
 unit read the prefix, from that document's first key on, in one call (or in the
 piece's own call, bottom-right aligned). An unbound layer (no pipeline, torch's schedules)
 attends over whole packed sequences with the same calls at offset 0
-(``torchtitan_seq::document_attention``), causal ones by torch's SDPA.
+(``torchtitan_seq::whole_sequence_attention``), causal ones by torch's SDPA.
 
 A bound layer's attention is the custom op ``torchtitan_seq::unit_attention`` with a
 backward op of its own: torch.compile keeps it out of the compiled graph, so the KV

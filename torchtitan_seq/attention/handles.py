@@ -10,16 +10,18 @@ from torch import Tensor
 
 from torchtitan_seq.attention.kernels import AttentionKernel
 from torchtitan_seq.runtime.kv_context import KVContext
+from torchtitan_seq.runtime.reach import FULL, Reach
 
 
 @dataclass(eq=False)
 class LayerBinding:
     """What a bound attention layer's custom op reads at run time: the stage's context and kernel,
-    and the layer's id in the context."""
+    the layer's id in the context and its attention's reach."""
 
     context: KVContext
     kernel: AttentionKernel
     layer_id: int
+    reach: Reach = FULL
 
 
 # Custom ops take no Python objects: a bound layer passes a small host tensor of its own, ``ids``,

@@ -21,6 +21,13 @@ def heads_inner(t: Tensor) -> Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def new_out(q: Tensor, dv: int) -> Tensor:
+    """An empty output (B, H, L, Dv) for queries q (B, H, L, D), laid out as :func:`heads_inner` lays
+    it out (as the kernels lay theirs out)."""
+    b, h, n, _ = q.shape
+    return q.new_empty(b, n, h, dv).transpose(1, 2)
+
+
 def new_lse(q: Tensor) -> Tensor:
     """An empty log-sum-exp (B, H, L) float32 for queries q (B, H, L, D), laid out as the kernels of
     q's device lay theirs out: torch's CPU flash kernel (B, L, H) in memory, every CUDA kernel
@@ -41,13 +48,22 @@ def lse_layout(lse: Tensor) -> Tensor:
     return lse.contiguous()
 
 
-def fake_attention(q: Tensor, *_: object) -> tuple[Tensor, Tensor]:
-    """out (B, Hq, L, D) laid out as :func:`heads_inner` lays it out, and lse (B, Hq, L) float32 as
+def fake_attention(q: Tensor, k: Tensor, v: Tensor, *_: object) -> tuple[Tensor, Tensor]:
+    """out (B, Hq, L, Dv) laid out as :func:`heads_inner` lays it out, and lse (B, Hq, L) float32 as
     :func:`new_lse` lays it out."""
-    b, h, n, d = q.shape
-    return q.new_empty(b, n, h, d).transpose(1, 2), new_lse(q)
+    return new_out(q, v.shape[-1]), new_lse(q)
 
 
-def fake_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *_: object) -> tuple[Tensor, ...]:
-    """dq, dk, dv shaped like q, k, v, laid out as :func:`heads_inner` lays them out."""
-    return tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).transpose(1, 2) for t in (q, k, v))
+def sink_output(dsinks: Tensor | None, q: Tensor) -> Tensor:
+    """The sinks' gradient as a custom op returns it: an op returns no None, so an empty tensor
+    stands for "no sinks"."""
+    return q.new_empty(0) if dsinks is None else dsinks
+
+
+def fake_gradients(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *_: object
+) -> tuple[Tensor, ...]:
+    """dq, dk, dv shaped like q, k, v, laid out as :func:`heads_inner` lays them out, and the sinks'
+    gradient as :func:`sink_output` returns it."""
+    grads = (t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).transpose(1, 2) for t in (q, k, v))
+    return (*grads, sink_output(None if sinks is None else torch.empty_like(sinks), q))

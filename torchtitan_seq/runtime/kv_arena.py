@@ -48,12 +48,12 @@ class KVArenas:
         placed = self._placed.get(microbatch)
         return None if placed is None else placed[1]
 
-    def place(self, layer_id: int, m: int, k: torch.Tensor, with_own: bool) -> KVSlab:
-        """Microbatch ``m``'s slab for ``layer_id``, for K/V shaped like ``k``, in the arena its plan names
+    def place(self, layer_id: int, m: int, k: torch.Tensor, v: torch.Tensor, with_own: bool) -> KVSlab:
+        """Microbatch ``m``'s slab for ``layer_id``, for K and V shaped like ``k`` and ``v``, in the arena its plan names
         (allocated by its first slab), or in one of its own: room for the keys later units read, the last
         unit's too if ``with_own``."""
         if self.lengths is None:  # nothing to plan with: a slab of its own that grows
-            return KVSlab(new_keys(k, 0), new_keys(k, 0))
+            return KVSlab(new_keys(k, 0), new_keys(v, 0))
         size = sum(self.lengths[: None if with_own else -1])
         if m not in self._placed:
             if self.plan is None:
@@ -64,7 +64,7 @@ class KVArenas:
         capacity, placed = self._placed[m]
         key = (layer_id, placed.arena)
         if key not in self._buffers:
-            self._buffers[key] = (new_keys(k, capacity), new_keys(k, capacity))
+            self._buffers[key] = (new_keys(k, capacity), new_keys(v, capacity))
         region = slice(capacity - size, capacity) if placed.descending else slice(0, size)
         arena_k, arena_v = self._buffers[key]
         rows = self._descending_rows(size, k.device) if placed.descending else None

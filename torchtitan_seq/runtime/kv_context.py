@@ -53,6 +53,7 @@ the whole sequence it is given (torch's shape inference runs a stage so).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ from torchtitan_seq.runtime.documents import Documents
 from torchtitan_seq.runtime.kv_arena import KVArenas
 from torchtitan_seq.runtime.kv_placement import ArenaPlan, Pass
 from torchtitan_seq.runtime.kv_slab import KVSlab, Stored
+from torchtitan_seq.runtime.reach import Reach
 
 __all__ = ["Unit", "Phase", "UnitCalls", "KVContext"]
 
@@ -103,23 +105,23 @@ class Phase(enum.Enum):
 class UnitCalls:
     """What the attention layers derive from the running unit once for all of them, kept while it runs:
     its kernel calls (:func:`torchtitan_seq.attention.calls.kernel_calls`' (causal calls, prefix calls)),
-    for a unit that reads its prefix and own keys in one causal call (``one_call``) or in two
-    (``two_calls``); None until the first layer to ask builds them."""
+    per kind of call: whether the unit reads its prefix and own keys in one causal call or in two, and
+    the layer's reach (layers of a model may differ: windowed and full, chunked and global)."""
 
-    one_call: tuple | None = None
-    two_calls: tuple | None = None
+    calls: dict[tuple[bool, Reach], tuple] = dataclasses.field(default_factory=dict)
 
-    def keep(self, one_call: bool, calls: tuple) -> tuple:
-        """Keep ``calls`` as those for ``one_call`` (see the fields); returns them."""
-        if one_call:
-            self.one_call = calls
-        else:
-            self.two_calls = calls
+    def of(self, one_call: bool, reach: Reach) -> tuple | None:
+        """The calls kept for that kind; None until the first layer to ask builds them."""
+        return self.calls.get((one_call, reach))
+
+    def keep(self, one_call: bool, reach: Reach, calls: tuple) -> tuple:
+        """Keep ``calls`` as those for that kind; returns them."""
+        self.calls[one_call, reach] = calls
         return calls
 
     def clear(self) -> None:
         """Drop them (the unit has ended)."""
-        self.one_call = self.two_calls = None
+        self.calls.clear()
 
 
 class KVContext:
@@ -263,7 +265,7 @@ class KVContext:
                 "subsequence order, each once"
             )
         if slab is None:
-            slab = layers[layer_id] = self.arenas.place(layer_id, unit.microbatch, k, with_own)
+            slab = layers[layer_id] = self.arenas.place(layer_id, unit.microbatch, k, v, with_own)
         if not unit.is_last or with_own:
             self.arenas.check_room(unit.microbatch, unit.index, unit.offset, unit.length, slab)
             return slab, slab.stored(*slab.write(unit.offset, k, v))

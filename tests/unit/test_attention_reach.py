@@ -1,0 +1,194 @@
+"""Attention with a reach, sinks and narrow values, unit by unit, against dense attention over the whole
+sequence: a sliding window (gpt-oss), attention chunks (Llama 4), sinks (gpt-oss) and values narrower
+than queries and keys (MLA's), alone and together with packed documents, over grids of unit cuts, both
+mask alignments of the kernels, and the whole-sequence path.
+
+The reference shares no code with what it checks: a dense float64 boolean mask built from positions
+(document ids equal, key not after the query, within the window, in the query's chunk), softmax with
+each head's sink as an extra logit column of value zero, and autograd for the gradients.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from bottom_right import BottomRightCpuKernel
+from torchtitan_seq.attention import SequenceAttention
+from torchtitan_seq.attention.kernels import select_kernel
+from torchtitan_seq.runtime.documents import Documents
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.reach import Reach
+
+KERNELS = {"top-left": lambda: select_kernel(torch.device("cpu")), "bottom-right": BottomRightCpuKernel}
+HQ, HKV, D = 4, 2, 8
+TOL = 1e-5
+
+
+def _reference(q, k, v, ids, window, chunk, sinks):
+    """Dense attention in float64: out (B, Hq, S, Dv) of queries reading the keys every rule allows."""
+    q, k, v = (
+        t.double().repeat_interleave(q.shape[1] // t.shape[1], 1) if t is not q else t.double() for t in (q, k, v)
+    )
+    s = q.shape[2]
+    pos = torch.arange(s)
+    allowed = pos.unsqueeze(1) >= pos.unsqueeze(0)  # (query, key)
+    if window is not None:
+        allowed &= pos.unsqueeze(1) - pos.unsqueeze(0) < window
+    if chunk is not None:
+        allowed &= pos.unsqueeze(1) // chunk == pos.unsqueeze(0) // chunk
+    allowed = allowed.expand(q.shape[0], s, s)
+    if ids is not None:
+        allowed = allowed & (ids.unsqueeze(2) == ids.unsqueeze(1))
+    scores = (q @ k.transpose(-2, -1)) * D**-0.5
+    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    if sinks is not None:
+        column = sinks.double().view(1, -1, 1, 1).expand(q.shape[0], -1, s, 1)
+        scores = torch.cat([scores, column], -1)
+    probs = scores.softmax(-1)[..., :s]
+    return probs @ v
+
+
+def _ids(batch, s, seed):
+    """Document ids of ``batch`` rows of ``s`` tokens, documents of random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    new = torch.rand(batch, s, generator=g) < 0.15
+    new[:, 0] = False
+    return new.cumsum(1).int()
+
+
+def _inputs(batch, s, dv, sinks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, HQ, s, D, generator=g)
+    k = torch.randn(batch, HKV, s, D, generator=g)
+    v = torch.randn(batch, HKV, s, dv, generator=g)
+    sink = torch.randn(HQ, generator=g) if sinks else None
+    weight = torch.randn(batch, HQ, s, dv, generator=g)
+    leaves = [t.requires_grad_() for t in (q, k, v, sink) if t is not None]
+    return q, k, v, sink, weight, leaves
+
+
+def _errors(out, grads, ref, ref_grads) -> float:
+    """The largest error of the output and each gradient relative to its reference's largest value
+    (absolute where the reference is zero: a window of 1 leaves q and k no gradient)."""
+    pairs = zip((out, *grads), (ref, *ref_grads))
+    return max(
+        float((a.detach().double() - b.detach()).abs().max() / (b.detach().abs().max() or 1.0)) for a, b in pairs
+    )
+
+
+def _run_units(kernel, lengths, reach, ids, q, k, v, sinks, weight):
+    context = KVContext(lengths)
+    context.documents = [Documents.from_ids(ids)] if ids is not None else None
+    layer = SequenceAttention(0, reach)
+    layer.bind(context, kernel)
+    units = [Unit(0, j, sum(lengths[:j]), n, len(lengths)) for j, n in enumerate(lengths)]
+    outs = {}
+    for u in units:
+        part = slice(u.offset, u.offset + u.length)
+        with context.running(u):
+            outs[u.index] = layer(q[:, :, part], k[:, :, part], v[:, :, part], sinks=sinks)
+    for u in reversed(units):
+        with context.backward(u):
+            (outs[u.index] * weight[:, :, u.offset : u.offset + u.length]).sum().backward()
+    assert len(context) == 0
+    return torch.cat([outs[u.index] for u in units], 2)
+
+
+def _check(kernel, lengths, window, chunk, packed, sinks, dv):
+    s = sum(lengths)
+    q, k, v, sink, weight, leaves = _inputs(2, s, dv, sinks)
+    ids = _ids(2, s, seed=len(lengths)) if packed else None
+    ref = _reference(q, k, v, ids, window, chunk, sink)
+    ref_grads = torch.autograd.grad((ref * weight.double()).sum(), leaves)
+    out = _run_units(kernel, lengths, Reach(window, chunk), ids, q, k, v, sink, weight)
+    return _errors(out, [t.grad for t in leaves], ref, ref_grads)
+
+
+CUTS = [[24], [8, 8, 8], [11, 7, 9, 5], [3, 13, 1, 7]]
+REACHES = [(None, None), (1, None), (5, None), (9, None), (30, None), (None, 4), (None, 7), (None, 10), (6, 5)]
+
+
+@pytest.mark.parametrize("aligned", list(KERNELS))
+@pytest.mark.parametrize("window,chunk", REACHES, ids=[f"w{w}-c{c}" for w, c in REACHES])
+def test_units_with_a_reach_equal_dense_attention(aligned, window, chunk):
+    """Every unit cut, causal and packed, with and without sinks, values as wide and narrower."""
+    for lengths, packed, sinks, dv in itertools.product(CUTS, (False, True), (False, True), (D, 5)):
+        error = _check(KERNELS[aligned](), lengths, window, chunk, packed, sinks, dv)
+        assert error < TOL, (lengths, packed, sinks, dv, error)
+
+
+@pytest.mark.parametrize("window,chunk", REACHES, ids=[f"w{w}-c{c}" for w, c in REACHES])
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+def test_whole_sequence_path_equals_dense_attention(window, chunk, packed):
+    """An unbound layer (no pipeline) attends as the reference does."""
+    s = 24
+    q, k, v, sink, weight, leaves = _inputs(2, s, 5, True)
+    ids = _ids(2, s, seed=3) if packed else None
+    ref = _reference(q, k, v, ids, window, chunk, sink)
+    ref_grads = torch.autograd.grad((ref * weight.double()).sum(), leaves)
+    out = SequenceAttention(0, Reach(window, chunk))(q, k, v, documents=ids, sinks=sink)
+    (out * weight).sum().backward()
+    assert _errors(out, [t.grad for t in leaves], ref, ref_grads) < TOL
+
+
+def _mutated(monkeypatch, name):
+    """The core with one mechanism broken."""
+    from torchtitan_seq.attention import calls
+
+    if name == "window_off_by_one":
+        build = calls._build_calls.__wrapped__ if hasattr(calls._build_calls, "__wrapped__") else calls._build_calls
+
+        def build_wide(documents, segments, bottom_right, reach):
+            if reach.window is not None:
+                reach = Reach(reach.window + 1, reach.chunk)
+            return build(documents, segments, bottom_right, reach)
+
+        monkeypatch.setattr(calls, "_build_calls", build_wide)
+        calls._causal_calls.cache_clear()
+    elif name == "chunk_boundary_at_unit_start":
+        # a unit's queries read no key before the unit: as if a chunk began where each unit begins
+        def no_prefix(documents, segments, bottom_right, reach):
+            causal, _ = build(documents, segments, False, reach)
+            return causal, ()
+
+        build = calls._build_calls
+        monkeypatch.setattr(calls, "_build_calls", no_prefix)
+        calls._causal_calls.cache_clear()
+    elif name == "sink_per_call":
+        merge = calls._merge_into
+
+        def merge_and_sink(out, lse, out_i, lse_i):
+            merge(out, lse, out_i, lse_i)
+            calls.merge_sinks(out, lse, _SINKS[0])
+
+        monkeypatch.setattr(calls, "_merge_into", merge_and_sink)
+
+
+_SINKS: list[torch.Tensor] = []
+
+
+@pytest.mark.parametrize(
+    "mutation,window,chunk,sinks",
+    [
+        ("window_off_by_one", 5, None, False),
+        ("chunk_boundary_at_unit_start", None, 10, False),
+        ("sink_per_call", None, None, True),
+    ],
+)
+def test_each_mechanism_broken_fails_by_a_wide_margin(monkeypatch, mutation, window, chunk, sinks):
+    from torchtitan_seq.attention import calls
+
+    _mutated(monkeypatch, mutation)
+    try:
+        s = 24
+        q, k, v, sink, weight, leaves = _inputs(2, s, D, sinks)
+        _SINKS[:] = [sink] if sinks else []
+        ref = _reference(q, k, v, None, window, chunk, sink)
+        ref_grads = torch.autograd.grad((ref * weight.double()).sum(), leaves)
+        out = _run_units(KERNELS["top-left"](), [11, 7, 6], Reach(window, chunk), None, q, k, v, sink, weight)
+        assert _errors(out, [t.grad for t in leaves], ref, ref_grads) > 1e3 * TOL
+    finally:
+        calls._causal_calls.cache_clear()
