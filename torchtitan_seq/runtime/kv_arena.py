@@ -49,9 +49,9 @@ class KVArenas:
         return None if placed is None else placed[1]
 
     def place(self, layer_id: int, m: int, k: torch.Tensor, v: torch.Tensor, with_own: bool) -> KVSlab:
-        """Microbatch ``m``'s slab for ``layer_id``, for K and V shaped like ``k`` and ``v``, in the arena its plan names
-        (allocated by its first slab), or in one of its own: room for the keys later units read, the last
-        unit's too if ``with_own``."""
+        """Microbatch ``m``'s slab for ``layer_id``, for K and V shaped like ``k`` and ``v``, in the arena its
+        plan names (allocated by its first slab), or in one of its own: room for the keys later units read,
+        the last unit's too if ``with_own``."""
         if self.lengths is None:  # nothing to plan with: a slab of its own that grows
             return KVSlab(new_keys(k, 0), new_keys(v, 0))
         size = sum(self.lengths[: None if with_own else -1])
