@@ -15,7 +15,10 @@ files stay unmodified on disk:
   when there is no GPU, so ``[profiling]`` works;
 * FSDP2 reduces gradients with plain sums (:func:`fsdp_for_gloo`), since gloo has no PREMUL_SUM;
 * ``torch.histc`` counts integers (an MoE router's expert indices, which torchtitan counts tokens per
-  expert by) as floats, as its CUDA kernel takes them and its CPU kernel does not.
+  expert by) as floats, as its CUDA kernel takes them and its CPU kernel does not;
+* under expert parallelism, torchtitan 0.2.2 orders the tokens each rank receives by expert with a
+  Triton kernel; its own CPU implementation of the same indices (``use_cpu=True``) stands in
+  (:func:`moe_permute_on_cpu`, applied once torchtitan is imported, by the version's registration).
 
 Attention needs nothing: the models use SDPA, which has a CPU backward (under 0.3 too, whose Llama 3
 flavors default to flex attention, with no CPU backward: torchtitan_seq's model replaces it).
@@ -36,7 +39,7 @@ from torch.nn.attention import flex_attention
 
 from torchtitan_seq.runtime.torch_internals import DEVICE_TYPE_DETECTION
 
-__all__ = ["apply", "fsdp_for_gloo"]
+__all__ = ["apply", "fsdp_for_gloo", "moe_permute_on_cpu"]
 
 
 def _cpu_memory_stats(*_args, **_kwargs) -> dict[str, int]:
@@ -114,6 +117,18 @@ def apply() -> None:
     }.items():
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
+
+
+def moe_permute_on_cpu(moe_utils: types.ModuleType) -> None:
+    """Without CUDA, make torchtitan 0.2.2's expert-parallel token permutation
+    (``torchtitan.models.moe.utils.generate_permute_indices``, a Triton kernel) take torchtitan's own CPU
+    implementation of it; with CUDA leave it.
+
+    Args:
+        moe_utils: the module ``torchtitan.models.moe.utils``.
+    """
+    if not torch.cuda.is_available():
+        _patch(moe_utils, "generate_permute_indices", lambda generate: functools.partial(generate, use_cpu=True))
 
 
 def fsdp_for_gloo(model_parts: list[nn.Module]) -> None:

@@ -30,6 +30,10 @@ SEQUENCE_FAMILIES: tuple[str, ...] = ("llama3", "qwen3")
 ALIASES: dict[str, str] = {"llama3_seq": "llama3"}
 """Other names jobs may give a family by."""
 
+UNTIED_FLAVORS: dict[str, dict[str, str]] = {"qwen3": {"debugmodel_untied": "debugmodel"}}
+"""Per family, flavors added beside its own: a flavor of its own with untied embeddings, which a pipeline
+can split (the small Qwen3 flavors tie theirs), as torchtitan 0.3's Qwen3 ships ``debugmodel_untied``."""
+
 
 def sequence_train_spec(name: str) -> TrainSpec:
     """The train spec of family ``name`` with torchtitan_seq's model, pipelining, loss and metrics.
@@ -42,8 +46,13 @@ def sequence_train_spec(name: str) -> TrainSpec:
     """
     spec = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
     build_loss = spec.build_loss_fn
+    untied = {
+        flavor: dataclasses.replace(spec.model_args[tied], enable_weight_tying=False)
+        for flavor, tied in UNTIED_FLAVORS.get(name, {}).items()
+    }
     return dataclasses.replace(
         spec,
+        model_args={**spec.model_args, **untied},
         model_cls=sequence_model_class(spec.model_cls),
         pipelining_fn=pipeline_sequence_llm,
         build_loss_fn=lambda job_config, **kwargs: TokenNormalizedLoss(build_loss(job_config, **kwargs)),
