@@ -125,35 +125,50 @@ def test_timeline_on_cuda_reads_the_events_once_synchronised(fake_cuda_events):
 # The CUDA kernel adapters
 
 
-def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, bias: Tensor | None, window: tuple[int, int]) -> Tensor:
+    """Scaled scores (B, Hq, Lq, Lk) of q and the repeated k. ``causal``: the mask aligned at the bottom
+    right (query i sees keys up to i + Lk - Lq), as the flash kernels align it (torch's and flash-attn's);
+    on a square block top-left is the same. ``bias``: cuDNN's additive one. ``window``: flash-attn's
+    (left, right), query i reading keys [i + Lk - Lq - left, i + Lk - Lq + right], -1 unbounded."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    lq, lk = scores.shape[-2:]
+    if causal:
+        scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
+    if bias is not None:
+        scores = scores + bias
+    left, right = window
+    distance = torch.arange(lq).unsqueeze(1) + (lk - lq) - torch.arange(lk)  # query i - key j, bottom-right
+    if left >= 0:
+        scores = scores.masked_fill(distance > left, float("-inf"))
+    if right >= 0:
+        scores = scores.masked_fill(distance < -right, float("-inf"))
+    return scores
+
+
+def _attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, bias: Tensor | None = None, window=(-1, -1)
+) -> tuple[Tensor, Tensor]:
     """Reference attention in torch's layout, q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D), GQA
-    by head groups: out (B, Hq, Lq, D) and float32 lse (B, Hq, Lq). ``causal``: the mask aligned
-    at the bottom right (query i sees keys up to i + Lk - Lq), as the flash kernels align it
-    (torch's and flash-attn's); on a square block top-left is the same."""
+    by head groups, masked as :func:`_scores` masks: out (B, Hq, Lq, D) and float32 lse (B, Hq, Lq)."""
     n_rep = q.shape[1] // k.shape[1]
     assert n_rep * k.shape[1] == q.shape[1]
     k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        lq, lk = scores.shape[-2:]
-        scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
+    scores = _scores(q, k, causal, scale, bias, window)
     lse = scores.logsumexp(-1)
     return (scores - lse.unsqueeze(-1)).exp() @ v, lse.float()
 
 
 def _attention_grads(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
-):
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
+    bias: Tensor | None = None, window: tuple[int, int] = (-1, -1),
+):  # fmt: skip
     """dq, dk, dv of a block as FlashAttention's backward computes them, from the ``out`` and ``lse``
     it is given (a merged call's, whose probabilities are the block's share of the unit's): P =
     exp(S - lse), dS = P (dP - rowsum(dout * out)). ``lse`` is read as the CUDA kernels read it, by its
     data pointer as dense (B, H, Lq), whatever its strides."""
     n_rep = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
-    scores = (q @ kr.transpose(-1, -2)) * scale
-    if causal:
-        lq, lk = scores.shape[-2:]
-        scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
+    scores = _scores(q, kr, causal, scale, bias, window)
     dense = lse.as_strided(lse.shape, torch.empty(lse.shape).stride(), lse.storage_offset())
     p = (scores - dense.unsqueeze(-1)).exp()
     dp = dout @ vr.transpose(-1, -2)
@@ -200,10 +215,12 @@ class FakeAtenOp:
 
 
 def _no_extras(a: dict[str, Any]) -> None:
-    """What every call of the adapters promises: plain attention, no dropout, no debug mask."""
+    """What every call of the adapters promises: no dropout, no debug mask; a bias (a window's) only
+    where the call says it is not causal (the bias holds the causal mask then)."""
     assert a["dropout_p"] == 0.0
     assert not a.get("return_debug_mask", False)
-    assert a.get("attn_bias") is None
+    assert a.get("attn_bias") is None or not a["is_causal"]
+    assert a["query"].shape[-1] == a["key"].shape[-1] == a["value"].shape[-1], "one head width: values padded"
     # grouped K/V heads as they are: the ops take them (see kernels.py), so no adapter repeats them
     assert a["key"].shape[1] == a["value"].shape[1] and a["query"].shape[1] % a["key"].shape[1] == 0
 
@@ -217,11 +234,12 @@ def _backward_lengths(a: dict[str, Any]) -> None:
 def _aten_grads(a: dict[str, Any], lse: Tensor) -> tuple[Tensor, ...]:
     """dq, dk, dv of a backward op's call, from its arguments and its (B, H, Lq) log-sum-exp."""
     args = (a["grad_out"], a["query"], a["key"], a["value"], a["out"], lse, a["is_causal"], a["scale"])
-    return _attention_grads(*args)
+    return _attention_grads(*args, a.get("attn_bias"))
 
 
 def _flash_forward(a):
     _no_extras(a)
+    assert a.get("attn_bias") is None  # torch's flash kernel takes no mask
     return _attention(a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
 
 
@@ -241,7 +259,7 @@ def _cudnn_forward(a):
     _no_extras(a)
     _top_left_square(a)
     assert a["compute_log_sumexp"], "the merge needs the log-sum-exp"
-    out, lse = _attention(a["query"], a["key"], a["value"], a["is_causal"], a["scale"])
+    out, lse = _attention(a["query"], a["key"], a["value"], a["is_causal"], a["scale"], a["attn_bias"])
     return out, lse.unsqueeze(-1)  # cuDNN's lse is (B, H, L, 1)
 
 
@@ -281,9 +299,11 @@ def _fake_flash_attn() -> types.ModuleType:
         alibi_slopes: Tensor | None,
         return_softmax: bool,
     ):
-        assert dropout_p == 0.0 and (window_size_left, window_size_right) == (-1, -1) and softcap == 0.0
+        assert dropout_p == 0.0 and softcap == 0.0 and window_size_left >= -1 and window_size_right >= -1
         assert alibi_slopes is None and not return_softmax
-        out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale)
+        window = (window_size_left, window_size_right)
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        out, lse = _attention(t(q), t(k), t(v), causal, softmax_scale, None, window)
         return out.transpose(1, 2), lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
     def _flash_attn_backward(
@@ -306,12 +326,13 @@ def _fake_flash_attn() -> types.ModuleType:
         deterministic: bool,
         rng_state: Tensor | None = None,
     ):
-        assert dropout_p == 0.0 and (window_size_left, window_size_right) == (-1, -1) and softcap == 0.0
+        assert dropout_p == 0.0 and softcap == 0.0
         assert out.shape == q.shape and softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
         t = lambda x: x.transpose(1, 2)  # noqa: E731
+        window = (window_size_left, window_size_right)
         for buffer, grad, like in zip(
             (dq, dk, dv),
-            _attention_grads(t(dout), t(q), t(k), t(v), t(out), softmax_lse, causal, softmax_scale),
+            _attention_grads(t(dout), t(q), t(k), t(v), t(out), softmax_lse, causal, softmax_scale, None, window),
             (q, k, v),
         ):
             assert buffer.shape == like.shape
@@ -370,29 +391,33 @@ def test_cuda_adapter_equals_the_cpu_kernel(adapter, block, fake_aten, fake_flas
         assert set(calls.values()) == {1}, calls
 
 
-def _units_over_documents(kernel, q, k, v, dout) -> list[Tensor]:
+def _units_over_documents(kernel, q, k, v, dout, reach=None, sinks=None) -> list[Tensor]:
     """Packed documents (ids (1, 48): three of 20, 12 and 16 tokens) cut into units of 24 and 24,
-    forward in order and backward last unit first: out, dq, dk, dv. A document's calls read parts of
-    a unit's queries, and so strided views of its out and lse."""
+    forward in order and backward last unit first, within ``reach`` and with ``sinks`` where given:
+    out, dq, dk, dv (and dsinks). A document's calls read parts of a unit's queries, and so strided
+    views of its out and lse."""
     from torchtitan_seq.attention import SequenceAttention
     from torchtitan_seq.runtime.documents import Documents
     from torchtitan_seq.runtime.kv_context import KVContext, Unit
+    from torchtitan_seq.runtime.reach import FULL
 
     ids = torch.tensor([[0] * 20 + [1] * 12 + [2] * 16])
     context = KVContext([24, 24])
     context.documents = [Documents.from_ids(ids)]
-    attention = SequenceAttention(layer_id=0)
+    attention = SequenceAttention(layer_id=0, reach=reach or FULL)
     attention.bind(context, kernel)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    sinks = None if sinks is None else sinks.detach().requires_grad_()
+    leaves = [t for t in (q, k, v, sinks) if t is not None]
     units = [Unit(0, 0, 0, 24, 2), Unit(0, 1, 24, 24, 2)]
     outs = []
     for u in units:
         with context.running(u):
-            outs.append(attention(*(t[:, :, u.offset : u.offset + u.length] for t in (q, k, v))))
+            outs.append(attention(*(t[:, :, u.offset : u.offset + u.length] for t in (q, k, v)), sinks=sinks))
     for u, out in reversed(list(zip(units, outs))):
         with context.backward(u):
             out.backward(dout[:, :, u.offset : u.offset + u.length])
-    return [torch.cat(outs, 2).detach(), q.grad, k.grad, v.grad]
+    return [torch.cat(outs, 2).detach(), *(t.grad for t in leaves)]
 
 
 @pytest.mark.parametrize("adapter", ["CudaSdpaKernel", "CudnnSdpaKernel", "FlashAttnKernel"])
@@ -405,6 +430,29 @@ def test_cuda_adapters_run_units_over_packed_documents_as_the_cpu_kernel(adapter
     got = _units_over_documents(kernel[adapter](), q, k, v, dout)
     for name, g, ref in zip(("out", "dq", "dk", "dv"), got, _units_over_documents(CpuSdpaKernel(), q, k, v, dout)):
         torch.testing.assert_close(g, ref, msg=lambda m, name=name: f"{adapter} {name}: {m}")
+
+
+@pytest.mark.parametrize("adapter", ["CudaSdpaKernel", "CudnnSdpaKernel", "FlashAttnKernel"])
+@pytest.mark.parametrize("window,chunk", [(5, None), (30, None), (None, 10)])
+def test_cuda_adapters_run_windows_chunks_sinks_and_narrow_values_as_the_cpu_kernel(
+    adapter, window, chunk, fake_aten, fake_flash_attn
+):
+    """A window (cuDNN's bias; flash-attn's own window; torch's flash kernel hands windowed calls to
+    cuDNN), attention chunks, sinks and values narrower than the keys (padded for every CUDA kernel),
+    through unit attention over packed documents: each adapter equals the CPU kernel."""
+    from torchtitan_seq.runtime.reach import Reach
+
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 48, 4, 8, generator=gen).transpose(1, 2)
+    k = torch.randn(1, 48, 2, 8, generator=gen).transpose(1, 2)
+    v, dout = torch.randn(1, 48, 2, 6, generator=gen).transpose(1, 2), torch.randn(1, 48, 4, 6).transpose(1, 2)
+    sinks = torch.randn(4, generator=gen)
+    kernel = {"CudaSdpaKernel": CudaSdpaKernel, "CudnnSdpaKernel": CudnnSdpaKernel, "FlashAttnKernel": FlashAttnKernel}
+    reach = Reach(window, chunk)
+    got = _units_over_documents(kernel[adapter](), q, k, v, dout, reach, sinks)
+    ref = _units_over_documents(CpuSdpaKernel(), q, k, v, dout, reach, sinks)
+    for name, g, r in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref):
+        torch.testing.assert_close(g, r, msg=lambda m, name=name: f"{adapter} {name}: {m}")
 
 
 def test_cuda_adapters_on_meta_tensors_keep_the_real_ops_contract():
