@@ -3,14 +3,15 @@
 On one CUDA device, in a few minutes: (1) unit attention (``SequenceAttention`` through a
 ``KVContext``, units forward in order and backward last unit first, as a pipeline stage
 runs them) with ``CudaSdpaKernel``, ``CudnnSdpaKernel`` and, where flash_attn imports,
-``FlashAttnKernel``, causal and block-causal (packed documents), one microbatch and, for each
-cut into units, four sharing arenas (every other slab descending), against whole-sequence
-attention in float64 with the same mask: output and dq, dk, dv as max |error| / max
-|reference|; (2) the KV context's overhead on a 1B-class Llama 3 stack (4 layers, dim
-2048, 16 heads, 8 KV heads, bf16) at 8K-64K tokens: forward+backward time (CUDA events,
-median after warm-up) and peak memory of k units against torchtitan's own Llama 3 on the
-whole sequence. Goal: under 5% at 32K. Eager only; (3) a real sequence-schedule step on the
-one device, two stages of one pipeline on one rank, against the whole-sequence loss and
+``FlashAttnKernel``, causal and block-causal (packed documents), for each attention kind of the
+model families (full; a sliding window; attention chunks; sinks with values narrower than the
+keys, :data:`KINDS`), one microbatch and, for each cut into units, four sharing arenas (every other
+slab descending), against whole-sequence attention in float64 with the same mask: output and dq,
+dk, dv (and the sinks' gradient) as max |error| / max |reference|; (2) the KV context's overhead
+on a 1B-class Llama 3 stack (4 layers, dim 2048, 16 heads, 8 KV heads, bf16) at 8K-64K tokens:
+forward+backward time (CUDA events, median after warm-up) and peak memory of k units against
+torchtitan's own Llama 3 on the whole sequence. Goal: under 5% at 32K. Eager only; (3) a real
+sequence-schedule step on the one device, two stages of one pipeline on one rank, against the whole-sequence loss and
 gradients (:mod:`gpu_pipeline`); (4) the trainer end to end under torchrun with one process,
 at 8K tokens (:mod:`gpu_train`). ``benchmarks/gpu_check.sh`` runs it with what the GPU
 machine lacks installed from prepared wheels.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import statistics
 import sys
@@ -57,6 +59,7 @@ from torchtitan_seq.plan import H200_UNIT_OVERHEAD_S
 from torchtitan_seq.runtime.documents import Documents, document_mask
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
 from torchtitan_seq.runtime.partition import partition_sequence
+from torchtitan_seq.runtime.reach import Reach
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
 from torchtitan_seq.schedules.ordering import stage_passes
 from torchtitan_seq.simulate.costs import gpu_fixed_cost_per_layer
@@ -91,6 +94,32 @@ MASKS: dict[str, Callable[[int], torch.Tensor | None]] = {
     "causal": lambda seq_len: None,
     "block_causal": _packed_documents,
 }
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of attention layer the check runs: a sliding window and attention chunks (sizes as
+    fractions of the sequence, so that they cross unit boundaries), sinks (gpt-oss's) and values
+    narrower than queries and keys (MLA's 128 of 192)."""
+
+    window: float | None = None
+    chunk: float | None = None
+    sinks: bool = False
+    value_width: float = 1.0
+
+    def reach(self, seq_len: int) -> Reach:
+        """The layer's reach at ``seq_len``: odd sizes, which no cut's boundaries match."""
+        size = lambda f: None if f is None else int(f * seq_len) | 1  # noqa: E731
+        return Reach(size(self.window), size(self.chunk))
+
+
+KINDS: dict[str, Kind] = {
+    "full": Kind(),
+    "window": Kind(window=0.23),
+    "chunk": Kind(chunk=0.37),
+    "sinks_narrow_values": Kind(window=0.23, sinks=True, value_width=2 / 3),
+}
+"""The attention kinds of the model families, by name."""
 
 
 @dataclass(frozen=True)
@@ -152,18 +181,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # 1. Attention exactness
 
 
-def _reference(q, k, v, dout, ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Whole-sequence attention in float64 with an explicit (causal or document) mask, and its gradients."""
+def _reference(q, k, v, dout, ids: torch.Tensor | None, reach: Reach, sinks) -> dict[str, torch.Tensor]:
+    """Whole-sequence attention in float64 with an explicit mask (causal or document, within the window
+    and the chunk), each head's sink an extra logit of value zero, and its gradients."""
     s = q.shape[2]
-    mask = torch.ones(s, s, dtype=torch.bool).tril() if ids is None else document_mask(ids)
-    mask = mask.to(q.device)
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    mask = torch.ones(s, s, dtype=torch.bool).tril() if ids is None else document_mask(ids)[0, 0]
+    distance = torch.arange(s).unsqueeze(1) - torch.arange(s)
+    if reach.window is not None:
+        mask &= distance < reach.window
+    if reach.chunk is not None:
+        mask &= torch.arange(s).unsqueeze(1) // reach.chunk == torch.arange(s) // reach.chunk
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks) if t is not None]
+    q, k, v = leaves[:3]
     n_rep = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), attn_mask=mask
-    )
+    scores = (q @ k.repeat_interleave(n_rep, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask.to(q.device), float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, leaves[3].view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], -1)
+    out = scores.softmax(-1)[..., :s] @ v.repeat_interleave(n_rep, 1)
     out.backward(dout.double())
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    grads = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return grads if sinks is None else {**grads, "dsinks": leaves[3].grad}
 
 
 SHARED_MICROBATCHES = 4
@@ -171,13 +209,15 @@ SHARED_MICROBATCHES = 4
 backward to share an arena with the next in forward, from its top (its slab descending)."""
 
 
-def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths, ids, shared: bool = False) -> list[dict]:
+def _unit_attention(
+    kernel: AttentionKernel, q, k, v, dout, lengths, ids, reach: Reach, sinks, shared: bool
+) -> list[dict]:
     """The sequence cut into ``lengths`` units, run as a pipeline stage runs them: units forward in
     order, backward last unit first (unit j+1 sends gradient into the K/V of 0..j). ``shared``:
     :data:`SHARED_MICROBATCHES` microbatches of the same sequence in the order of Seq1F1B's first stage
     of 2, the KV context told it, so that microbatches share arenas and every other one's slab runs last
-    position first (its indexed copies and adds; a bottom-right kernel's two calls there). Per
-    microbatch: out, dq, dk, dv."""
+    position first (its indexed copies and adds; a bottom-right kernel's two calls there). The layer reads
+    within ``reach``, with ``sinks`` (Hq,) where given. Per microbatch: out, dq, dk, dv (and dsinks)."""
     n, count = (SHARED_MICROBATCHES if shared else 1), len(lengths)
     context = KVContext(list(lengths))
     context.documents = None if ids is None else [Documents.from_ids(ids)] * n
@@ -186,23 +226,24 @@ def _unit_attention(kernel: AttentionKernel, q, k, v, dout, lengths, ids, shared
         context.expect(passes)
     else:
         passes = [(True, 0, j) for j in range(count)] + [(False, 0, j) for j in reversed(range(count))]
-    attention = SequenceAttention(layer_id=0)
+    attention = SequenceAttention(layer_id=0, reach=reach)
     attention.bind(context, kernel)
     units = _units(lengths)
-    leaves = [[t.detach().requires_grad_() for t in (q, k, v)] for _ in range(n)]
+    leaves = [[t.detach().requires_grad_() for t in (q, k, v, sinks) if t is not None] for _ in range(n)]
     outs = {}
     for forward, m, j in passes:
         u = replace(units[j], microbatch=m)
         part = slice(u.offset, u.offset + u.length)
         if forward:
             with context.running(u):
-                outs[m, j] = attention(*(t[:, :, part] for t in leaves[m]))
+                outs[m, j] = attention(*(t[:, :, part] for t in leaves[m][:3]), sinks=(leaves[m][3:] or [None])[0])
         else:
             with context.backward(u):
                 outs[m, j].backward(dout[:, :, part])
+    names = ("dq", "dk", "dv", "dsinks")
     return [
-        {"out": torch.cat([outs[m, j] for j in range(count)], 2).detach(), "dq": q_.grad, "dk": k_.grad, "dv": v_.grad}
-        for m, (q_, k_, v_) in enumerate(leaves)
+        {"out": torch.cat([outs[m, j] for j in range(count)], 2).detach(), **{n: t.grad for n, t in zip(names, ts)}}
+        for m, ts in enumerate(leaves)
     ]
 
 
@@ -259,17 +300,19 @@ def probe_kernel_dtypes(device: torch.device) -> dict[str, dict[str, str]]:
 
 
 def check_attention(sizes: Sizes, device: torch.device) -> list[dict]:
-    """One record per (mask, kernel, dtype): relative errors per cut and tensor, or why not."""
+    """One record per (attention kind, mask, kernel, dtype): relative errors per cut and tensor, or why not."""
     b, hq, hkv, s, d = sizes.attn_shape
-    gen = torch.Generator().manual_seed(0)
-    # (batch, seq, heads, dim) transposed, as the model lays out q, k, v after RoPE
-    q, k, v, dout = (torch.randn(b, s, h, d, generator=gen).transpose(1, 2) for h in (hq, hkv, hkv, hq))
     records = []
-    for mask_name, documents in MASKS.items():
-        ids = documents(s)
+    for (kind_name, kind), (mask_name, documents) in itertools.product(KINDS.items(), MASKS.items()):
+        ids, reach, dv = documents(s), kind.reach(s), int(d * kind.value_width)
+        gen = torch.Generator().manual_seed(0)
+        # (batch, seq, heads, dim) transposed, as the model lays out q, k, v after RoPE
+        q, k = (torch.randn(b, s, h, d, generator=gen).transpose(1, 2) for h in (hq, hkv))
+        v, dout = (torch.randn(b, s, h, dv, generator=gen).transpose(1, 2) for h in (hkv, hq))
+        sinks = torch.randn(hq, generator=gen) if kind.sinks else None
         for name, kernel in _kernels(device).items():
             for dtype in ATTN_DTYPES:
-                record = {"mask": mask_name, "kernel": name, "dtype": _dtype_name(dtype)}
+                record = {"attention": kind_name, "mask": mask_name, "kernel": name, "dtype": _dtype_name(dtype)}
                 records.append(record)
                 if isinstance(kernel, str):
                     record["status"] = kernel
@@ -279,11 +322,12 @@ def check_attention(sizes: Sizes, device: torch.device) -> list[dict]:
                     continue
                 # Inputs rounded to the dtype first, so the reference sees the same values.
                 qd, kd, vd, dd = (t.to(device, dtype) for t in (q, k, v, dout))
-                ref = _reference(qd, kd, vd, dd, ids)
+                sd = None if sinks is None else sinks.to(device)
+                ref = _reference(qd, kd, vd, dd, ids, reach, sd)
                 try:
                     errors = {}
                     for cut, shared in ((c, s) for c in sizes.attn_cuts for s in (False, True)[: len(c)]):
-                        got = _unit_attention(kernel, qd, kd, vd, dd, cut, ids, shared)
+                        got = _unit_attention(kernel, qd, kd, vd, dd, cut, ids, reach, sd, shared)
                         label = "-".join(map(str, cut)) + (" shared" if shared else "")
                         errors[label] = {t: max(_rel_error(g[t], ref[t]) for g in got) for t in ref}
                 except Exception as e:  # noqa: BLE001 -- a failing kernel is a result; GPU runs are scarce
@@ -693,7 +737,7 @@ def _attention_part(sizes: Sizes, device: torch.device, results: dict) -> list[d
     b, hq, hkv, s, d = sizes.attn_shape
     results["attention"] = {
         "shape": {"batch": b, "q_heads": hq, "kv_heads": hkv, "seq_len": s, "head_dim": d},
-        "reference": "whole-sequence SDPA in float64, explicit mask",
+        "reference": "whole-sequence attention in float64, explicit mask (window, chunk), sinks as a logit column",
         "error": "max |unit - reference| / max |reference|, per tensor",
         "tolerance": {
             "float32": FP32_TOL,
@@ -705,8 +749,8 @@ def _attention_part(sizes: Sizes, device: torch.device, results: dict) -> list[d
     for case in cases:
         worst = max((e for cut in case.get("errors", {}).values() for e in cut.values()), default=None)
         print(
-            f"  {case['mask']:12} {case.get('kernel', ''):15} {case.get('dtype', ''):9} {case['status']}"
-            + (f" (largest error {worst:.2e})" if worst is not None else ""),
+            f"  {case['attention']:19} {case['mask']:12} {case.get('kernel', ''):15} {case.get('dtype', ''):9} "
+            f"{case['status']}" + (f" (largest error {worst:.2e})" if worst is not None else ""),
             flush=True,
         )
     return cases

@@ -192,3 +192,44 @@ def test_each_mechanism_broken_fails_by_a_wide_margin(monkeypatch, mutation, win
         assert _errors(out, [t.grad for t in leaves], ref, ref_grads) > 1e3 * TOL
     finally:
         calls._causal_calls.cache_clear()
+
+
+@pytest.mark.parametrize("aligned", list(KERNELS))
+@pytest.mark.parametrize("window,chunk", [(5, None), (9, None), (None, 7), (6, 5)], ids=["w5", "w9", "c7", "w6-c5"])
+def test_microbatches_sharing_arenas_read_within_the_reach(aligned, window, chunk):
+    """Four microbatches in the order of Seq1F1B's first stage of 2, the KV context told it: they share
+    arenas, every other one's slab laid out last position first, which a window's mask must read in
+    position order."""
+    from dataclasses import replace
+
+    from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+    from torchtitan_seq.schedules.ordering import stage_passes
+
+    lengths, n = [11, 7, 9, 5], 4
+    context = KVContext(lengths)
+    passes = stage_passes(SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(2, n, len(lengths)))[0], 0, 4)[1]
+    context.expect(passes)
+    layer = SequenceAttention(0, Reach(window, chunk))
+    layer.bind(context, KERNELS[aligned]())
+    units = [Unit(0, j, sum(lengths[:j]), length, len(lengths)) for j, length in enumerate(lengths)]
+    inputs = [_inputs(2, sum(lengths), 5, True, seed=m) for m in range(n)]
+    outs = {}
+    for forward, m, j in passes:
+        u = replace(units[j], microbatch=m)
+        q, k, v, sink, weight, _ = inputs[m]
+        part = slice(u.offset, u.offset + u.length)
+        if forward:
+            with context.running(u):
+                outs[m, j] = layer(q[:, :, part], k[:, :, part], v[:, :, part], sinks=sink)
+        else:
+            with context.backward(u):
+                (outs[m, j] * weight[:, :, part]).sum().backward()
+    descending = 0
+    for m in range(n):
+        q, k, v, sink, weight, leaves = inputs[m]
+        ref = _reference(q, k, v, None, window, chunk, sink)
+        ref_grads = torch.autograd.grad((ref * weight.double()).sum(), leaves)
+        out = torch.cat([outs[m, j] for j in range(len(lengths))], 2)
+        assert _errors(out, [t.grad for t in leaves], ref, ref_grads) < TOL, m
+    descending = sum(placed.descending for placed in context.arenas.plan.slabs.values())
+    assert descending > 0  # the order shares arenas from both ends

@@ -53,9 +53,9 @@ def test_dry_run_reports_every_figure(dry_run):
     # torch's CPU kernel takes every dtype the check probes
     assert results["kernel_dtypes"] == {"CpuSdpaKernel": {"float32": "ok", "float16": "ok", "bfloat16": "ok"}}
     cases = results["attention"]["cases"]
-    assert {(c["mask"], c["kernel"], c["status"]) for c in cases} == {
-        ("causal", "CpuSdpaKernel", "ok"),
-        ("block_causal", "CpuSdpaKernel", "ok"),
+    kinds = ("full", "window", "chunk", "sinks_narrow_values")
+    assert {(c["attention"], c["mask"], c["kernel"], c["status"]) for c in cases} == {
+        (kind, mask, "CpuSdpaKernel", "ok") for kind in kinds for mask in ("causal", "block_causal")
     }
     # every cut into units also as microbatches sharing arenas (descending slabs)
     runs = {"96", "24-24-24-24", "24-24-24-24 shared", "40-30-16-10", "40-30-16-10 shared"}
@@ -64,7 +64,8 @@ def test_dry_run_reports_every_figure(dry_run):
     assert {c["dtype"] for c in cases if c["mask"] == "causal"} == set(tolerance)
     for case in cases:
         for cut, errors in case.get("errors", {}).items():
-            assert set(errors) == {"out", "dq", "dk", "dv"}
+            sinks = {"dsinks"} if case["attention"] == "sinks_narrow_values" else set()
+            assert set(errors) == {"out", "dq", "dk", "dv", *sinks}
             for tensor, error in errors.items():
                 assert 0 <= error < tolerance[case["dtype"]], (case["dtype"], cut, tensor, error)
 

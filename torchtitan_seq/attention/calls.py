@@ -186,7 +186,11 @@ class Keys:
             if start == 0 and stop == self.own[0].shape[2] and c.rows == EVERY:
                 return self.own  # all of them (an index would make new views, host work at every call)
             return self.own[0][c.rows, :, start:stop], self.own[1][c.rows, :, start:stop]
-        return self.slab.keys(c.keys.start, c.keys.stop, c.rows)
+        k, v = self.slab.keys(c.keys.start, c.keys.stop, c.rows)
+        if c.window is not None and self.slab.descending:
+            # a window masks keys by position, in position order: a copy, of fewer than ``window`` keys
+            return k.flip(2), v.flip(2)
+        return k, v
 
 
 def attention_forward(
@@ -284,7 +288,9 @@ def attention_backward(
             own = slice(c.keys.start - offset, c.keys.stop - offset)
             dk[c.rows, :, own].add_(dk_i)
             dv[c.rows, :, own].add_(dv_i)
-        else:  # read from the slab, laid out as it lays positions out
+        else:  # read from the slab, laid out as it lays positions out (a windowed call's in position order)
+            if c.window is not None and slab.descending:
+                dk_i, dv_i = dk_i.flip(2), dv_i.flip(2)
             slab.accumulate(dk_i, dv_i, c.rows, c.keys.start)
     if slab is not None:  # dk, dv are the kernels' own (or written above): added to in place
         slab.add_sent(dk, dv, offset)
