@@ -1,7 +1,10 @@
 """Choosing a configuration: the best schedule and settings for a model, a cluster and a memory budget.
 
-    python -m torchtitan_seq.plan --flavor 8B --seq-len 32768 --gpus 64 --gpu-memory-gib 80 \\
+    python -m torchtitan_seq.plan --model qwen3:235B-A22B --seq-len 65536 --gpus 256 --gpu-memory-gib 141 \\
         --local-batch-size 16 [--tp 8] [--gpus-per-node 8] [--cost FILE] [--processes 4] [--json]
+
+``--model FAMILY:FLAVOR`` names a flavor of any family by its torchtitan model name (``llama3``, ``qwen3``,
+``deepseek_v3``, ``llama4``, ``gpt_oss``); ``--flavor 8B`` is ``--model llama3:8B``.
 
 The planner's command line: the search's (:func:`~torchtitan_seq.plan.search.plan`) plans as a
 markdown table with the best as ``./run_train.sh`` overrides, TOML (torchtitan 0.2.2) and a config function
@@ -21,6 +24,7 @@ from torchtitan_seq.plan.job import Cluster, Job
 from torchtitan_seq.plan.record import Plan
 from torchtitan_seq.plan.search import plan
 from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
+from torchtitan_seq.simulate.flavors import model_flavor
 
 
 def plan_table(plans: list[Plan]) -> str:
@@ -35,9 +39,16 @@ def plan_table(plans: list[Plan]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The command's arguments."""
     parser = argparse.ArgumentParser(prog="python -m torchtitan_seq.plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--flavor", required=True, help="a llama3_seq flavor, e.g. 8B, 70B, debugmodel")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument(
+        "--model",
+        help="FAMILY:FLAVOR, a torchtitan model name and one of its flavors, e.g. qwen3:235B-A22B, deepseek_v3:671B, "
+        "gpt_oss:120b, llama4:17bx128e, llama3:70B",
+    )
+    model.add_argument("--flavor", help="a llama3_seq flavor, e.g. 8B, 70B, debugmodel (--model llama3:FLAVOR)")
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--gpu-memory-gib", type=float, required=True)
@@ -85,9 +96,18 @@ def main(argv: list[str] | None = None) -> int:
         help="search in up to this many processes, one per CPU at most; the same plans (default %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object: plans and overrides")
-    a = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = command_line().parse_args(argv)
     costs = tuple(f for path in a.cost for f in (sorted(path.glob("cost_*.json")) if path.is_dir() else [path]))
-    job = Job(a.flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple, a.cp)
+    try:
+        flavor = a.flavor or model_flavor(a.model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    job = Job(flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple, a.cp)
     cluster = Cluster(
         a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12, unit_overhead_s=a.unit_overhead_ms / 1e3
     )

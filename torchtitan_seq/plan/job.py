@@ -53,6 +53,8 @@ class Job:
     data-parallel rank and step, one sequence per microbatch."""
 
     flavor: str
+    """The flavor as the tools name it: a Llama 3 flavor, or ``family:flavor``
+    (:mod:`~torchtitan_seq.simulate.flavors`)."""
     seq_len: int
     local_batch_size: int
     tp: int | None = None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from torchtitan_seq.runtime.partition import Partition
 from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.flavors import split_flavor
 from torchtitan_seq.simulate.memory import ACMode
 
 # torchtitan 0.3's activation checkpointing, a config class per mode (None: off).
@@ -42,9 +43,11 @@ class Plan:
     """``context_parallel_degree`` (sequence schedules only)."""
 
     def overrides(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
-        """The configuration as ``./run_train.sh`` arguments."""
+        """The configuration as ``./run_train.sh`` arguments (a ``family:flavor`` with its torchtitan model name)."""
+        family, name = split_flavor(flavor)
         args = {
-            "model.flavor": flavor,
+            **({"model.name": family} if name != flavor else {}),
+            "model.flavor": name,
             "training.seq_len": seq_len,
             "training.local_batch_size": local_batch_size,
             "parallelism.pipeline_parallel_degree": self.pp,
@@ -64,18 +67,21 @@ class Plan:
     def config_function(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
         """The configuration as a torchtitan 0.3 config function: the shipped job of ``flavor``'s size
         (:mod:`torchtitan_seq.recipes`) with the plan's settings, for ``--module`` your file ``--config plan``."""
-        base = "llama3_debugmodel" if flavor.startswith("debugmodel") else "llama3_8b_32k"
-        block_causal = "_block_causal" if flavor.endswith(("_flex_attn", "_flex", "_varlen_attn", "_varlen")) else ""
+        family, name = split_flavor(flavor)
+        base = "llama3_debugmodel" if name.startswith("debugmodel") else "llama3_8b_32k"
+        block_causal = "_block_causal" if name.endswith(("_flex_attn", "_flex", "_varlen_attn", "_varlen")) else ""
+        own = name != flavor  # another family than Llama 3: its spec by torchtitan's model name
+        spec, spec_args = ("sequence_model_spec", f"{family!r}, {name!r}") if own else ("seq_llama3", f"{name!r}")
         lines = [
             "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401",
             f"from torchtitan_seq.recipes import {base}{block_causal}_seq1f1b",
-            "from torchtitan_seq.titan.v03.model import seq_llama3",
+            f"from torchtitan_seq.titan.v03.model import {spec}",
             "from torchtitan_seq.titan.v03.pipeline import pipeline_sequence_llm",
             "",
             "",
             "def plan():",
             f"    config = {base}{block_causal}_seq1f1b()",
-            f"    config.model_spec = seq_llama3({flavor!r}, pipeline_sequence_llm)",
+            f"    config.model_spec = {spec}({spec_args}, pipeline_sequence_llm)",
         ]
         for arg in self.overrides(flavor, seq_len, local_batch_size).split(" --"):
             key, value = arg.removeprefix("--").split(" ")

@@ -21,22 +21,12 @@ from typing import TYPE_CHECKING, Literal, get_args
 if TYPE_CHECKING:  # the plain-torch core does not import torchtitan
     from torchtitan.models.llama3 import TransformerModelArgs
 
-__all__ = ["UnitCost", "PARTITIONS", "partition_sequence", "ffn_hidden_dim"]
+    from torchtitan_seq.runtime.layer_shapes import AttentionReach
+
+__all__ = ["UnitCost", "PARTITIONS", "partition_sequence"]
 
 Partition = Literal["even", "compute", "latency"]
 PARTITIONS: tuple[str, ...] = get_args(Partition)
-
-
-def ffn_hidden_dim(args: TransformerModelArgs) -> int:
-    """Width of a Llama 3 SwiGLU MLP (w1, w3 outputs), as torchtitan's ``FeedForward`` computes it
-    from ``TransformerModelArgs``: 8/3 dim, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``;
-    a model shape's own ``ffn_width`` where it has one (another family's, or an MoE's active width)."""
-    if (width := getattr(args, "ffn_width", None)) is not None:
-        return width
-    hidden = int(2 * 4 * args.dim / 3)
-    if args.ffn_dim_multiplier is not None:
-        hidden = int(args.ffn_dim_multiplier * hidden)
-    return args.multiple_of * math.ceil(hidden / args.multiple_of)
 
 
 @dataclass(frozen=True)
@@ -44,35 +34,58 @@ class UnitCost:
     """Cost of a unit of ``s`` tokens after a prefix of ``P`` tokens, per pass.
 
     forward = linear * s + attention * pairs, with pairs = s * P + s^2 / 2 the (query, key)
-    pairs scored under the causal mask; the input-gradient pass (I) costs linear * s +
-    2.5 * attention * pairs (flash backward recomputes the scores), the weight-gradient
-    pass (W) linear * s. A full backward is I + W.
+    pairs scored under the causal mask (per layer, on average over the layers: those of bounded
+    ``reach`` score fewer); the input-gradient pass (I) costs linear * s + 2.5 * attention * pairs
+    (flash backward recomputes the scores), the weight-gradient pass (W) linear * s. A full
+    backward is I + W.
     """
 
     linear: float  # forward cost per token of everything but attention scores
     attention: float  # forward cost per (query, key) pair
     # expected tokens per packed document (block-causal attention); None: one document (causal)
     document_length: float | None = None
+    reach: AttentionReach | None = None
+    """How far the bounded layers' queries reach (a window, a chunk); None: every layer reads its prefix."""
+    bounded: float = 0.0
+    """Share of the layers whose queries read only ``reach`` (their pairs ignore packed documents, which
+    would only cut them further)."""
 
     @classmethod
     def from_model_args(cls, args: TransformerModelArgs, document_length: float | None = None) -> UnitCost:
-        """Forward FLOPs of a Llama-style model (torchtitan ``TransformerModelArgs``): per layer
-        and token, 2 * dim * (q, k, v, o widths) + 2 * 3 * dim * ffn matmul FLOPs (the output
-        layer spread over the layers), and 4 * heads * head_dim per attended key."""
-        dim, n_heads = args.dim, args.n_heads
-        n_kv, head_dim = args.n_kv_heads or n_heads, getattr(args, "head_dim", None) or dim // n_heads
+        """Forward FLOPs of a model (torchtitan ``TransformerModelArgs`` or a model shape of any family,
+        :mod:`.model_counts`): per layer and token, 2 x the attention projections' weights (q, k, v, o;
+        MLA's latent ones) + 2 * 3 * dim * the MLP width a token runs through (an MoE layer's ``top_k``
+        routed and shared experts, its router's 2 * dim * experts; averaged over the layers, dense
+        leading ones included), the output layer spread over the layers; per attended key, q.k and
+        the weighted value of every head (4 * heads * head_dim; MLA: 2 * heads * (192 + 128) in the
+        671B), the layers of bounded reach (sliding window, chunked attention) reading fewer keys."""
+        # Imported where a model is costed: cutting a sequence by a given cost (runtime.shape) reads no model.
+        from torchtitan_seq.runtime.model_counts import attention_weights, mlp_width, moe_share, pair_flops
+
         linear = (
-            2 * dim * head_dim * (2 * n_heads + 2 * n_kv)  # q, k, v, o
-            + 2 * 3 * dim * ffn_hidden_dim(args)
-            + 2 * dim * args.vocab_size / args.n_layers
+            2 * attention_weights(args)
+            + 2 * 3 * args.dim * mlp_width(args)
+            + 2 * args.dim * args.vocab_size / args.n_layers
         )
-        return cls(linear=linear, attention=4 * n_heads * head_dim, document_length=document_length)
+        if (moe := getattr(args, "moe", None)) is not None:
+            linear += 2 * args.dim * moe.experts * moe_share(args)
+        reach = getattr(args, "reach", None)
+        bounded = reach.bounded_layers(args.n_layers) / args.n_layers if reach is not None else 0.0
+        return cls(linear, pair_flops(args), document_length, reach, bounded)
 
     def pairs(self, length: float, prefix: float) -> float:
-        """(query, key) pairs scored by ``length`` queries after ``prefix`` tokens. Causal: the
-        integral of p over [P, P + s). With documents whose boundaries fall at random, D tokens
-        apart on average, a query at p reaches back D (1 - exp(-p / D)) keys; its integral is
-        written to stay exact for large D."""
+        """(query, key) pairs scored by ``length`` queries after ``prefix`` tokens, per layer on average:
+        the whole prefix's (:meth:`prefix_pairs`) on the layers that read it, the bounded layers'
+        (:meth:`~.layer_shapes.AttentionReach.pairs`) on the others."""
+        whole = self.prefix_pairs(length, prefix)
+        if not self.bounded:
+            return whole
+        return (1 - self.bounded) * whole + self.bounded * self.reach.pairs(length, prefix)
+
+    def prefix_pairs(self, length: float, prefix: float) -> float:
+        """(query, key) pairs of a layer that reads the whole prefix. Causal: the integral of p over
+        [P, P + s). With documents whose boundaries fall at random, D tokens apart on average, a query
+        at p reaches back D (1 - exp(-p / D)) keys; its integral is written to stay exact for large D."""
         if self.document_length is None:
             return length * prefix + length * length / 2
         d = self.document_length

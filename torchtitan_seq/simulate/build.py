@@ -65,7 +65,8 @@ class SimConfig:
     cost: str = "uniform"
     """'uniform', 'transformer', or the path of a JSON file of measured times."""
     flavor: str = "debugmodel"
-    """Model flavor for the 'transformer' cost and the 'compute' partition."""
+    """Model flavor for the 'transformer' cost and the 'compute' partition: a Llama 3 flavor, or ``family:flavor``
+    (:mod:`~torchtitan_seq.simulate.flavors`)."""
     seq_len: int = 2048
     """S, tokens per sequence."""
     partition: Partition = "even"

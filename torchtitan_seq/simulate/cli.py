@@ -47,7 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages-per-rank", type=int, help="V (default: the schedule's own)")
     ap.add_argument("--split-backward", action="store_true", help="sequence schedules: I and W instead of B")
     ap.add_argument("--cost", default="uniform", help="uniform, transformer, or a JSON file of measured times")
-    ap.add_argument("--flavor", default="debugmodel", help="model flavor (transformer cost, compute partition)")
+    ap.add_argument(
+        "--flavor",
+        default="debugmodel",
+        help="model flavor (transformer cost, compute partition): a Llama 3 flavor, or FAMILY:FLAVOR of any family "
+        "(qwen3:235B-A22B, deepseek_v3:671B, gpt_oss:120b, ...)",
+    )
     ap.add_argument("--seq-len", type=int, default=2048, help="S, tokens per sequence")
     ap.add_argument("--partition", default="even", choices=PARTITIONS)
     ap.add_argument(

@@ -299,9 +299,9 @@ def _parse(data: dict, k: int, path: str) -> UnitTimes:
 
 
 def model_args(config: SimConfig) -> ModelShape | TransformerModelArgs:
-    """The shape of ``config.flavor`` (:func:`~torchtitan_seq.titan.flavors.flavor_shape`)."""
+    """The shape of ``config.flavor`` (:func:`~torchtitan_seq.simulate.flavors.flavor_shape`)."""
     if (shape := flavor_shape(config.flavor)) is None:
-        raise ValueError(f"unknown flavor {config.flavor!r}: use one of {sorted(flavor_shapes)}")
+        raise ValueError(f"unknown flavor {config.flavor!r}: use one of {sorted(flavor_shapes)}, or FAMILY:FLAVOR")
     return shape
 
 

@@ -55,7 +55,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from torchtitan_seq.runtime.partition import UnitCost, ffn_hidden_dim
+from torchtitan_seq.runtime.model_counts import chunk_moe_layers, kv_values, layer_weights
+from torchtitan_seq.runtime.partition import UnitCost
 
 if TYPE_CHECKING:
     from torchtitan.models.llama3 import TransformerModelArgs
@@ -63,15 +64,26 @@ if TYPE_CHECKING:
 __all__ = ["Link", "Network", "Transfers", "chunk_parameters", "parameter_count"]
 
 
-def chunk_parameters(args: TransformerModelArgs, layers: float, first: bool, last: bool, tp: int = 1) -> float:
-    """Parameters of a model chunk of ``layers`` Llama 3 blocks on one TP rank: the matrices
-    and embeddings divided by ``tp``, norm weights whole; ``first`` adds the token
-    embeddings, ``last`` the final norm and the output projection."""
-    d, f = args.dim, ffn_hidden_dim(args)
-    kv = (args.n_kv_heads or args.n_heads) * (d // args.n_heads)
-    per_layer = (2 * d * d + 2 * d * kv + 3 * d * f) / tp + 2 * d
+def chunk_parameters(
+    args: TransformerModelArgs, layers: float, first: bool, last: bool, tp: int = 1, active: bool = False
+) -> float:
+    """Parameters of a model chunk of ``layers`` blocks on one TP rank: the matrices (every expert's) and
+    embeddings divided by ``tp``, norm weights, routers, biases and sinks whole
+    (:func:`~torchtitan_seq.runtime.model_counts.layer_weights`); ``first`` adds the token embeddings,
+    ``last`` the final norm and the output projection. In a family with MoE layers the first chunk holds
+    the leading dense ones (:func:`~torchtitan_seq.runtime.model_counts.chunk_moe_layers`). ``active``:
+    the experts a token runs through only."""
+    d = args.dim
+
+    def per_layer(moe_layer: bool) -> float:
+        split, whole = layer_weights(args, moe_layer, active)
+        return split / tp + whole
+
+    body = layers * per_layer(False)
+    if moe_layers := chunk_moe_layers(args, layers, first):
+        body = (layers - moe_layers) * per_layer(False) + moe_layers * per_layer(True)
     embeddings = args.vocab_size * d / tp
-    return layers * per_layer + (embeddings if first else 0) + ((embeddings + d) if last else 0)
+    return body + (embeddings if first else 0) + ((embeddings + d) if last else 0)
 
 
 @dataclass(frozen=True)
@@ -165,16 +177,17 @@ class Network:
         c = self.context_parallel
         if c == 1:
             return 0.0
-        kv = 2 * (args.n_kv_heads or args.n_heads) * (args.dim // args.n_heads) / self.tensor_parallel
+        kv = kv_values(args) / self.tensor_parallel
         share = self.microbatch_size * length / c * kv * self.activation_bytes
         link = self.intra_node if c * self.tensor_parallel <= self.gpus_per_node else self.inter_node
         return (c - 1) * link.seconds(share)
 
 
-def parameter_count(args: TransformerModelArgs) -> int:
-    """Parameters of the model of ``args`` (torchtitan ``TransformerModelArgs``: llama3's
-    Transformer, which llama3_seq's flavors share)."""
-    return round(chunk_parameters(args, args.n_layers, True, True))
+def parameter_count(args: TransformerModelArgs, active: bool = False) -> int:
+    """Parameters of the model of ``args`` (torchtitan ``TransformerModelArgs`` or a model shape of any
+    family), the output layer apart from the embeddings: every expert's, or (``active``) those a token
+    runs through."""
+    return round(chunk_parameters(args, args.n_layers, True, True, active=active))
 
 
 @dataclass(frozen=True)

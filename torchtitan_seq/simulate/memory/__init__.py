@@ -1,6 +1,6 @@
 """Memory model in bytes: what one pipeline rank holds at its peak, by arithmetic.
 
-:func:`predict_memory` takes a :class:`MemoryConfig` (a torchtitan Llama 3 flavor or
+:func:`predict_memory` takes a :class:`MemoryConfig` (a flavor of any family, or its shape or
 ``TransformerModelArgs``, the job's :class:`~torchtitan_seq.runtime.shape.JobShape`, schedule, parallel
 degrees, activation checkpointing, dtypes) and returns a :class:`MemoryEstimate`: per rank and for the
 fullest rank, parameters, gradients, optimizer states, activations, the KV context's
@@ -10,8 +10,9 @@ along each rank's action list from the simulator's :func:`~torchtitan_seq.simula
 lists the runtime executes; memory on a rank depends only on the order of its own
 actions, not on their timing).
 
-Notation: D = ``dim``, H and Hkv query and K/V heads, hd = D / H, F = the MLP width
-(:func:`~torchtitan_seq.runtime.partition.ffn_hidden_dim`), V = vocabulary, t = TP degree, a =
+Notation: D = ``dim``, H and Hkv query and K/V heads, hd the head width (D / H in Llama 3), F = the MLP
+width a token runs through (:func:`~torchtitan_seq.runtime.model_counts.mlp_width`: an MoE layer's
+active experts), V = vocabulary, t = TP degree, a =
 bytes of the compute dtype, b = microbatch size, L_j = tokens of unit j (the whole
 sequence for torch's schedules).
 
@@ -29,10 +30,10 @@ from __future__ import annotations
 
 # Beside __all__, the submodules' names that the tests reach as torchtitan_seq.simulate.memory.<name>.
 from torchtitan_seq.runtime.kv_placement import plan_arenas  # noqa: F401
-from torchtitan_seq.runtime.partition import ffn_hidden_dim  # noqa: F401
+from torchtitan_seq.runtime.model_counts import ffn_hidden_dim  # noqa: F401
 from torchtitan_seq.simulate.memory.actions import ActionPlan, Events, action_plan, all_forwards_first, pass_events  # noqa: F401
 from torchtitan_seq.simulate.memory.activations import (  # noqa: F401
-    kv_width,
+    family_bytes,
     layer_bytes,
     norm_bytes,
     recomputed_fraction,

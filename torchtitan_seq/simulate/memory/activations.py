@@ -11,15 +11,18 @@ as counted on the CPU):
   with the CPU's composite form (it keeps x upcast to float32 and x/rms, both float32);
   the normed inputs of the attention and MLP projections, gathered to whole tokens under
   TP, 2aD; q, the attention output (the output projection saves the same storage), K and
-  V, the MLP's w1 and w3 outputs, SiLU's output and their product, a (2D + 2 Hkv hd + 4F) / t;
-  the log-sum-exp, 4H/t; for a unit, its RoPE rows (hd/2 complex64, 4 hd). The whole RoPE
-  table (4 S hd) is saved once per stage where layers get it whole: torch's schedules, and
-  checkpointed blocks (an input).
+  V, the MLP's w1 and w3 outputs, SiLU's output and their product, a (2 H hd + 2 Hkv hd + 4F) / t
+  (H hd = D in Llama 3; MLA: q and K H x 192, the output and V H x 128 in the 671B); the
+  log-sum-exp, 4H/t; for a unit, its RoPE rows (hd/2 complex64, 4 hd; MLA: its rope part). The
+  whole RoPE table (4 S hd) is saved once per stage where layers get it whole: torch's schedules,
+  and checkpointed blocks (an input). F is the width a token runs through, averaged over the layers
+  (an MoE layer's ``top_k`` routed and shared experts); an MoE layer adds the token's routed copies
+  (the experts' inputs and outputs, 2 a top_k D) and MLA its latents (:func:`family_bytes`).
 * ``full`` (every block checkpointed): the block input, aD/t; units add their positions
   (8 bytes a token, once per stage).
 * ``selective`` with ``selective_ac_option = "op"``: the input plus what torchtitan's op
   list keeps: the outputs of every other matmul (wq, wv, w1, w2) and of TP's
-  reduce-scatter: a (2D + Hkv hd + F) / t + aD (w2's output, before its reduce-scatter
+  reduce-scatter: a (H hd + D + Hkv hd + F) / t + aD (w2's output, before its reduce-scatter
   under TP, plus aD/t after it when t > 1). The unit attention op is not in the list, so
   it is recomputed and the KV context keeps K/V (:mod:`.stage_bytes`). Not measurable with
   ``ActivationMemory`` (selective checkpointing's cache bypasses saved-tensor hooks).
@@ -36,16 +39,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchtitan_seq.runtime.partition import ffn_hidden_dim
+from torchtitan_seq.runtime.model_counts import head_widths, kv_values, mlp_width, moe_share, rope_width
 from torchtitan_seq.simulate.memory.config import MemoryConfig
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs
-
-
-def kv_width(args: TransformerModelArgs) -> int:
-    """Hkv hd: K (or V) values per token and layer."""
-    return (args.n_kv_heads or args.n_heads) * (args.dim // args.n_heads)
 
 
 def recomputed_fraction(c: MemoryConfig) -> float:
@@ -59,18 +57,30 @@ def recomputed_fraction(c: MemoryConfig) -> float:
 
 def layer_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int, mode: str, unit: bool) -> float:
     """Saved bytes per token of one transformer layer, ``mode`` 'none', 'full' or 'op'."""
-    d, t, f = args.dim, c.tp, ffn_hidden_dim(args)
-    kv = kv_width(args)
+    d, t, f = args.dim, c.tp, mlp_width(args)
+    kv, (q, out) = kv_values(args), head_widths(args)
     if mode == "full":
         return a * d / t
-    if mode == "op":
-        return a * (2 * d + kv + f) / t + a * d + (a * d / t if t > 1 else 0)
+    if mode == "op":  # wq's, wv's, w1's and w2's outputs
+        return a * (q + d + kv // 2 + f) / t + a * d + (a * d / t if t > 1 else 0)
     norms = 2 * norm_bytes(args, c, a)  # attention_norm's input x, ffn_norm's h
     gathered = 2 * a * d  # the attention and MLP projections' input, whole tokens under TP
-    body = a * (2 * d + 2 * kv + 4 * f) / t  # q, attention output, K, V; w1, w3, SiLU, product
+    body = a * (q + out + kv + 4 * f) / t  # q, attention output, K, V; w1, w3, SiLU, product
     lse = 4 * args.n_heads / t
-    rope = 4 * (d // args.n_heads) if unit else 0  # the unit's RoPE rows, complex64
-    return norms + gathered + body + lse + rope
+    rope = 4 * rope_width(args) if unit else 0  # the unit's RoPE rows, complex64
+    return norms + gathered + body + lse + rope + family_bytes(args, a)
+
+
+def family_bytes(args: TransformerModelArgs, a: int) -> float:
+    """What a family's own parts save per token and layer beyond a Llama 3 layer's, whole tokens: an MoE
+    layer's routed copies of the token (the experts' inputs and outputs, ``top_k`` of each; averaged over
+    the layers), MLA's latents (:attr:`~torchtitan_seq.runtime.layer_shapes.MLAShape.latent_width`)."""
+    extra = 0.0
+    if (moe := getattr(args, "moe", None)) is not None:
+        extra += 2 * a * moe.top_k * args.dim * moe_share(args)
+    if (mla := getattr(args, "mla", None)) is not None:
+        extra += a * mla.latent_width
+    return extra
 
 
 def norm_bytes(args: TransformerModelArgs, c: MemoryConfig, a: int) -> float:

@@ -30,7 +30,8 @@ class MemoryConfig:
     """One training job, as torchtitan's config names it: the model, the job's shape and the rest."""
 
     model: str | TransformerModelArgs
-    """A ``llama3_seq`` flavor name (``seq_llama3_flavors``) or the model's arguments."""
+    """A flavor name as the tools take it (a ``llama3_seq`` flavor, or ``family:flavor`` of any family:
+    :mod:`~torchtitan_seq.simulate.flavors`), or the model's arguments or shape."""
     shape: JobShape
     """The job's shape as the runtime derives it (:class:`~torchtitan_seq.runtime.shape.JobShape`): S, the cut
     into k units (1 for torch's schedules), the TP degree (with sequence parallel, as torchtitan applies
@@ -96,7 +97,9 @@ class MemoryConfig:
         if not isinstance(self.model, str):
             return self.model
         if (shape := flavor_shape(self.model)) is None:
-            raise ValueError(f"model = {self.model!r}: use one of {sorted(flavor_shapes)} or TransformerModelArgs")
+            raise ValueError(
+                f"model = {self.model!r}: use one of {sorted(flavor_shapes)}, FAMILY:FLAVOR or TransformerModelArgs"
+            )
         return shape
 
     @property

@@ -2,8 +2,9 @@
 gradient, under context parallelism too (notation: the package's docstring).
 
 **KV context** (:mod:`torchtitan_seq.runtime.kv_context`): per stage, microbatch and layer one K/V
-slab of the keys later units read, S - L_{k-1} tokens at 2 Hkv hd a / t bytes each (whatever the
-kernel: the last unit keeps its own K/V), in arenas the
+slab of the keys later units read, S - L_{k-1} tokens at 2 Hkv hd a / t bytes each (MLA: H x (192 +
+128) in the 671B; whatever the kernel: the last unit keeps its own K/V; layers of bounded reach keep
+the whole prefix too, :func:`slab_tokens`), in arenas the
 context plans from the stage's pass order as the runtime does
 (:func:`~torchtitan_seq.runtime.kv_placement.plan_arenas`: a microbatch in backward and the next in
 forward share one arena from its two ends), each allocated by a write into it while it holds no
@@ -34,7 +35,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from torchtitan_seq.simulate.memory.activations import kv_width, recomputed_fraction, saved_per_token
+from torchtitan_seq.runtime.model_counts import kv_values, rope_width
+from torchtitan_seq.simulate.memory.activations import recomputed_fraction, saved_per_token
 from torchtitan_seq.simulate.memory.config import MemoryConfig
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
@@ -56,6 +58,14 @@ class StageBytes(NamedTuple):
     """Saved once while any unit of the stage is (the RoPE table)."""
 
 
+def slab_tokens(tokens: list[int], cp: int) -> int:
+    """Tokens of a microbatch's K/V slab on one layer: the keys later units read (under CP, other CP ranks'
+    queries: the last unit's too). Every layer keeps them all, those of bounded reach (a sliding window,
+    chunked attention) too; what such a layer need keep, the keys its later queries reach, would be counted
+    here."""
+    return sum(tokens) - (tokens[-1] if cp == 1 else 0)
+
+
 def bytes_of_stage(
     args: TransformerModelArgs,
     c: MemoryConfig,
@@ -71,11 +81,11 @@ def bytes_of_stage(
     recomputed = recomputed_fraction(c)
     # The whole RoPE table (complex64, seq_len x hd / 2) is saved once per stage where layers
     # get it whole: torch's schedules slice it, checkpointed blocks take it as an input.
-    table = 4 * c.seq_len * (args.dim // args.n_heads) if layers and (not is_sequence or recomputed) else 0
+    table = 4 * c.seq_len * rope_width(args) if layers and (not is_sequence or recomputed) else 0
     if not is_sequence:  # torch's schedules: K/V are the unit's own, no context
         return StageBytes([n * per_token for n in tokens], constant=table)
-    kv = 2 * kv_width(args) / c.tp * a * layers  # K and V, a token
-    slab = (sum(tokens) - (tokens[-1] if c.cp == 1 else 0)) * kv  # the keys later units (or CP ranks) read
+    kv = kv_values(args) / c.tp * a * layers  # K and V, a token
+    slab = slab_tokens(tokens, c.cp) * kv
     saved_kv = kv * (1 - recomputed)  # in the per-token bytes: where the slab holds them, its views
     own = [n / c.cp * (per_token - saved_kv) for n in tokens]  # K/V in the slab: units 0..k-2, all under CP
     return StageBytes(

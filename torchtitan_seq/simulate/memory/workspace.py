@@ -3,7 +3,8 @@
 **Workspace** (an estimate, not measured): the largest transient of one pass on the rank,
 on top of what it holds: on a last stage the loss's logits in the compute dtype, their
 float32 copy and gradient, (8 + a) V / t a token; in every layer's backward the MLP's
-and attention's input gradients, a (2F + 2D + 2 Hkv hd) / t a token, plus with k > 1 the
+and attention's input gradients, a (2F + 2D + 2 Hkv hd) / t a token (F the widest layer's: an
+MoE layer's active width; MLA's K and V), plus with k > 1 the
 unit attention's float32 merge of prefix blocks, 8D/t; times b and the longest unit.
 """
 
@@ -11,9 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchtitan_seq.runtime.partition import ffn_hidden_dim
+from torchtitan_seq.runtime.model_counts import kv_values, mlp_width
 from torchtitan_seq.simulate.memory.actions import ActionPlan
-from torchtitan_seq.simulate.memory.activations import kv_width
 from torchtitan_seq.simulate.memory.chunks import Chunks
 from torchtitan_seq.simulate.memory.config import MemoryConfig
 
@@ -25,9 +25,9 @@ def workspace_per_token(
     args: TransformerModelArgs, c: MemoryConfig, a: int, chunk: tuple[float, bool, bool], unit: bool
 ) -> float:
     """The largest transient of a pass on a stage running ``chunk``, per token of its longest unit."""
-    d, t, f, kv = args.dim, c.tp, ffn_hidden_dim(args), kv_width(args)
+    d, t, f = args.dim, c.tp, mlp_width(args, widest=True)
     layers, _, last = chunk
-    per_token = a * (2 * f + 2 * d + 2 * kv) / t if layers else 0.0
+    per_token = a * (2 * f + 2 * d + kv_values(args)) / t if layers else 0.0
     if unit and c.shape.num_subsequences > 1 and layers:
         per_token += 8 * d / t
     if last:
