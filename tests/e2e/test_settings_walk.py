@@ -43,6 +43,8 @@ SEQUENCE_PIPELINE = {
     "split_backward": ("--sequence_pipeline.split_backward",),
     "attention_backend=flash": ("--sequence_pipeline.attention_backend", "flash"),
     "attention_backend=sdpa": ("--sequence_pipeline.attention_backend", "sdpa"),
+    "kv_context=full": ("--sequence_pipeline.kv_context", "full"),
+    "kv_context=reach+gpt_oss": ("--sequence_pipeline.kv_context", "reach", "--model.name", "gpt_oss"),
     "bidirectional_placement=linear": ("--sequence_pipeline.bidirectional_placement", "linear"),
     "bidirectional_placement=linear+Chimera": (
         "--sequence_pipeline.bidirectional_placement",

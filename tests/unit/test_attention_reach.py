@@ -79,8 +79,8 @@ def _errors(out, grads, ref, ref_grads) -> float:
     )
 
 
-def _run_units(kernel, lengths, reach, ids, q, k, v, sinks, weight):
-    context = KVContext(lengths)
+def _run_units(kernel, lengths, reach, ids, q, k, v, sinks, weight, mode="reach"):
+    context = KVContext(lengths, mode=mode)
     context.documents = [Documents.from_ids(ids)] if ids is not None else None
     layer = SequenceAttention(0, reach)
     layer.bind(context, kernel)
@@ -97,13 +97,13 @@ def _run_units(kernel, lengths, reach, ids, q, k, v, sinks, weight):
     return torch.cat([outs[u.index] for u in units], 2)
 
 
-def _check(kernel, lengths, window, chunk, packed, sinks, dv):
+def _check(kernel, lengths, window, chunk, packed, sinks, dv, mode):
     s = sum(lengths)
     q, k, v, sink, weight, leaves = _inputs(2, s, dv, sinks)
     ids = _ids(2, s, seed=len(lengths)) if packed else None
     ref = _reference(q, k, v, ids, window, chunk, sink)
     ref_grads = torch.autograd.grad((ref * weight.double()).sum(), leaves)
-    out = _run_units(kernel, lengths, Reach(window, chunk), ids, q, k, v, sink, weight)
+    out = _run_units(kernel, lengths, Reach(window, chunk), ids, q, k, v, sink, weight, mode)
     return _errors(out, [t.grad for t in leaves], ref, ref_grads)
 
 
@@ -111,13 +111,16 @@ CUTS = [[24], [8, 8, 8], [11, 7, 9, 5], [3, 13, 1, 7]]
 REACHES = [(None, None), (1, None), (5, None), (9, None), (30, None), (None, 4), (None, 7), (None, 10), (6, 5)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aligned", list(KERNELS))
 @pytest.mark.parametrize("window,chunk", REACHES, ids=[f"w{w}-c{c}" for w, c in REACHES])
 def test_units_with_a_reach_equal_dense_attention(aligned, window, chunk):
-    """Every unit cut, causal and packed, with and without sinks, values as wide and narrower."""
-    for lengths, packed, sinks, dv in itertools.product(CUTS, (False, True), (False, True), (D, 5)):
-        error = _check(KERNELS[aligned](), lengths, window, chunk, packed, sinks, dv)
-        assert error < TOL, (lengths, packed, sinks, dv, error)
+    """Every unit cut, causal and packed, with and without sinks, values as wide and narrower, the K/V
+    context holding only the reach and every earlier position."""
+    grid = itertools.product(CUTS, (False, True), (False, True), (D, 5), ("reach", "full"))
+    for lengths, packed, sinks, dv, mode in grid:
+        error = _check(KERNELS[aligned](), lengths, window, chunk, packed, sinks, dv, mode)
+        assert error < TOL, (lengths, packed, sinks, dv, mode, error)
 
 
 @pytest.mark.parametrize("window,chunk", REACHES, ids=[f"w{w}-c{c}" for w, c in REACHES])
@@ -188,25 +191,27 @@ def test_each_mechanism_broken_fails_by_a_wide_margin(monkeypatch, mutation, win
         _SINKS[:] = [sink] if sinks else []
         ref = _reference(q, k, v, None, window, chunk, sink)
         ref_grads = torch.autograd.grad((ref * weight.double()).sum(), leaves)
-        out = _run_units(KERNELS["top-left"](), [11, 7, 6], Reach(window, chunk), None, q, k, v, sink, weight)
+        reach = Reach(window, chunk)
+        out = _run_units(KERNELS["top-left"](), [11, 7, 6], reach, None, q, k, v, sink, weight, mode="full")
         assert _errors(out, [t.grad for t in leaves], ref, ref_grads) > 1e3 * TOL
     finally:
         calls._causal_calls.cache_clear()
 
 
+@pytest.mark.parametrize("mode", ["reach", "full"])
 @pytest.mark.parametrize("aligned", list(KERNELS))
 @pytest.mark.parametrize("window,chunk", [(5, None), (9, None), (None, 7), (6, 5)], ids=["w5", "w9", "c7", "w6-c5"])
-def test_microbatches_sharing_arenas_read_within_the_reach(aligned, window, chunk):
-    """Four microbatches in the order of Seq1F1B's first stage of 2, the KV context told it: they share
-    arenas, every other one's slab laid out last position first, which a window's mask must read in
-    position order."""
+def test_microbatches_sharing_arenas_read_within_the_reach(aligned, window, chunk, mode):
+    """Four microbatches in the order of Seq1F1B's first stage of 2, the KV context told it. Holding every
+    earlier position they share arenas, every other one's slab laid out last position first, which a
+    window's mask must read in position order; holding the reach, slabs of their own."""
     from dataclasses import replace
 
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
     from torchtitan_seq.schedules.ordering import stage_passes
 
     lengths, n = [11, 7, 9, 5], 4
-    context = KVContext(lengths)
+    context = KVContext(lengths, mode=mode)
     passes = stage_passes(SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(2, n, len(lengths)))[0], 0, 4)[1]
     context.expect(passes)
     layer = SequenceAttention(0, Reach(window, chunk))
@@ -224,12 +229,52 @@ def test_microbatches_sharing_arenas_read_within_the_reach(aligned, window, chun
         else:
             with context.backward(u):
                 (outs[m, j] * weight[:, :, part]).sum().backward()
-    descending = 0
     for m in range(n):
         q, k, v, sink, weight, leaves = inputs[m]
         ref = _reference(q, k, v, None, window, chunk, sink)
         ref_grads = torch.autograd.grad((ref * weight.double()).sum(), leaves)
         out = torch.cat([outs[m, j] for j in range(len(lengths))], 2)
         assert _errors(out, [t.grad for t in leaves], ref, ref_grads) < TOL, m
-    descending = sum(placed.descending for placed in context.arenas.plan.slabs.values())
-    assert descending > 0  # the order shares arenas from both ends
+    if mode == "full":
+        descending = sum(placed.descending for placed in context.arenas.plan.slabs.values())
+        assert descending > 0  # the order shares arenas from both ends
+    else:
+        assert context.arenas.plan is None  # no arena placed
+
+
+@pytest.mark.parametrize("window,chunk", [(5, None), (None, 6), (None, None)], ids=["w5", "c6", "full"])
+def test_quick_units_with_a_reach_equal_dense_attention(window, chunk):
+    """One cut of the grid above per mode and kernel, packed, with sinks and narrow values."""
+    for aligned, mode in itertools.product(KERNELS, ("reach", "full")):
+        error = _check(KERNELS[aligned](), [11, 7, 9, 5], window, chunk, True, True, 5, mode)
+        assert error < TOL, (aligned, mode, error)
+
+
+def _held_bytes(seq_len: int, reach: Reach, mode: str) -> int:
+    """Bytes of K/V the context holds once every unit of a microbatch of 4 has run forward."""
+    lengths = [seq_len // 4] * 4
+    q, k, v, *_ = _inputs(1, seq_len, D, False)
+    context = KVContext(lengths, mode=mode)
+    layer = SequenceAttention(0, reach)
+    layer.bind(context, KERNELS["top-left"]())
+    with torch.no_grad():
+        for j, length in enumerate(lengths):
+            part = slice(j * length, (j + 1) * length)
+            with context.running(Unit(0, j, j * length, length, 4)):
+                layer(q[:, :, part], k[:, :, part], v[:, :, part])
+    return context.held_bytes()
+
+
+@pytest.mark.parametrize("window,chunk", [(5, None), (None, 6), (7, 20)])
+def test_a_bounded_layer_holds_its_reach_whatever_the_sequence_length(window, chunk):
+    """Held K/V of a windowed or chunked layer: at most three later units' reach under ``reach`` (a
+    window's the same at 64 and 256 tokens), the prefix of every later unit under ``full``; a layer of
+    full attention holds its prefix either way."""
+    reach = Reach(window, chunk)
+    per_position = 2 * HKV * D * 4  # K and V, float32
+    if chunk is None:
+        assert _held_bytes(64, reach, "reach") == _held_bytes(256, reach, "reach")
+    bound = 3 * (min(window or chunk, chunk or window) - 1) * per_position  # three later units' reach
+    assert _held_bytes(256, reach, "reach") <= bound
+    assert _held_bytes(256, reach, "full") == 192 * per_position  # every unit's but the last one's
+    assert _held_bytes(256, Reach(), "reach") == _held_bytes(256, Reach(), "full")

@@ -40,7 +40,7 @@ def _own_keys(
         cp = shard.size > 1  # other ranks' chunks of the unit read keys of the last unit too
         if cp:
             k, v = shard.gather(k), shard.gather(v)
-        slab, stored = context.append(binding.layer_id, k, v, with_own=cp)
+        slab, stored = context.append(binding.layer_id, k, v, with_own=cp, reach=binding.reach)
         return (k, v), slab, stored
     stored = context.own(binding.layer_id)
     if shard.size > 1:

@@ -55,6 +55,8 @@ class Run:
     """Wall time of each step: since the previous step's record (step 1: since the start record)."""
     activation_bytes: list[list[int] | None] = field(default_factory=list)
     """Per step, per rank; None on a step not metered (``activation_memory_freq``)."""
+    kv_bytes: list[list[int] | None] = field(default_factory=list)
+    """Per step, per rank, the K/V context's peak bytes; None on a step not metered or under torch's schedules."""
     bubble_ratios: list[list[float]] = field(default_factory=list)
     """Per step, per rank; ``[]`` on a step whose stages were not timed."""
     pipeline_s: list[float | None] = field(default_factory=list)
@@ -91,6 +93,7 @@ class Run:
             tps=[r["tps"] for r in steps],
             step_times_s=[b - a for a, b in zip(times, times[1:])],
             activation_bytes=[r["peak_activation_bytes"] for r in steps],
+            kv_bytes=[r.get("peak_kv_bytes") for r in steps],
             bubble_ratios=[r["bubble_ratio"] for r in steps],
             pipeline_s=[r["pipeline_s"] for r in steps],
             lengths=start["lengths"] if start else None,

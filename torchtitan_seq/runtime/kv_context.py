@@ -57,6 +57,7 @@ import dataclasses
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -64,8 +65,9 @@ from torchtitan_seq.runtime.context_parallel import ContextShard
 from torchtitan_seq.runtime.documents import Documents
 from torchtitan_seq.runtime.kv_arena import KVArenas
 from torchtitan_seq.runtime.kv_placement import ArenaPlan, Pass
+from torchtitan_seq.runtime.kv_reach import ReachRows, ReachSlab
 from torchtitan_seq.runtime.kv_slab import KVSlab, Stored
-from torchtitan_seq.runtime.reach import Reach
+from torchtitan_seq.runtime.reach import FULL, KVContextMode, Reach
 
 __all__ = ["Unit", "Phase", "UnitCalls", "KVContext"]
 
@@ -124,6 +126,12 @@ class UnitCalls:
         self.calls.clear()
 
 
+class KVMeter(Protocol):
+    """What samples the K/V a context holds (:class:`~torchtitan_seq.instrumentation.kv_memory.KVMemory`)."""
+
+    def sample(self) -> None: ...
+
+
 class KVContext:
     """Per-stage K/V state of the microbatches in flight. The stage (model chunk) binds it to
     the chunk's attention layers and announces each unit it runs, forward (:meth:`running`) or
@@ -134,8 +142,14 @@ class KVContext:
     shared by microbatches (:func:`~torchtitan_seq.runtime.kv_placement.plan_arenas`); otherwise each
     microbatch's slab is an arena of its own."""
 
-    def __init__(self, lengths: list[int] | None = None, shard: ContextShard | None = None) -> None:
+    def __init__(
+        self, lengths: list[int] | None = None, shard: ContextShard | None = None, mode: KVContextMode = "reach"
+    ) -> None:
         self.shard = shard or ContextShard()
+        self.mode = mode
+        """What a layer of bounded reach keeps (:data:`~torchtitan_seq.runtime.reach.KVContextMode`): under
+        ``"reach"``, told the lengths and without CP, a :class:`~torchtitan_seq.runtime.kv_reach.ReachSlab`
+        (only what later units read); else a full slab."""
         """This rank's share of every unit under context parallelism (the whole unit without)."""
         self.unit: Unit | None = None
         """The unit being run, forward (:meth:`running`) or backward (:meth:`backward`), or None."""
@@ -149,6 +163,9 @@ class KVContext:
         self._backwards: dict[int, int] = {}  # microbatch -> units whose backward has ended
         self.arenas = KVArenas(lengths)
         """Where the microbatches' slabs lie, and the guard against overwriting keys in use."""
+        self._rows: dict[Reach, ReachRows] = {}  # per reach, where its slabs lay positions out
+        self.meter: KVMeter | None = None
+        """Sampled as each unit starts and as a microbatch's last backward ends, while set (a metered step)."""
 
     @property
     def lengths(self) -> list[int] | None:
@@ -159,6 +176,7 @@ class KVContext:
     @lengths.setter
     def lengths(self, lengths: list[int] | None) -> None:
         self.arenas.lengths = lengths
+        self._rows.clear()
 
     @property
     def action_plan(self) -> ArenaPlan | None:
@@ -200,12 +218,16 @@ class KVContext:
     def running(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
         """Run the forward of ``unit`` inside this context (phase FORWARD)."""
         self.arenas.unit_started(unit.microbatch, unit.index)  # once per unit, not per layer
+        if self.meter is not None:
+            self.meter.sample()
         return self._running(unit, backward=False)
 
     @contextlib.contextmanager
     def backward(self, unit: Unit, last_pass: bool = True) -> Iterator[None]:
         """Run a backward pass of ``unit`` (phase BACKWARD, its recomputations RECOMPUTE);
         ``last_pass``: the unit's backward ends with it."""
+        if self.meter is not None:
+            self.meter.sample()
         with self._running(unit, backward=True):
             try:
                 yield
@@ -221,6 +243,8 @@ class KVContext:
         done = self._backwards[m] = self._backwards.get(m, 0) + 1
         if done < unit.num_subsequences:
             return
+        if self.meter is not None:
+            self.meter.sample()
         self._slabs.pop(m, None)
         del self._backwards[m]
         self.arenas.release(m)
@@ -230,7 +254,7 @@ class KVContext:
         and BACKWARD)."""
         unit = self.unit if self._backward else None
         slab = self._slabs.get(unit.microbatch, {}).get(layer_id) if unit is not None else None
-        if slab is None or not slab.holds(unit.offset):
+        if slab is None or slab.filled < unit.offset:
             raise RuntimeError(f"layer {layer_id} recomputed outside the backward of a unit it ran forward")
         return slab
 
@@ -245,14 +269,15 @@ class KVContext:
         return slab.stored(*slab.keys(unit.offset, unit.offset + unit.length))
 
     def append(
-        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False
-    ) -> tuple[KVSlab, Stored | None]:
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False, reach: Reach = FULL
+    ) -> tuple[KVSlab | ReachSlab, Stored | None]:
         """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
         unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
         kernel reads them apart from the prefix; under CP other ranks' queries read them as their
         prefix). The first unit places the slab: room for the keys later units read, the last unit's
-        too if ``with_own``. Returns the slab, and the unit's K/V in it as :meth:`own` gives them
-        (None: not written)."""
+        too if ``with_own``; for a layer of bounded ``reach`` under :attr:`mode` ``"reach"``, a slab of
+        only the positions later units read. Returns the slab, and the unit's K/V in it as :meth:`own`
+        gives them (None: not written whole)."""
         unit = self.unit
         if unit is None or self._backward:
             raise RuntimeError("KVContext.append called outside a unit's forward")
@@ -265,11 +290,26 @@ class KVContext:
                 "subsequence order, each once"
             )
         if slab is None:
-            slab = layers[layer_id] = self.arenas.place(layer_id, unit.microbatch, k, v, with_own)
+            slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, v, with_own, reach)
+        if isinstance(slab, ReachSlab):
+            slab.write(unit.offset, k, v)
+            return slab, None
         if not unit.is_last or with_own:
             self.arenas.check_room(unit.microbatch, unit.index, unit.offset, unit.length, slab)
             return slab, slab.stored(*slab.write(unit.offset, k, v))
         return slab, None
+
+    def _place(
+        self, layer_id: int, m: int, k: torch.Tensor, v: torch.Tensor, with_own: bool, reach: Reach
+    ) -> KVSlab | ReachSlab:
+        """Microbatch ``m``'s slab for ``layer_id``: of its reach (see :meth:`append`), else in an arena."""
+        lengths = self.lengths
+        if self.mode == "reach" and reach.bounded and lengths is not None and not with_own:
+            rows = self._rows.get(reach)
+            if rows is None:
+                rows = self._rows[reach] = ReachRows(lengths, reach)
+            return ReachSlab(rows, k, v)
+        return self.arenas.place(layer_id, m, k, v, with_own)
 
     def clear(self) -> None:
         """Forget every microbatch (end of step)."""

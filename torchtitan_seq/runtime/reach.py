@@ -15,8 +15,14 @@ all allow.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["FULL", "Reach"]
+__all__ = ["FULL", "KVContextMode", "Reach"]
+
+KVContextMode = Literal["reach", "full"]
+"""What a layer's K/V context keeps of earlier units: ``"reach"``, only the positions later units can
+still read (a window's last positions, the current attention chunk; every position for full attention);
+``"full"``, every earlier position (the ``[sequence_pipeline] kv_context`` setting)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,11 @@ class Reach:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"attention {name} = {value}: must be at least 1 (or None)")
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the layer's queries read less than every earlier key."""
+        return self.window is not None or self.chunk is not None
 
     def chunk_starts(self, begin: int, end: int) -> tuple[int, ...]:
         """The first positions of the attention chunks that hold positions [begin, end), in order

@@ -16,6 +16,7 @@ from torchtitan_seq.attention.kernels import AttentionKernel, select_kernel
 from torchtitan_seq.instrumentation.timeline import RECORDER
 from torchtitan_seq.runtime.context_parallel import ContextShard
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.reach import KVContextMode
 from torchtitan_seq.runtime.torch_internals import UnitStageBase, detach_tensors
 from torchtitan_seq.schedules.ordering import B, F, I, W, stage_passes
 from torchtitan_seq.schedules.receives import scale_receives
@@ -38,6 +39,7 @@ class SequencePipelineStage(UnitStageBase):
             two): stage s is first of its chain when s % ``chain_length`` == 0. None: one chain.
         context_shard: this rank's share of every unit under context parallelism
             (:mod:`torchtitan_seq.runtime.context_parallel`); None: the whole unit.
+        kv_context: what the K/V context keeps of earlier units (:data:`~torchtitan_seq.runtime.reach.KVContextMode`).
         **kwargs: the other arguments of ``PipelineStage`` (``group``, ``dw_builder``, ...).
     """
 
@@ -52,6 +54,7 @@ class SequencePipelineStage(UnitStageBase):
         kernel: AttentionKernel | None = None,
         chain_length: int | None = None,
         context_shard: ContextShard | None = None,
+        kv_context: KVContextMode = "reach",
         **kwargs: Any,
     ) -> None:
         self.chain_length = chain_length or num_stages
@@ -59,7 +62,7 @@ class SequencePipelineStage(UnitStageBase):
         if not lengths or min(lengths) < 1:
             raise ValueError(f"subsequence lengths must be positive, got {lengths}")
         self.lengths = list(lengths)
-        self.kv_context = KVContext(self.lengths, context_shard)
+        self.kv_context = KVContext(self.lengths, context_shard, kv_context)
         self.keep_outputs = False
         """Whether a last stage keeps each unit's output for the step's return value (the schedule sets it)."""
         self.unit_outputs: dict[int, Any] = {}

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torchtitan_seq.attention.kernels import AttentionBackend
 from torchtitan_seq.runtime.partition import Partition
+from torchtitan_seq.runtime.reach import KVContextMode
 from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
 from torchtitan_seq.schedules.bidirectional import Placement
 
@@ -40,6 +41,11 @@ class SequencePipeline:
     attention_backend: AttentionBackend = "auto"
     """'auto' (on CUDA: torch's cuDNN kernel on Hopper, else flash-attn when installed, else
     torch's flash kernel), 'flash' (flash-attn) or 'sdpa' (torch's kernels)."""
+
+    kv_context: KVContextMode = "reach"
+    """What each layer's K/V context keeps of earlier subsequences: 'reach' (only the positions a later
+    subsequence can still read: a sliding window's last positions, the current attention chunk; every
+    position for full attention) or 'full' (every earlier position, whatever the layer reads)."""
 
     bidirectional_placement: Placement = "paired"
     """BSIPipe and Chimera only: 'paired' puts each mirrored pair of pipeline positions

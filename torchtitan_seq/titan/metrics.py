@@ -9,7 +9,8 @@ Per logged step, every rank's bubble ratio and the step's pipeline makespan
 (:mod:`torchtitan_seq.instrumentation.timeline`), and on the steps that meter activations
 (:meth:`SequenceMetrics.meters_activations`) every rank's peak activation
 bytes (:class:`~torchtitan_seq.instrumentation.memory.ActivationMemory`; on CUDA also the
-allocator's peak) join torchtitan's metrics (TensorBoard tags:
+allocator's peak; under a sequence schedule the K/V context's peak,
+:class:`~torchtitan_seq.instrumentation.kv_memory.KVMemory`) join torchtitan's metrics (TensorBoard tags:
 :data:`PER_RANK_FIELDS`, ``pipeline/makespan(s)``) and its console (a line after
 torchtitan's step line); on the steps
 :func:`~torchtitan_seq.instrumentation.timeline.export_due` picks, the step's timeline is
@@ -34,6 +35,7 @@ from torchtitan.components.metrics import BaseLogger, LoggerContainer, TensorBoa
 from torchtitan.tools.logging import logger
 
 from torchtitan_seq.instrumentation import timeline
+from torchtitan_seq.instrumentation.kv_memory import KVMemory
 from torchtitan_seq.instrumentation.memory import ActivationMemory
 from torchtitan_seq.instrumentation.record import RECORD_FILE
 from torchtitan_seq.instrumentation.render import bubble_ratios, busy_and_end
@@ -70,13 +72,15 @@ VALIDATION_FIELDS = {
 PER_RANK_FIELDS = {
     "peak_activation_bytes": "memory/peak_activation_bytes",
     "peak_allocated_bytes": "memory/peak_allocated_bytes",
+    "peak_kv_bytes": "memory/peak_kv_bytes",
     "bubble_ratio": "pipeline/bubble_ratio",
 }
 """A step record's lists by rank: the prefix of their per-rank metrics, ``{prefix}/rank{r}``."""
 
-METERED_FIELDS = ("peak_activation_bytes", "peak_allocated_bytes")
+METERED_FIELDS = ("peak_activation_bytes", "peak_allocated_bytes", "peak_kv_bytes")
 """The per-rank fields a step record holds only when the step was metered (CUDA's allocator peak:
-only on CUDA); null otherwise, never an older step's figure."""
+only on CUDA; the K/V context's: only under a sequence schedule); null otherwise, never an older step's
+figure."""
 
 
 class MetricsRecord(BaseLogger):
@@ -154,6 +158,8 @@ class SequenceMetrics:
 
     activation_memory: ActivationMemory | None = None
     """The trainer's meter; without one no step is metered."""
+    kv_memory: KVMemory | None = None
+    """The trainer's K/V context meter (a sequence schedule's); None: no K/V figure."""
     record: MetricsRecord | None = None
     """The structured record, on rank 0 once :meth:`attach_record` ran; None elsewhere."""
 
@@ -241,22 +247,25 @@ class SequenceMetrics:
             grad_norm: the gradients' total norm.
             extra_metrics: further metrics to log, by TensorBoard tag.
         """
-        # Every rank's peak activation bytes and allocator peak (-1: not measured), busy ms and
-        # latest action end ms, in one all-gather. Every rank meters the same steps.
+        # Every rank's peak activation bytes, allocator peak and K/V context peak (-1: not measured), busy
+        # ms and latest action end ms, in one all-gather. Every rank meters the same steps.
         metered = self.meters_activations(step)
         device = self.device_memory_monitor.device
-        peaks = [self.activation_memory.peak, _allocator_peak(device)] if metered else [-1, -1]
+        kv = self.kv_memory.peak if self.kv_memory is not None else -1
+        peaks = [self.activation_memory.peak, _allocator_peak(device), kv] if metered else [-1, -1, -1]
         local = torch.tensor([*peaks, *busy_and_end(timeline.RECORDER.intervals())], dtype=torch.float64, device=device)
         gathered = [local]
         if dist.is_initialized():
             gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, local)
-        peaks, allocated, busy, ends = torch.stack(gathered).T.tolist()
+        peaks, allocated, kv, busy, ends = torch.stack(gathered).T.tolist()
         per_rank = {"bubble_ratio": bubble_ratios(busy, ends)}
         if metered:
             per_rank["peak_activation_bytes"] = peaks = [int(b) for b in peaks]
         if metered and min(allocated) >= 0:
             per_rank["peak_allocated_bytes"] = allocated = [int(b) for b in allocated]
+        if metered and min(kv) >= 0:
+            per_rank["peak_kv_bytes"] = kv = [int(b) for b in kv]
         metrics = dict(extra_metrics or {})
         for field, values in per_rank.items():
             metrics.update({f"{PER_RANK_FIELDS[field]}/rank{r}": x for r, x in enumerate(values)})
@@ -271,6 +280,8 @@ class SequenceMetrics:
             parts.append(
                 "allocator peak (MiB): " + ", ".join(f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(allocated))
             )
+        if "peak_kv_bytes" in per_rank:
+            parts.append("peak K/V context (MiB): " + ", ".join(f"rank{r} {b / 2**20:.1f}" for r, b in enumerate(kv)))
         if bubbles:
             parts.append("bubble ratio: " + ", ".join(f"rank{r} {x:.4f}" for r, x in enumerate(bubbles)))
             parts.append(f"pipeline: {max(ends):.1f} ms")

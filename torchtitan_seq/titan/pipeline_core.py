@@ -186,7 +186,8 @@ def build_sequence_schedule(
 
     Each chunk is parallelised by ``parallelize`` and wrapped in a
     :class:`~torchtitan_seq.schedules.stage.SequencePipelineStage` that cuts each microbatch as
-    ``shape`` says and attends with the kernel ``sequence_pipeline.attention_backend`` selects.
+    ``shape`` says and attends with the kernel ``sequence_pipeline.attention_backend`` selects, its K/V
+    context keeping what ``sequence_pipeline.kv_context`` says.
 
     Args:
         name: the sequence schedule's name.
@@ -221,6 +222,7 @@ def build_sequence_schedule(
                 kernel=kernel,
                 chain_length=chain_length,
                 context_shard=shard,
+                kv_context=cfg.kv_context,
                 group=pp_group,
             )
         )

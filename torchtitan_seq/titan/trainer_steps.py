@@ -1,5 +1,5 @@
 """What a torchtitan version's ``Trainer`` does for a sequence pipeline, the same under every version:
-instrumented steps, the activation meter and the loss every pipeline rank logs."""
+instrumented steps, the activation and K/V context meters and the loss every pipeline rank logs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan_seq.instrumentation.kv_memory import KVMemory
 from torchtitan_seq.instrumentation.memory import ActivationMemory
 from torchtitan_seq.schedules import SequenceSchedule
 from torchtitan_seq.titan import cpu_compat
@@ -31,14 +32,23 @@ class InstrumentedSteps:
     """Whether the running step meters saved activations; False between steps."""
     activation_memory: ActivationMemory
     """The trainer's activation meter, set before torchtitan builds the job."""
+    kv_memory: KVMemory | None = None
+    """The K/V context meter of a sequence schedule's stages on this rank; None under torch's schedules."""
 
-    def metered(self) -> contextlib.AbstractContextManager[None]:
-        """The activation meter on the steps that meter, else nothing.
+    @contextlib.contextmanager
+    def metered(self) -> Iterator[None]:
+        """The activation and K/V context meters on the steps that meter, else nothing.
 
         Returns:
-            A context manager: :meth:`ActivationMemory.track` while :attr:`metering`, else a null one.
+            A context manager: :meth:`ActivationMemory.track` and :meth:`KVMemory.track` while
+            :attr:`metering`, else a null one.
         """
-        return self.activation_memory.track() if self.metering else contextlib.nullcontext()
+        with contextlib.ExitStack() as meters:
+            if self.metering:
+                meters.enter_context(self.activation_memory.track())
+                if self.kv_memory is not None:
+                    meters.enter_context(self.kv_memory.track())
+            yield
 
     def loss_on_every_rank(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss on every pipeline rank, summed over the ranks that hold a last stage.
@@ -63,15 +73,17 @@ class InstrumentedSteps:
 
         Called after torchtitan built the job and the version's metrics processor is attached: FSDP
         reduces over gloo on a CPU, the mirror copies of a schedule with parameter copies follow the
-        optimizer, and the metrics processor gets the meter and writes the record's start.
+        optimizer, and the metrics processor gets the meters and writes the record's start.
         """
         cpu_compat.fsdp_for_gloo(self.model_parts)
         schedule = getattr(self, "pp_schedule", None)
         if isinstance(schedule, SequenceSchedule):
             # e.g. BSIPipe, Chimera: the optimizer steps each chunk's primary copy; the mirror copy follows.
             self.optimizers.register_step_post_hook(lambda *_: schedule.after_optimizer_step())
+            self.kv_memory = KVMemory([stage.kv_context for stage in schedule.stages])
         if isinstance(self.metrics_processor, SequenceMetrics):
             self.metrics_processor.activation_memory = self.activation_memory
+            self.metrics_processor.kv_memory = self.kv_memory
             self.metrics_processor.record_start(schedule)
 
     def train_step(self, data_iterator: Iterator[Any]) -> None:

@@ -1,0 +1,130 @@
+"""A slab that holds only what later units can still read: the K/V context of a layer of bounded reach.
+
+A layer of a sliding window or of attention chunks (:class:`~torchtitan_seq.runtime.reach.Reach`) reads,
+for unit j at offset s_j, only the keys [first_j, s_j) of its prefix (first_j: s_j - window + 1, or the
+start of s_j's chunk). A :class:`ReachSlab` keeps exactly the union of those ranges over the microbatch's
+units, laid out in position order with the gaps left out (:class:`ReachRows`): fewer than k x window
+positions for a window, whatever the sequence's length. Each range lies in one run of the union, so a
+unit's prefix is still one view.
+
+The unit's own K/V are not in it (bar the tail later units read): its attention saves them itself, as a
+layer's saved activations, so a slab never holds positions no later unit reads. The gradients later
+units send the keys they read are added into a gradient slab of the same rows, and each unit's own
+backward adds what was sent its positions, as with a full slab; positions no unit reads receive none.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+from torchtitan_seq.runtime.kv_slab import EVERY, new_keys
+from torchtitan_seq.runtime.reach import Reach
+
+__all__ = ["ReachRows", "ReachSlab"]
+
+
+class ReachRows:
+    """Where a :class:`ReachSlab` lays out positions: the runs of positions later units read, each
+    [start, stop), in order, at consecutive rows.
+
+    Args:
+        lengths: the units' lengths [L_0, ..., L_{k-1}] of a microbatch.
+        reach: the layer's reach (a window, chunks or both).
+    """
+
+    def __init__(self, lengths: Sequence[int], reach: Reach) -> None:
+        runs: list[list[int]] = []
+        offset = 0
+        for length in lengths[:-1]:
+            offset += length  # the next unit's start
+            first = offset - (offset % reach.chunk if reach.chunk is not None else offset)
+            if reach.window is not None:
+                first = max(first, offset - reach.window + 1)
+            if first == offset:
+                continue
+            if runs and first <= runs[-1][1]:
+                runs[-1][1] = offset
+            else:
+                runs.append([first, offset])
+        self.runs = [tuple(run) for run in runs]
+        """The runs [start, stop) of positions held, in order."""
+        self.starts = [start for start, _ in self.runs]
+        self.bases = [sum(stop - start for start, stop in self.runs[:i]) for i in range(len(self.runs))]
+        """Each run's first row."""
+        self.size = sum(stop - start for start, stop in self.runs)
+        """Rows in all."""
+
+    def row(self, start: int, stop: int) -> int:
+        """The first row of positions [start, stop), which must lie in one run."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        if i < 0 or stop > self.runs[i][1]:
+            raise RuntimeError(f"positions [{start}, {stop}) are not held by the layer's reach {self.runs}")
+        return self.bases[i] + start - self.runs[i][0]
+
+    def within(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The held positions of [start, stop), as ranges [a, b) each in one run."""
+        return [(max(a, start), min(b, stop)) for a, b in self.runs if a < stop and b > start]
+
+
+class ReachSlab:
+    """K/V of one microbatch in one layer of bounded reach: only the positions later units read
+    (:class:`ReachRows`), (B, Hkv, rows, D) laid out as a full slab lays its positions out; the same
+    interface as :class:`~torchtitan_seq.runtime.kv_slab.KVSlab` for what the attention reads and sends.
+
+    Args:
+        rows: where it lays out positions.
+        k: a unit's keys (B, Hkv, L, Dqk), whose batch, heads, width and dtype it takes.
+        v: a unit's values (B, Hkv, L, Dv), likewise.
+    """
+
+    descending = False  # position order: a windowed call reads its keys as they lie
+
+    def __init__(self, rows: ReachRows, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.rows = rows
+        self.k, self.v = new_keys(k, rows.size), new_keys(v, rows.size)
+        self.filled = 0
+        """The end of the positions written so far (units 0..j in order)."""
+        self.grad_k: torch.Tensor | None = None
+        self.grad_v: torch.Tensor | None = None
+
+    def holds(self, stop: int) -> bool:
+        """Whether the slab holds every key before ``stop``: never, but for an empty prefix (its units
+        save their own K/V, and it drops what no later unit reads)."""
+        return stop == 0
+
+    def write(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write what later units read of K/V (B, Hkv, L, D) of positions [offset, offset + L); returns
+        None: the slab holds no unit's K/V whole, so the unit saves its own."""
+        for a, b in self.rows.within(offset, offset + k.shape[2]):
+            row = self.rows.row(a, b)
+            self.k.narrow(2, row, b - a).copy_(k.detach().narrow(2, a - offset, b - a))
+            self.v.narrow(2, row, b - a).copy_(v.detach().narrow(2, a - offset, b - a))
+        self.filled = offset + k.shape[2]
+
+    def keys(self, start: int, stop: int, rows: slice = EVERY) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, stop) of batch rows ``rows``, views in position order."""
+        row = self.rows.row(start, stop)
+        k, v = self.k.narrow(2, row, stop - start), self.v.narrow(2, row, stop - start)
+        return (k, v) if rows == EVERY else (k[rows], v[rows])
+
+    def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, rows: slice, start: int) -> None:
+        """Add the gradient a later unit's attention sends the keys [start, start + n) of batch rows
+        ``rows`` (grad_k, grad_v: (rows, Hkv, n, D)), in place."""
+        if self.grad_k is None:  # once per microbatch and layer
+            self.grad_k, self.grad_v = (new_keys(t, self.rows.size, zeros=True) for t in (self.k, self.v))
+        row, n = self.rows.row(start, start + grad_k.shape[2]), grad_k.shape[2]
+        self.grad_k[rows].narrow(2, row, n).add_(grad_k)
+        self.grad_v[rows].narrow(2, row, n).add_(grad_v)
+
+    def add_sent(self, dk: torch.Tensor, dv: torch.Tensor, offset: int) -> None:
+        """Add what later units sent positions [offset, offset + L) to ``dk``, ``dv`` (B, Hkv, L, D, in
+        position order: the unit's own gradients), in place."""
+        if self.grad_k is None:
+            return
+        for a, b in self.rows.within(offset, offset + dk.shape[2]):
+            row = self.rows.row(a, b)
+            dk.narrow(2, a - offset, b - a).add_(self.grad_k.narrow(2, row, b - a))
+            dv.narrow(2, a - offset, b - a).add_(self.grad_v.narrow(2, row, b - a))
