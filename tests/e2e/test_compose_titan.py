@@ -223,13 +223,3 @@ def test_context_parallel_logs_the_losses_of_the_pipeline_alone(config, tmp_path
     assert_same_losses(cp, ref, TOL_CP)
 
 
-@pytest.mark.slow
-def test_context_parallel_with_compile_fails_fast_with_one_message(tmp_path):
-    run = run_train(
-        "--parallelism.context_parallel_degree", "2", "--compile.enable", dump_folder=tmp_path, env={"NGPU": "4"}
-    )
-    assert run.returncode == 2, run.output[-3000:]
-    lines = [line for line in run.output.splitlines() if line.strip()]
-    assert len(lines) == 1, run.output[-3000:]
-    assert "parallelism.context_parallel_degree = 2" in lines[0] and "compile.enable" in lines[0], lines[0]
-    assert not any(tmp_path.iterdir())  # nothing started

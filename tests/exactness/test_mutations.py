@@ -69,10 +69,13 @@ def results(tmp_path_factory):
 
 # Mutations of what only an MoE model has, exercised on Qwen3 MoE in test_families.py.
 MOE_ONLY = {"inference_counts_kept"}
+# Mutations of what only another family has (sliding windows, sinks, MLA's decoupled RoPE, attention
+# chunks), exercised on it in test_families.py.
+FAMILY_ONLY = {"window_off_by_one", "sink_per_call", "mla_rope_at_sequence_positions", "chunk_boundary_at_unit_start"}
 
 
 def test_every_mutation_is_exercised():
-    assert {v.mutation for v in TWO_RANKS + FOUR_RANKS} | MOE_ONLY == set(MUTATIONS)
+    assert {v.mutation for v in TWO_RANKS + FOUR_RANKS} | MOE_ONLY | FAMILY_ONLY == set(MUTATIONS)
 
 
 def _check(results, name: str) -> None:

@@ -73,7 +73,9 @@ class Variant:
     # top-left) and bottom_right.py's (bottom-right: the one-call path of flash-attn and torch's CUDA flash)
     kernels: tuple[str, ...] = ("top_left", "bottom_right")
     pre_split: bool = False  # step() given one entry per microbatch (arg_mbs, ...), as torch 2.14's step takes them
-    family: str = "llama3"  # the tiny model's: llama3, qwen3 or qwen3_moe (harness_titan.Titan022.model_args)
+    # the tiny model's: llama3, qwen3, qwen3_moe; under 0.2.2 also deepseek_v3, deepseek_v3_q_lora, llama4
+    # and gpt_oss (harness_titan.Titan022.model_args)
+    family: str = "llama3"
 
     @property
     def world(self) -> int:

@@ -282,6 +282,80 @@ def _inference_counts_kept(ctx: MutationContext) -> list:
     return [mock.patch.object(torch_internals.UnitStageBase, "_prepare_forward_infra", prepare)]
 
 
+def _unit_reach(change: Callable) -> list:
+    """Unit attention reads within ``change(reach, segments)`` in place of each layer's reach."""
+    from torchtitan_seq.attention import unit_op
+
+    kernel_calls = unit_op.kernel_calls
+
+    def changed(documents, segments, bottom_right, reach):
+        return kernel_calls(documents, segments, bottom_right, change(reach, segments))
+
+    return [mock.patch.object(unit_op, "kernel_calls", changed)]
+
+
+def _window_off_by_one(ctx: MutationContext) -> list:
+    """Sliding windows (gpt-oss's) stop one key short of torchtitan's mask (one key further back reads
+    outside what the slab keeps of a windowed layer, which the slab refuses)."""
+    from torchtitan_seq.runtime.reach import Reach
+
+    return _unit_reach(lambda reach, segments: reach if reach.window is None else Reach(window=reach.window - 1))
+
+
+def _chunk_boundary_at_unit_start(ctx: MutationContext) -> list:
+    """Attention chunks (Llama 4's) start over at each unit's start, not at multiples of the chunk size."""
+    from torchtitan_seq.runtime.reach import Reach
+
+    @dataclasses.dataclass(frozen=True)
+    class FromUnitStart(Reach):
+        start: int = 0
+
+        def chunk_starts(self, begin: int, end: int) -> tuple[int, ...]:
+            return (0, *range(self.start, end, self.chunk))
+
+    def change(reach, segments):
+        start = segments[0][0]
+        return reach if reach.chunk is None or start % reach.chunk == 0 else FromUnitStart(None, reach.chunk, start)
+
+    return _unit_reach(change)
+
+
+def _sink_per_call(ctx: MutationContext) -> list:
+    """Attention sinks (gpt-oss's) are merged into each kernel call's partial output before the calls
+    are merged, so a query whose keys take two calls counts its sink twice."""
+    from torchtitan_seq.attention import calls, unit_op
+
+    attention_forward = unit_op.attention_forward
+
+    class SinkEachCall:
+        def __init__(self, kernel, sinks) -> None:
+            self.kernel, self.sinks = kernel, sinks
+
+        def forward(self, *args):
+            out, lse = self.kernel.forward(*args)
+            calls.merge_sinks(out, lse, self.sinks)
+            return out, lse
+
+    def per_call(kernel, q, keys, causal, prefix, scale, sinks=None):
+        if sinks is None:
+            return attention_forward(kernel, q, keys, causal, prefix, scale)
+        return attention_forward(SinkEachCall(kernel, sinks), q, keys, causal, prefix, scale)
+
+    return [mock.patch.object(unit_op, "attention_forward", per_call)]
+
+
+def _mla_rope_at_sequence_positions(ctx: MutationContext) -> list:
+    """DeepSeek-V3's decoupled RoPE part reads each unit at positions 0..L-1, not at its own."""
+    from torchtitan.models.deepseek_v3.model import model
+
+    apply_rotary_emb = model.apply_rotary_emb
+
+    def local(x, freqs_cis, positions=None):
+        return apply_rotary_emb(x, freqs_cis)
+
+    return [mock.patch.object(model, "apply_rotary_emb", local)]
+
+
 MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "prefix_dk_dropped": lambda ctx: _prefix_grads(keep_k=False, keep_v=True),
     "prefix_dv_dropped": lambda ctx: _prefix_grads(keep_k=True, keep_v=False),
@@ -302,6 +376,10 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "bottom_right_descending": _bottom_right_descending,
     "host_read_in_units": _host_read_in_units,
     "inference_counts_kept": _inference_counts_kept,
+    "window_off_by_one": _window_off_by_one,
+    "chunk_boundary_at_unit_start": _chunk_boundary_at_unit_start,
+    "sink_per_call": _sink_per_call,
+    "mla_rope_at_sequence_positions": _mla_rope_at_sequence_positions,
 }
 
 

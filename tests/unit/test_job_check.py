@@ -37,6 +37,7 @@ def test_block_causal_flavors_pass(flavor, schedule):
 
 REFUSALS: list[tuple[tuple[str, ...], str]] = [
     # (overrides of the shipped config, on 2 CPU processes; what the one-line refusal says)
+    (("--model.name", "llama3_ft"), "cannot run model.name = 'llama3_ft': it has no chunk-aware attention"),
     (
         ("--activation_checkpoint.mode", "memory_budget"),
         "activation_checkpoint.mode = 'memory_budget' needs torch.compile",
@@ -53,8 +54,12 @@ REFUSALS: list[tuple[tuple[str, ...], str]] = [
         "model.flavor = 'debugmodel' of model.name = 'qwen3' ties its output layer to the embeddings",
     ),
     (
-        ("--model.name", "gpt_oss", "--model.flavor", "debugmodel"),
-        "cannot run model.name = 'gpt_oss': its attention sinks and sliding windows",
+        ("--model.name", "llama4", "--model.flavor", "debugmodel_irope", "--compile.enable"),
+        "model.name = 'llama4' with the sequence schedule Seq1F1B cannot run with compile.enable = true yet",
+    ),
+    (
+        ("--model.name", "gpt_oss", "--model.flavor", "debugmodel", "--sequence_pipeline.split_backward"),
+        "model.name = 'gpt_oss' with the sequence schedule Seq1F1B cannot run with sequence_pipeline.split_backward",
     ),
     (
         ("--sequence_pipeline.expected_document_length", "512"),
@@ -110,6 +115,32 @@ def test_compile_with_tp_in_a_pipeline_is_refused():
     _check("--compile.enable", "--parallelism.data_parallel_shard_degree", "2", world=4)  # FSDP2 runs
 
 
+@pytest.mark.parametrize(
+    "name,flavor",
+    [
+        ("deepseek_v3", "debugmodel"),
+        ("deepseek_v3", "debugmodel_flex_attn"),
+        ("llama4", "debugmodel"),
+        ("llama4", "debugmodel_irope"),
+        ("gpt_oss", "debugmodel"),
+    ],
+)
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "BSIPipe"])
+def test_families_with_flex_flavors_pass(name, flavor, schedule):
+    _check("--model.name", name, "--model.flavor", flavor, "--parallelism.pipeline_parallel_schedule", schedule)
+
+
+def test_deepseek_v3_with_tp_and_families_with_cp_are_refused():
+    deepseek = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
+    with pytest.raises(ValueError, match="model.name = 'deepseek_v3' with the sequence schedule Seq1F1B cannot run "
+                       "with parallelism.tensor_parallel_degree = 2: under torchtitan 0.2.2's TP plan"):  # fmt: skip
+        _check(*deepseek, "--parallelism.tensor_parallel_degree", "2", world=4)
+    for name in ("deepseek_v3", "llama4", "gpt_oss"):
+        with pytest.raises(ValueError, match=f"model.name = '{name}' .*context_parallel_degree = 2 yet"):
+            _check("--model.name", name, "--model.flavor", "debugmodel", "--parallelism.context_parallel_degree", "2",
+                   world=4)  # fmt: skip
+
+
 def test_compile_with_split_backward_is_refused():
     with pytest.raises(ValueError) as e:
         _check("--compile.enable", "--sequence_pipeline.split_backward")
@@ -137,17 +168,22 @@ def test_context_parallel_passes_with_every_sequence_schedule(schedule, flavor):
     _check(*CP2, "--parallelism.pipeline_parallel_schedule", schedule, "--model.flavor", flavor, world=4)
 
 
+def test_context_parallel_passes_with_compile():
+    _check(*CP2, "--compile.enable", world=4)
+
+
+CP_REFUSALS: list[tuple[tuple[str, ...], str]] = [
+    # (overrides of the shipped config with CP2, on 4 CPU processes; what the one-line refusal says)
+    (("--validation.enable", "--validation.seq_len", "2048"), "cannot run with validation.enable = true yet"),
+    (("--parallelism.context_parallel_rotate_method", "alltoall"), "context_parallel_rotate_method = 'allgather'"),
+    (("--parallelism.context_parallel_load_balancer", "ptrr"), "context_parallel_load_balancer = 'headtail'"),
+    (("--sequence_pipeline.length_multiple", "1", "--training.seq_len", "2050"), "not a multiple of 4"),
+    (("--parallelism.pipeline_parallel_schedule", "1F1B"), "torch's ring attention, which has no CPU kernel"),
+]
+
+
 @pytest.mark.parametrize(
-    "overrides,needle",
-    [
-        (("--compile.enable",), "cannot run with compile.enable = true yet"),
-        (("--validation.enable", "--validation.seq_len", "2048"), "cannot run with validation.enable = true yet"),
-        (("--parallelism.context_parallel_rotate_method", "alltoall"), "context_parallel_rotate_method = 'allgather'"),
-        (("--parallelism.context_parallel_load_balancer", "ptrr"), "context_parallel_load_balancer = 'headtail'"),
-        (("--sequence_pipeline.length_multiple", "1", "--training.seq_len", "2050"), "not a multiple of 4"),
-        (("--parallelism.pipeline_parallel_schedule", "1F1B"), "torch's ring attention, which has no CPU kernel"),
-    ],
-    ids=["compile", "validation", "alltoall", "ptrr", "seq-len", "torch-schedule-on-cpu"],
+    "overrides,needle", CP_REFUSALS, ids=["validation", "alltoall", "ptrr", "seq-len", "torch-schedule-on-cpu"]
 )
 def test_context_parallel_refusals_name_the_setting(overrides, needle):
     with pytest.raises(ValueError) as e:

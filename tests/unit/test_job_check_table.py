@@ -47,7 +47,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_job_check import REFUSALS
+from test_job_check import CP2, CP_REFUSALS, REFUSALS
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 
@@ -133,8 +133,6 @@ def expected(row: Row) -> frozenset[str]:
     if dims.dp_replicate_enabled and not dims.fsdp_enabled and dims.world_size != dims.dp_replicate:
         names.add("data_parallel_replicate_degree")
     if row.compile and row.tp > 1 and row.pp > 1:
-        names.add("compile.enable")
-    if sequence and row.cp > 1 and row.compile:
         names.add("compile.enable")
     if row.cp > 1 and not units and (not cuda or row.flavor == BLOCK_CAUSAL):
         names.add("context_parallel_degree")
@@ -233,11 +231,12 @@ def test_the_check_decides_every_row_as_torchtitan_and_the_kernels_do():
     assert not wrong, f"{len(wrong)} of {len(ROWS)} rows: " + "\n".join(wrong[:10])
 
 
-def _refusal_mismatch(overrides: tuple[str, ...], needle: str) -> str | None:
-    """A case of one wrong setting (test_job_check's :data:`REFUSALS`, on the CPU) not refused so."""
+def _refusal_mismatch(overrides: tuple[str, ...], needle: str, world: int = 2) -> str | None:
+    """A case of one wrong setting (test_job_check's :data:`REFUSALS` on 2 CPU processes, :data:`CP_REFUSALS`
+    on 4) not refused so."""
     job = ConfigManager().parse_args(resolve_args(["--job.config_file", "train_configs/debug_model.toml", *overrides]))
     try:
-        job_check.check_job(job, 2)
+        job_check.check_job(job, world)
     except ValueError as e:
         return None if needle in str(e) and "\n" not in str(e) else f"{overrides}: {e}"
     except Exception as e:  # noqa: BLE001
@@ -277,5 +276,8 @@ def test_every_rule_of_the_check_matters(rule):
             return
         for overrides, needle in REFUSALS:
             if _refusal_mismatch(overrides, needle) is not None:
+                return
+        for overrides, needle in CP_REFUSALS:
+            if _refusal_mismatch((*CP2, *overrides), needle, world=4) is not None:
                 return
     pytest.fail(f"{rule} refusing nothing: every row and refusal case is still decided right")

@@ -191,20 +191,30 @@ def _unit_attention_op(
 @torch.library.custom_op("torchtitan_seq::unit_attention_backward", mutates_args=())
 def _unit_attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor, ids: Tensor,
-    scale: float, kv_flipped: bool,
+    scale: float, kv_flipped: bool, compiled: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """:func:`_unit_attention_backward` of the layer ``ids`` names; dsinks empty without sinks (an op
-    returns no None)."""
-    gradients = _unit_attention_backward(binding_of(ids), dout, q, k, v, out, lse, scale, kv_flipped, sinks)
-    return *map(heads_inner, gradients[:3]), sink_output(gradients[3], q)
+    returns no None). From a compiled graph under context parallelism (``compiled``), ``k`` and ``v`` are
+    this rank's share, as the graph saved them: the unit's gathered K/V are read where the slab holds them
+    (the graph traces no Python state), and dk, dv are reduce-scattered here, shaped like ``k``, ``v``."""
+    binding = binding_of(ids)
+    shard = _cp_shard(binding.context) if compiled else None
+    if shard is not None:
+        k, v, kv_flipped = binding.context.own(binding.layer_id)
+    gradients = _unit_attention_backward(binding, dout, q, k, v, out, lse, scale, kv_flipped, sinks)
+    dq, dk, dv = gradients[:3]
+    if shard is not None:
+        dk, dv = shard.reduce_scatter(dk), shard.reduce_scatter(dv)
+    return heads_inner(dq), heads_inner(dk), heads_inner(dv), sink_output(gradients[3], q)
 
 
 def _save_unit(ctx, inputs, output) -> None:
     """The custom op's autograd context: in eager mode (under a dispatch mode) the unit's K/V saved
     where the slab holds them, as :class:`UnitAttention` saves them; a compiled graph saves its own k, v
-    (the op's Python state is not traced). ``ids`` too, for the backward op."""
-    q, k, v, ids, ctx.scale, compiled, sinks = inputs
-    stored, ctx.shard = None, None
+    (the op's Python state is not traced; under context parallelism the backward op reads the unit's
+    gathered K/V from the slab). ``ids`` too, for the backward op."""
+    q, k, v, ids, ctx.scale, ctx.compiled, sinks = inputs
+    stored, ctx.shard, compiled = None, None, ctx.compiled
     if not compiled:
         binding = binding_of(ids)
         stored, ctx.shard = binding.context.own(binding.layer_id), _cp_shard(binding.context)
@@ -214,7 +224,9 @@ def _save_unit(ctx, inputs, output) -> None:
 def _op_gradients(ctx, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
     """The custom op's backward: its backward op; no gradient for ids, scale and compiled."""
     q, k, v, sinks, *rest = ctx.saved_tensors
-    dq, dk, dv, dsinks = _unit_attention_backward_op(dout, q, k, v, sinks, *rest, ctx.scale, ctx.kv_flipped)
+    dq, dk, dv, dsinks = _unit_attention_backward_op(
+        dout, q, k, v, sinks, *rest, ctx.scale, ctx.kv_flipped, ctx.compiled
+    )
     return *_reduce_scattered(ctx, dq, dk, dv), None, None, None, None if sinks is None else dsinks
 
 

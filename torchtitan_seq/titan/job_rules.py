@@ -31,11 +31,12 @@ __all__ = [
 
 
 FAMILY_GAPS: dict[str, str] = {
-    "gpt_oss": "its attention sinks and sliding windows are not chunk-aware yet",
-    "llama4": "its chunked local attention is not chunk-aware yet",
-    "deepseek_v3": "its multi-head latent attention is not chunk-aware yet",
+    "gpt_oss": "its attention sinks and sliding windows are not chunk-aware under this torchtitan yet",
+    "llama4": "its chunked local attention is not chunk-aware under this torchtitan yet",
+    "deepseek_v3": "its multi-head latent attention is not chunk-aware under this torchtitan yet",
 }
-"""Why torchtitan's LLM families that sequence schedules do not run yet cannot, by model name."""
+"""Why torchtitan's LLM families that sequence schedules run under one torchtitan version (0.2.2 runs them
+all) but not the installed one cannot, by model name."""
 
 
 def check_family(schedule: str, model_name: str, families: tuple[str, ...]) -> None:

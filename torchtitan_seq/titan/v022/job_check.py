@@ -27,7 +27,7 @@ from torchtitan_seq.titan.job_rules import (
     check_unit_precision,
     check_weight_tying,
 )
-from torchtitan_seq.titan.v022.models.train_specs import ALIASES, SEQUENCE_FAMILIES
+from torchtitan_seq.titan.v022.models.train_specs import ALIASES, FLEX_FAMILIES, SEQUENCE_FAMILIES
 from torchtitan_seq.titan.v022.pipeline import pipeline_sequence_llm
 
 __all__ = ["check_job"]
@@ -158,9 +158,31 @@ def _check_datasets(job_config: JobConfig) -> None:
 
 
 def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
-    """A sequence schedule needs chunk-aware attention."""
-    families = (*SEQUENCE_FAMILIES, *ALIASES)
-    check_family(job_config.parallelism.pipeline_parallel_schedule, job_config.model.name, families)
+    """A sequence schedule needs chunk-aware attention, and runs DeepSeek-V3, Llama 4 and gpt-oss in the
+    compositions checked exact for them (tests/exactness/test_families.py)."""
+    name, par = job_config.model.name, job_config.parallelism
+    check_family(par.pipeline_parallel_schedule, name, (*SEQUENCE_FAMILIES, *ALIASES))
+    if name not in FLEX_FAMILIES:
+        return
+    job = f"model.name = {name!r} with the sequence schedule {par.pipeline_parallel_schedule}"
+    if name == "deepseek_v3" and par.tensor_parallel_degree > 1:
+        raise ValueError(
+            f"{job} cannot run with parallelism.tensor_parallel_degree = {par.tensor_parallel_degree}: under "
+            "torchtitan 0.2.2's TP plan its router's gradient comes out wrong (its scores multiply the experts' "
+            "partial outputs, score_before_experts = false); use FSDP (data_parallel_shard_degree) instead"
+        )
+    if name == "gpt_oss" and job_config.sequence_pipeline.split_backward:
+        raise ValueError(
+            f"{job} cannot run with sequence_pipeline.split_backward = true yet: the weight pass gets its "
+            "router's bias gradient wrong; use a full backward"
+        )
+    if par.context_parallel_degree > 1:
+        raise ValueError(
+            f"{job} cannot run with parallelism.context_parallel_degree = {par.context_parallel_degree} yet: not "
+            "checked exact (torchtitan 0.2.2 trains gpt-oss and flex flavors without CP); turn CP off"
+        )
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        raise ValueError(f"{job} cannot run with compile.enable = true yet: not checked exact; turn compile off")
 
 
 def _check_attention_backend(job_config: JobConfig) -> None:
@@ -287,11 +309,6 @@ def _check_context_parallel(job_config: JobConfig) -> None:
     if par.context_parallel_degree == 1:
         return
     cp = f"parallelism.context_parallel_degree = {par.context_parallel_degree} with the sequence schedule {name}"
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        raise ValueError(
-            f"{cp} cannot run with compile.enable = true yet: a compiled block saves its own share of K/V for "
-            "backward, not the unit's gathered K/V; turn compile off (or CP)"
-        )
     if job_config.validation.enable:
         raise ValueError(
             f"{cp} cannot run with validation.enable = true yet: torchtitan's validator shards whole sequences "

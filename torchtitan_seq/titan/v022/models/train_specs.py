@@ -22,9 +22,13 @@ from torchtitan_seq.titan.v022.metrics import build_seq_metrics_processor
 from torchtitan_seq.titan.v022.models.sequence_model import sequence_model_class
 from torchtitan_seq.titan.v022.pipeline import pipeline_sequence_llm
 
-__all__ = ["SEQUENCE_FAMILIES", "ALIASES", "sequence_train_spec"]
+__all__ = ["SEQUENCE_FAMILIES", "FLEX_FAMILIES", "ALIASES", "sequence_train_spec"]
 
-SEQUENCE_FAMILIES: tuple[str, ...] = ("llama3", "qwen3")
+FLEX_FAMILIES: tuple[str, ...] = ("deepseek_v3", "llama4", "gpt_oss")
+"""The families whose attention reads more than Llama 3's (MLA, attention chunks, sliding windows, sinks:
+:mod:`~torchtitan_seq.titan.v022.models.family_adapters`), flex attention in torchtitan's own flavors."""
+
+SEQUENCE_FAMILIES: tuple[str, ...] = ("llama3", "qwen3", *FLEX_FAMILIES)
 """torchtitan's model names whose specs are registered with chunk-aware attention."""
 
 ALIASES: dict[str, str] = {"llama3_seq": "llama3"}
