@@ -6,9 +6,9 @@
 function per TOML file of ``train_configs/`` (torchtitan 0.2.2), with the same settings: the Llama 3
 debug model and 8B at 32K tokens, causal and block-causal (packed documents). Each returns
 :class:`~torchtitan_seq.titan.v03.trainer.SeqTrainer`'s config; its ``sequence_pipeline`` section is
-0.2.2's ``[sequence_pipeline]``. Beside them, Qwen3's debug models (MoE, and dense with its output
-layer untied), which 0.2.2's TOML files do not ship. Needs torchtitan 0.3 (importing this module imports
-it).
+0.2.2's ``[sequence_pipeline]``. Beside them, the debug models of Qwen3 (MoE, and dense with its output
+layer untied), DeepSeek-V3 and gpt-oss, which 0.2.2's TOML files do not ship. Needs torchtitan 0.3
+(importing this module imports it).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ __all__ = [
     "llama3_8b_32k_block_causal_seq1f1b",
     "qwen3_debugmodel_moe_seq1f1b",
     "qwen3_debugmodel_untied_seq1f1b",
+    "deepseek_v3_debugmodel_seq1f1b",
+    "gpt_oss_debugmodel_seq1f1b",
 ]
 
 # The packed corpus: about 610 tokens a document, BOS and EOS included.
@@ -80,15 +82,29 @@ def llama3_8b_32k_block_causal_seq1f1b() -> SeqTrainer.Config:
 
 def qwen3_debugmodel_moe_seq1f1b() -> SeqTrainer.Config:
     """Qwen3's MoE debug model (8 layers of 64 experts, 8 routed a token), Seq1F1B (k = 4) on 2 pipeline
-    ranks (CPU by default), at 512 tokens a sequence (:func:`_qwen3_debugmodel`)."""
-    return _qwen3_debugmodel("debugmodel_moe")
+    ranks (CPU by default), at 512 tokens a sequence (:func:`_small_debugmodel`)."""
+    return _small_debugmodel("qwen3", "debugmodel_moe")
 
 
 def qwen3_debugmodel_untied_seq1f1b() -> SeqTrainer.Config:
     """Qwen3's dense debug model with its output layer untied from its embeddings (0.3 pipelines no tied
     model), Seq1F1B (k = 4) on 2 pipeline ranks (CPU by default), at 512 tokens a sequence
-    (:func:`_qwen3_debugmodel`)."""
-    return _qwen3_debugmodel("debugmodel_untied")
+    (:func:`_small_debugmodel`)."""
+    return _small_debugmodel("qwen3", "debugmodel_untied")
+
+
+def deepseek_v3_debugmodel_seq1f1b() -> SeqTrainer.Config:
+    """DeepSeek-V3's debug model (multi-head latent attention, YaRN RoPE, a dense first layer, then 5 MoE
+    layers of 8 experts, 3 routed a token, and 2 shared), Seq1F1B (k = 4) on 2 pipeline ranks (CPU by
+    default), at 512 tokens a sequence (:func:`_small_debugmodel`)."""
+    return _small_debugmodel("deepseek_v3", "debugmodel")
+
+
+def gpt_oss_debugmodel_seq1f1b() -> SeqTrainer.Config:
+    """gpt-oss's debug model (a sliding window of 128 on every other layer, a learned sink a head, 4 MoE
+    layers of 8 experts, 4 routed a token), Seq1F1B (k = 4) on 2 pipeline ranks (CPU by default), at 512
+    tokens a sequence (:func:`_small_debugmodel`): units of 128 tokens, so windows reach across units."""
+    return _small_debugmodel("gpt_oss", "debugmodel")
 
 
 def _config(family: str, flavor: str, **fields) -> SeqTrainer.Config:
@@ -157,19 +173,20 @@ def _debugmodel(
     )
 
 
-def _qwen3_debugmodel(flavor: str) -> SeqTrainer.Config:
-    """A Qwen3 debug model's job: the Llama 3 debug job's settings at 512 tokens a sequence (a quarter of
-    its), for 10 steps (torchtitan's own Qwen3 debug jobs' count): the MoE debug model, 300M parameters,
-    takes some 25 s a step there on 2 CPU cores.
+def _small_debugmodel(family: str, flavor: str) -> SeqTrainer.Config:
+    """The job of a debug model larger than Llama 3's: the Llama 3 debug job's settings at 512 tokens a
+    sequence (a quarter of its), for 10 steps (torchtitan's own debug jobs' count of these families): Qwen3's
+    MoE debug model, 300M parameters, takes some 25 s a step there on 2 CPU cores.
 
     Args:
-        flavor: a Qwen3 debug flavor without tied weights.
+        family: the model's family (``qwen3``, ``deepseek_v3``, ``gpt_oss``).
+        flavor: its debug flavor, without tied weights.
 
     Returns:
         The job's config.
     """
     sequence = SequencePipeline(num_subsequences=4, length_multiple=64)
-    return _debugmodel("qwen3", flavor, DATASET_NAME, sequence, seq_len=512, steps=10)
+    return _debugmodel(family, flavor, DATASET_NAME, sequence, seq_len=512, steps=10)
 
 
 def _8b(flavor: str) -> SeqTrainer.Config:

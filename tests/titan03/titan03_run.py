@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,3 +42,45 @@ def run_train(*overrides: str, dump_folder: Path, config: str | None = None, env
         timeout=1800,
     )
     return Run(proc.returncode, proc.stdout + proc.stderr)
+
+
+def losses_from_one_seed(
+    tmp_path: Path, overrides: tuple[str, ...], runs: dict[str, tuple[tuple[str, ...], dict]], steps: int,
+    config: str | None = None,
+) -> dict[str, list[float]]:  # fmt: skip
+    """The losses each of ``runs`` logs, every one from a copy of one seed checkpoint: torchtitan seeds each
+    pipeline rank differently, so runs of other pipelines start from different weights otherwise.
+
+    Args:
+        tmp_path: where the runs write.
+        overrides: every run's overrides (and the seed's, which one rank creates without a pipeline).
+        runs: per name, the run's own overrides and its environment.
+        steps: training steps of each run.
+        config: the job (:func:`run_train`'s).
+
+    Returns:
+        Per name, the run's losses, ``steps`` of them (asserted, as that each run succeeded).
+    """
+    seed = run_train(
+        *overrides,
+        "--parallelism.pipeline-parallel-degree",
+        "1",
+        "--checkpoint.enable",
+        "--checkpoint.create-seed-checkpoint",
+        dump_folder=tmp_path / "seed",
+        config=config,
+        env={"NGPU": "1"},
+    )
+    assert seed.returncode == 0, seed.output[-3000:]
+    losses = {}
+    for name, (own, env) in runs.items():
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "seed" / "checkpoint", folder / "checkpoint")
+        checkpoint = ("--checkpoint.enable", "--checkpoint.interval", "1000")
+        run = run_train(
+            *overrides, *own, "--training.steps", str(steps), *checkpoint, dump_folder=folder, config=config, env=env
+        )
+        assert run.returncode == 0, run.output[-4000:]
+        assert len(run.losses) == steps, run.output[-4000:]
+        losses[name] = run.losses
+    return losses

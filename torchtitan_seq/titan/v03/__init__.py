@@ -4,7 +4,7 @@ A thin layer over the plain-torch core (:mod:`torchtitan_seq.schedules`) and wha
 (:mod:`torchtitan_seq.titan`), beside 0.2.2's (:mod:`torchtitan_seq.titan.v022`):
 
 * :mod:`.registration` — the one registration point: the shipped datasets in torchtitan's table;
-* :mod:`.model` — 0.3's decoder families (Llama 3, Qwen3) with chunk-aware inner attention (``sequence_model_spec``);
+* :mod:`.model` — 0.3's decoder families (Llama 3, Qwen3, DeepSeek-V3, gpt-oss) with chunk-aware inner attention;
 * :mod:`.pipeline` — its ``pipelining_fn``: sequence schedules by name, torch's through 0.3's own;
 * :mod:`.trainer` — ``SeqTrainer`` and its config, 0.3's with the ``sequence_pipeline`` section;
 * :mod:`.metrics` — its metrics processor: 0.2.2's per-rank metrics, timeline and ``metrics.jsonl``;

@@ -9,7 +9,8 @@ these compositions hold here too (:mod:`torchtitan_seq.titan.job_rules`).
 Refused with a sequence schedule, as untested under 0.3: context parallelism (0.3's ``parallelize_fn``
 applies its own CP to whole sequences, where a sequence schedule shards each unit itself and folds the
 CP ranks into FSDP's, as 0.2.2's pipelining function and trainer do), replicated data parallelism,
-memory-budget AC and the validator. A sequence schedule runs the model specs of
+memory-budget AC and the validator; and gpt-oss with TP, whose experts' output bias 0.3 adds on every TP
+rank under its spmd_types backend. A sequence schedule runs the model specs of
 :func:`~torchtitan_seq.titan.v03.model.sequence_model_spec` alone (chunk-aware attention; a family's own
 spec has none), and no job pipelines a flavor whose output layer is tied to its embeddings, which 0.3
 refuses. torch's own schedules get those flavor checks and 0.3's own.
@@ -111,6 +112,12 @@ def _check_sequence_job(config: Any) -> None:
     for setting, (on, fix) in untested.items():
         if on:
             raise ValueError(f"{setting} with the sequence schedule {name}: {_FIX}; {fix}")
+    if family_of(config.model_spec.name) == "gpt_oss" and par.tensor_parallel_degree > 1:
+        raise ValueError(
+            f"parallelism.tensor_parallel_degree = {par.tensor_parallel_degree} with gpt_oss_seq: under 0.3's "
+            "spmd_types backend gpt-oss's experts add their output bias on every TP rank (they look for a DTensor "
+            "to find the TP degree), so the job would not train what it trains without TP; set it to 1"
+        )
     if type(config.loss) is not CrossEntropyLoss.Config:
         raise ValueError(
             f"loss {type(config.loss).__qualname__} with the sequence schedule {name}: units run the whole "

@@ -2,14 +2,19 @@
 
 0.3 builds a model from configs, and every decoder family (``torchtitan.models.<family>``, a
 ``Decoder`` subclass) takes its attention's inner attention as a config of its own
-(``GQAttention.Config.inner_attention``), called as ``(q, k, v, attention_masks=, scale=, enable_gqa=)``
-in (B, L, heads, head_dim) layout after QK-norm and RoPE. :class:`SeqInnerAttention` is that plug, a
-:class:`~torchtitan_seq.attention.SequenceAttention`. :func:`sequence_model_config` swaps it into every
-layer of a family's config (:func:`sequence_model_spec`: a flavor of its ``model_registry``), so
-parameters, FQNs, initialisation, TP plan, MoE layers and checkpoints stay the family's, and builds the
-model as the family's class from :func:`sequence_model_class`: while a pipeline stage runs a unit at
-offset s, it reads RoPE at positions [s, s+L) (a CP rank at its share's). 0.3's MoE layers run their
-experts as ``torch._grouped_mm`` in bf16, which torch implements on the CPU too (no Triton), so
+(``<Attention>.Config.inner_attention``), called as ``(q, k, v, attention_masks=, scale=, enable_gqa=)``
+in (B, L, heads, head_dim) layout after QK-norm and RoPE: Llama 3's and Qwen3's grouped-query attention,
+DeepSeek-V3's multi-head latent attention (keys and queries 192 wide with the decoupled RoPE part, values
+128, in the debug flavor) and gpt-oss's (a sliding window on every other layer, named by the layer's
+``sliding_window_size``, and a learned sink a head, which it hands the inner attention as
+``out_transform``). :class:`SeqInnerAttention` is that plug, a
+:class:`~torchtitan_seq.attention.SequenceAttention` of the layer's reach, the sinks read from the layer
+itself. :func:`sequence_model_config` swaps it into every layer of a family's config
+(:func:`sequence_model_spec`: a flavor of its ``model_registry``), so parameters, FQNs, initialisation, TP
+plan, MoE layers and checkpoints stay the family's, and builds the model as the family's class from
+:func:`sequence_model_class`: while a pipeline stage runs a unit at offset s, it reads RoPE at positions
+[s, s+L) (DeepSeek-V3's YaRN on its decoupled part alike; a CP rank at its share's). 0.3's MoE layers run
+their experts as ``torch._grouped_mm`` in bf16, which torch implements on the CPU too (no Triton), so
 nothing changes there.
 """
 
@@ -24,13 +29,18 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.deepseek_v3 import deepseekv3_configs
+from torchtitan.models.gpt_oss import gptoss_configs
+from torchtitan.models.gpt_oss.model import Attention as GptOssAttention
 from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.module import Module
 
 from torchtitan_seq.attention import SequenceAttention
 from torchtitan_seq.runtime.kv_context import KVContext
+from torchtitan_seq.runtime.reach import FULL, Reach
 from torchtitan_seq.runtime.rope import UnitPositions
 
 __all__ = [
@@ -48,13 +58,15 @@ __all__ = [
 
 class SeqInnerAttention(Module, SequenceAttention):
     """0.3's inner attention (q, k, v as (B, L, heads, head_dim), out the same) that runs
-    :class:`~torchtitan_seq.attention.SequenceAttention`: causal, or block-causal given a packed
-    batch's (B, L) document ids as ``attention_masks``."""
+    :class:`~torchtitan_seq.attention.SequenceAttention`: causal within the layer's reach, or block-causal
+    given a packed batch's (B, L) document ids as ``attention_masks``; gpt-oss's sinks merged in."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         layer_id: int
         """The layer's index: names its slab in a stage's KV context."""
+        reach: Reach = FULL
+        """How far back the layer's queries read (gpt-oss's sliding window)."""
 
     def __init__(self, config: Config) -> None:
         """The inner attention of layer ``config.layer_id``.
@@ -62,7 +74,7 @@ class SeqInnerAttention(Module, SequenceAttention):
         Args:
             config: its config.
         """
-        SequenceAttention.__init__(self, config.layer_id)
+        SequenceAttention.__init__(self, config.layer_id, config.reach)
 
     # 0.3's argument names: its sharding config (local_map under TP) maps them to placements.
     def forward(
@@ -75,26 +87,60 @@ class SeqInnerAttention(Module, SequenceAttention):
         scale: float | None = None,
         enable_gqa: bool = False,
         is_causal: bool = True,
+        out_transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attention over the unit the stage's KV context runs, or over the whole sequence outside a unit.
 
         Args:
             q_BLNH: (B, L, Hq, D) queries, post-RoPE.
             k_BLNH: (B, L, Hkv, D) keys, post-RoPE, before GQA expansion.
-            v_BLNH: (B, L, Hkv, D) values, before GQA expansion.
+            v_BLNH: (B, L, Hkv, Dv) values, before GQA expansion (Dv: MLA's narrower than D).
             attention_masks: None (causal) or (B, L) document ids (block-causal).
             scale: the softmax scale; None: D ** -0.5.
             enable_gqa: SDPA's, on the unbound causal path; units take grouped K/V heads as they are.
             is_causal: must be True for a unit and for packed documents.
+            out_transform: gpt-oss's sink rescaling (its attention's ``_apply_sinks``), whose sinks are
+                merged through the log-sum-exp of every key a query reads (:func:`attention_sinks`).
 
         Returns:
-            (B, L, Hq, D) attention output.
+            (B, L, Hq, Dv) attention output.
         """
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))  # to SequenceAttention's B, N, L, H
         out = SequenceAttention.forward(
-            self, q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal, documents=attention_masks
+            self,
+            q,
+            k,
+            v,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            is_causal=is_causal,
+            documents=attention_masks,
+            sinks=None if out_transform is None else attention_sinks(out_transform),
         )
         return out.transpose(1, 2)
+
+
+def attention_sinks(out_transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The sinks of the one ``out_transform`` 0.3's attention hands its inner attention: gpt-oss's
+    ``Attention._apply_sinks``, ``out * sigmoid(lse - sinks)`` of the layer's own sinks. A unit's output
+    is merged over its prefix and its own keys, so the sinks are handed to the merge, not applied to a
+    part of it.
+
+    Args:
+        out_transform: the attention's bound ``_apply_sinks``.
+
+    Returns:
+        (Hq,) the layer's sinks (this rank's heads under TP, their gradient the DTensor's shard).
+
+    Raises:
+        TypeError: ``out_transform`` is not gpt-oss's sink rescaling.
+    """
+    # gpt-oss's attention hands its inner attention no other out_transform than its sink rescaling
+    if not isinstance(getattr(out_transform, "__self__", None), GptOssAttention):
+        raise TypeError(f"out_transform {out_transform!r}: chunk-aware attention merges gpt-oss's sinks only")
+    sinks = out_transform.__self__.sinks
+    # as gpt-oss reads them: under TP the local heads' sinks, q, k and v being local inside local_map
+    return sinks.to_local(grad_placements=sinks.placements) if isinstance(sinks, DTensor) else sinks
 
 
 class _SequenceDecoder(Decoder):
@@ -183,10 +229,13 @@ FLAVORS: dict[str, dict[str, SeqFlavor]] = {
         **{flavor: SeqFlavor(flavor) for flavor in qwen3_configs},
         "debugmodel_untied": SeqFlavor("debugmodel", untied=True),
     },
+    "deepseek_v3": {flavor: SeqFlavor(flavor) for flavor in deepseekv3_configs},
+    "gpt_oss": {flavor: SeqFlavor(flavor) for flavor in gptoss_configs},
 }
 """Per family (``torchtitan.models.<family>``), its flavors by name. Llama 3's are 0.2.2's names (as the
 shipped configs, the planner and :mod:`torchtitan_seq.titan.flavors` name them), block-causal where
-0.2.2's flex and varlen flavors are; Qwen3's are 0.3's, and its dense debug model untied."""
+0.2.2's flex and varlen flavors are; Qwen3's, DeepSeek-V3's (without multi-token prediction, which 0.3
+does not pipeline) and gpt-oss's are 0.3's, and Qwen3's dense debug model untied."""
 
 SEQUENCE_MODELS: tuple[str, ...] = tuple(f"{family}_seq" for family in FLAVORS)
 """The model names of :func:`sequence_model_spec`'s specs: ``<family>_seq``. A family's own spec (named
@@ -207,8 +256,8 @@ def family_of(model_name: str) -> str | None:
 
 
 def sequence_model_config(base: Decoder.Config, *, block_causal: bool = False, untied: bool = False) -> Decoder.Config:
-    """A decoder family's model config with :class:`SeqInnerAttention` in every layer (the layers' configs
-    changed in place), as the config of :func:`sequence_model_class`'s class.
+    """A decoder family's model config with :class:`SeqInnerAttention` in every layer, of the layer's reach
+    (the layers' configs changed in place), as the config of :func:`sequence_model_class`'s class.
 
     Args:
         base: the family's config (``<Family>Model.Config``), e.g. a flavor's.
@@ -218,14 +267,23 @@ def sequence_model_config(base: Decoder.Config, *, block_causal: bool = False, u
 
     Returns:
         The config, which builds the family's model with chunk-aware attention.
+
+    Raises:
+        ValueError: ``base`` has multi-token prediction layers (DeepSeek-V3's), which 0.3 does not pipeline.
     """
     # the family's model class: the one of its module that ``base`` configures
     module = sys.modules[type(base).__module__]
     model_cls = next(
         c for c in vars(module).values() if isinstance(c, type) and getattr(c, "Config", None) is type(base)
     )
+    if getattr(base, "mtp_layers", None):
+        raise ValueError(
+            "multi-token prediction layers: torchtitan 0.3 does not pipeline them; build the flavor without"
+        )
     for layer_id, layer in enumerate(base.layers):
-        layer.attention.inner_attention = SeqInnerAttention.Config(layer_id=layer_id)
+        # gpt-oss's windowed layers name their window (torchtitan's sliding-window mask's)
+        reach = Reach(window=getattr(layer.attention, "sliding_window_size", None))
+        layer.attention.inner_attention = SeqInnerAttention.Config(layer_id=layer_id, reach=reach)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     if untied:
         embedding_init = {"weight": base.lm_head.param_init["weight"]}
