@@ -35,9 +35,16 @@ def test_block_causal_flavors_pass(flavor, schedule):
     )
 
 
+GPT_OSS_FSDP = ("--parallelism.pipeline_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "2")
+"""gpt-oss on the 2 processes of :data:`REFUSALS` under FSDP, which it needs, without a pipeline."""
+
+GPT_OSS_FSDP = ("--parallelism.pipeline_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "2")
+"""gpt-oss on the 2 processes of :data:`REFUSALS` under FSDP, which it needs, without a pipeline."""
+
 REFUSALS: list[tuple[tuple[str, ...], str]] = [
     # (overrides of the shipped config, on 2 CPU processes; what the one-line refusal says)
     (("--model.name", "llama3_ft"), "cannot run model.name = 'llama3_ft': it has no chunk-aware attention"),
+    (("--model.name", "gpt_oss"), "model.name = 'gpt_oss' needs FSDP (parallelism.data_parallel_shard_degree = 1)"),
     (
         ("--activation_checkpoint.mode", "memory_budget"),
         "activation_checkpoint.mode = 'memory_budget' needs torch.compile",
@@ -58,7 +65,7 @@ REFUSALS: list[tuple[tuple[str, ...], str]] = [
         "model.name = 'llama4' with the sequence schedule Seq1F1B cannot run with compile.enable = true yet",
     ),
     (
-        ("--model.name", "gpt_oss", "--model.flavor", "debugmodel", "--sequence_pipeline.split_backward"),
+        ("--model.name", "gpt_oss", "--sequence_pipeline.split_backward", *GPT_OSS_FSDP),
         "model.name = 'gpt_oss' with the sequence schedule Seq1F1B cannot run with sequence_pipeline.split_backward",
     ),
     (
@@ -127,7 +134,9 @@ def test_compile_with_tp_in_a_pipeline_is_refused():
 )
 @pytest.mark.parametrize("schedule", ["Seq1F1B", "BSIPipe"])
 def test_families_with_flex_flavors_pass(name, flavor, schedule):
-    _check("--model.name", name, "--model.flavor", flavor, "--parallelism.pipeline_parallel_schedule", schedule)
+    fsdp = ("--parallelism.data_parallel_shard_degree", "2") if name == "gpt_oss" else ()
+    _check("--model.name", name, "--model.flavor", flavor, "--parallelism.pipeline_parallel_schedule", schedule,
+           *fsdp, world=4 if fsdp else 2)  # fmt: skip
 
 
 def test_deepseek_v3_with_tp_and_families_with_cp_are_refused():
@@ -138,7 +147,7 @@ def test_deepseek_v3_with_tp_and_families_with_cp_are_refused():
     for name in ("deepseek_v3", "llama4", "gpt_oss"):
         with pytest.raises(ValueError, match=f"model.name = '{name}' .*context_parallel_degree = 2 yet"):
             _check("--model.name", name, "--model.flavor", "debugmodel", "--parallelism.context_parallel_degree", "2",
-                   world=4)  # fmt: skip
+                   "--parallelism.data_parallel_shard_degree", "2", world=8)  # fmt: skip
 
 
 def test_compile_with_split_backward_is_refused():

@@ -56,6 +56,7 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
     spec = get_train_spec(job_config.model.name)
     _check_flavor(job_config, spec)
     _check_weight_tying(job_config, spec)
+    _check_block_dtype(job_config, world_size)
     _check_compile(job_config)
     check_instrumentation(job_config.sequence_pipeline.activation_memory_freq)
     _check_converters(job_config)
@@ -183,6 +184,23 @@ def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
         )
     if job_config.compile.enable and "model" in job_config.compile.components:
         raise ValueError(f"{job} cannot run with compile.enable = true yet: not checked exact; turn compile off")
+
+
+def _check_block_dtype(job_config: JobConfig, world_size: int) -> None:
+    """torchtitan 0.2.2's gpt-oss holds its blocks in bfloat16 and its embeddings and output in float32
+    (``GptOssModel.__init__``): only FSDP's mixed precision, which casts every parameter to one dtype,
+    makes the two meet; without FSDP its first block refuses float32 input, under any schedule."""
+    par = job_config.parallelism
+    others = par.data_parallel_replicate_degree * par.context_parallel_degree * par.tensor_parallel_degree
+    shard = par.data_parallel_shard_degree
+    if shard == -1:
+        shard = world_size // (others * par.pipeline_parallel_degree)
+    if job_config.model.name == "gpt_oss" and shard < 2:
+        raise ValueError(
+            f"model.name = 'gpt_oss' needs FSDP (parallelism.data_parallel_shard_degree = {shard}): torchtitan "
+            "0.2.2 holds its blocks in bfloat16 and its embeddings in float32, which only FSDP's mixed precision "
+            "reconciles; set data_parallel_shard_degree to 2 or more"
+        )
 
 
 def _check_attention_backend(job_config: JobConfig) -> None:
