@@ -146,7 +146,7 @@ def test_wrong_models_miss(monkeypatch):
         assert _worst("none") > TOLERANCE
 
     def one_microbatch(plan, weights, lengths, n, with_own=False):
-        return [(max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0) for rank in sorted(plan.order)]
+        return [(max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0, 0.0) for rank in sorted(plan.order)]
 
     with monkeypatch.context() as patch:
         patch.setattr(mm.estimate, "memory_walks", one_microbatch)
@@ -176,7 +176,7 @@ def test_walk_reproduces_the_simulators_peak(schedule, p, n, k):
     result = simulate(SimConfig(schedule, p, n, k, seq_len=840))
     plan = mm.action_plan(schedule, p, n, k, None, False)
     weights = _uniform_weights(plan, result.lengths, p / plan.chain_length)
-    peaks = [act for act, _ in mm.memory_walks(plan, weights, tuple(result.lengths), n)]
+    peaks = [act for act, _, _ in mm.memory_walks(plan, weights, tuple(result.lengths), n)]
     assert peaks == pytest.approx(result.peak_activations, abs=1e-9)
 
 

@@ -88,6 +88,13 @@ def command_line() -> argparse.ArgumentParser:
         default=[],
         help="a calibration file (benchmarks/bench.py --calibrate), repeatable, or a folder of them",
     )
+    parser.add_argument(
+        "--kv-context",
+        choices=("reach", "full"),
+        default="reach",
+        help="sequence_pipeline.kv_context: what layers of a sliding window or attention chunks keep of earlier "
+        "units, only what later units read or every position (default %(default)s)",
+    )
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default %(default)s)")
     parser.add_argument(
         "--processes",
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    job = Job(flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple, a.cp)
+    job = Job(flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple, a.cp, a.kv_context)
     cluster = Cluster(
         a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12, unit_overhead_s=a.unit_overhead_ms / 1e3
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan_seq.plan.choices import ScheduleChoice
+from torchtitan_seq.runtime.reach import KVContextMode
 from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE, JobShape
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.simulate.flavors import flavor_shape
@@ -65,6 +66,9 @@ class Job:
     """``sequence_pipeline.length_multiple``: every subsequence length a multiple of it and of tp."""
     cp: int | None = None
     """A fixed CP degree (sequence schedules); None searches 1, 2, 4, 8."""
+    kv_context: KVContextMode = "reach"
+    """``sequence_pipeline.kv_context``: exact either way, ``"reach"`` holds less K/V of layers of bounded
+    reach (a sliding window, attention chunks)."""
 
     def shape(self, choice: ScheduleChoice, tp: int, cp: int = 1) -> JobShape:
         """The cut and microbatches of ``choice`` at TP ``tp`` and CP ``cp``, as the runtime derives them."""

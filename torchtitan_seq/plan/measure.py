@@ -154,4 +154,5 @@ def plan_of(c: Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubble
         tuple(job.shape(choice, c.tp, c.cp).lengths),
         job.length_multiple,
         c.cp,
+        job.kv_context,
     )

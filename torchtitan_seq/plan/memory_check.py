@@ -23,6 +23,7 @@ def memory_config(
         dp_shard=cluster.gpus // (pp * tp * cp),
         activation_checkpoint=ac,
         device=cluster.device,
+        kv_context=job.kv_context,
     )
 
 

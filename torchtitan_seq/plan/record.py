@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 from torchtitan_seq.runtime.partition import Partition
+from torchtitan_seq.runtime.reach import KVContextMode
 from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.simulate.flavors import split_flavor
@@ -41,6 +42,8 @@ class Plan:
     """``sequence_pipeline.length_multiple`` of the job (the lengths are multiples of it and of tp)."""
     cp: int = 1
     """``context_parallel_degree`` (sequence schedules only)."""
+    kv_context: KVContextMode = "reach"
+    """``sequence_pipeline.kv_context`` (sequence schedules only; set where not the default)."""
 
     def overrides(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
         """The configuration as ``./run_train.sh`` arguments (a ``family:flavor`` with its torchtitan model name)."""
@@ -62,6 +65,8 @@ class Plan:
             args["sequence_pipeline.num_subsequences"] = self.num_subsequences
             args["sequence_pipeline.partition"] = self.partition
             args["sequence_pipeline.length_multiple"] = self.length_multiple
+            if self.kv_context != "reach":
+                args["sequence_pipeline.kv_context"] = self.kv_context
         return " ".join(f"--{k} {v}" for k, v in args.items())
 
     def config_function(self, flavor: str, seq_len: int, local_batch_size: int) -> str:

@@ -4,7 +4,8 @@
 ``TransformerModelArgs``, the job's :class:`~torchtitan_seq.runtime.shape.JobShape`, schedule, parallel
 degrees, activation checkpointing, dtypes) and returns a :class:`MemoryEstimate`: per rank and for the
 fullest rank, parameters, gradients, optimizer states, activations, the KV context's
-extra, a transient workspace and the pipeline's receive buffers, in bytes. No model is
+extra, a transient workspace and the pipeline's receive buffers, in bytes, and the most K/V its KV
+contexts hold (``kv_held``: ``kv_context = "reach"`` or ``"full"``). No model is
 built and nothing runs on a device: per-token byte counts times token counts, walked
 along each rank's action list from the simulator's :func:`~torchtitan_seq.simulate.build.build` (the very
 lists the runtime executes; memory on a rank depends only on the order of its own
@@ -18,8 +19,9 @@ sequence for torch's schedules).
 
 The model, one concept a module: :mod:`.config` (the job and its dtypes), :mod:`.chunks` (what each
 chunk holds, where stages run), :mod:`.activations` (bytes a token saves, per checkpointing mode),
-:mod:`.stage_bytes` (a stage's units, the KV context's slab, context parallelism), :mod:`.arenas` (the
-KV context's arenas), :mod:`.actions` (each rank's actions, built once per shape), :mod:`.walk` (the
+:mod:`.stage_bytes` (a stage's units, the KV context's slab, context parallelism), :mod:`.reach` (what
+layers of bounded reach keep), :mod:`.arenas` (the KV context's arenas),
+:mod:`.actions` (each rank's actions, built once per shape), :mod:`.walk` (the
 activation peaks along them), :mod:`.states` (parameters, gradients, optimizer), :mod:`.workspace`,
 :mod:`.buffers` (receive buffers), :mod:`.estimate` (:func:`predict_memory`) and :mod:`.floor`
 (:func:`memory_floor`: a lower bound without the lists, or without arenas or a walk, which a search
@@ -45,7 +47,8 @@ from torchtitan_seq.simulate.memory.chunks import ChunkLayout, chunk_kinds, chun
 from torchtitan_seq.simulate.memory.config import DTYPE_BYTES, ACMode, Device, DType, MemoryConfig, dtype_bytes  # noqa: F401
 from torchtitan_seq.simulate.memory.estimate import MemoryEstimate, RankMemory, gib, predict_memory  # noqa: F401
 from torchtitan_seq.simulate.memory.floor import memory_floor  # noqa: F401
-from torchtitan_seq.simulate.memory.stage_bytes import StageBytes, bytes_of_stage  # noqa: F401
+from torchtitan_seq.simulate.memory.reach import bounded_layers, reach_positions  # noqa: F401
+from torchtitan_seq.simulate.memory.stage_bytes import StageBytes, bytes_of_stage, chain_bytes  # noqa: F401
 from torchtitan_seq.simulate.memory.states import StateRates, state_bytes, state_rates  # noqa: F401
 from torchtitan_seq.simulate.memory.walk import memory_walks  # noqa: F401
 from torchtitan_seq.simulate.memory.workspace import workspace_bytes, workspace_per_token  # noqa: F401

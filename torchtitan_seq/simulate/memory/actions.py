@@ -154,19 +154,22 @@ class Events(NamedTuple):
     """+1 / -1: the stage's first unit in flight starts / its last ends."""
     grad: np.ndarray
     """+1 / -1: a microbatch's slab gradient is allocated (its first B or I of a unit j > 0) / goes."""
+    microbatch: np.ndarray
+    """+1 / -1: a microbatch starts on the stage (its first unit's F) / ends (the last backward of its units)."""
 
 
 def pass_events(actions: tuple, k: int) -> Events:
     """The bookkeeping of :func:`memory_walks`, independent of bytes (what each weighs: :mod:`.stage_bytes`)."""
     live: dict[int, int] = {}  # units in flight per stage
     grads: set[tuple[int, int]] = set()  # (stage, microbatch) with a slab gradient
+    ended: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> units whose backward has ended
     rows = []
     for a in actions:
         stage, kind = a.stage_index, a.computation_type
         m, j = divmod(a.microbatch_index, k)
-        saved = constant = grad = 0
+        saved = constant = grad = microbatch = 0
         if kind == F:
-            saved, constant = 1, int(live.get(stage, 0) == 0)
+            saved, constant, microbatch = 1, int(live.get(stage, 0) == 0), int(j == 0)
             live[stage] = live.get(stage, 0) + 1
         else:
             if kind in (B, I) and j > 0 and (stage, m) not in grads:
@@ -178,9 +181,11 @@ def pass_events(actions: tuple, k: int) -> Events:
                 if j == 0 and (stage, m) in grads:
                     grads.discard((stage, m))
                     grad = -1
-        rows.append((stage, j, saved, constant, grad))
-    table = np.array(rows, dtype=np.int64).reshape(-1, 5)
-    return Events(*(table[:, i] for i in range(5)))
+                ended[stage, m] = ended.get((stage, m), 0) + 1
+                microbatch = -int(ended[stage, m] == k)
+        rows.append((stage, j, saved, constant, grad, microbatch))
+    table = np.array(rows, dtype=np.int64).reshape(-1, 6)
+    return Events(*(table[:, i] for i in range(6)))
 
 
 def all_forwards_first(actions: tuple) -> bool:

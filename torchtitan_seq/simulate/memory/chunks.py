@@ -44,6 +44,8 @@ class ChunkLayout(NamedTuple):
     per_chain: np.ndarray
     """(ranks, chains, kinds): the rank's stages of each kind per chain."""
     copies: int
+    kind: list[int]
+    """Per chunk of a chain, in order, its kind."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -58,7 +60,7 @@ def chunk_layout(schedule: str, pp: int, stages_per_rank: int | None, n_layers: 
     for r, stages in enumerate(by_rank):
         for s in stages:
             per_chain[r, s // chain_length, kind[s % chain_length]] += 1
-    return ChunkLayout(chunks, per_chain.sum(axis=1), per_chain[:, 0], per_chain, copies)
+    return ChunkLayout(chunks, per_chain.sum(axis=1), per_chain[:, 0], per_chain, copies, kind)
 
 
 @functools.lru_cache(maxsize=256)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
+from torchtitan_seq.runtime.reach import KVContextMode
 from torchtitan_seq.runtime.shape import JobShape
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.simulate.flavors import flavor_shape
@@ -68,6 +69,9 @@ class MemoryConfig:
     """States per parameter (AdamW: 2)."""
     optimizer_dtype: DType = "float32"
     """dtype of the optimizer states."""
+    kv_context: KVContextMode = "reach"
+    """``sequence_pipeline.kv_context``: what a layer of bounded reach keeps of earlier units, only what
+    later units read (``"reach"``; not under CP) or every earlier position (``"full"``)."""
 
     def __post_init__(self) -> None:
         # Whether the job cuts its sequences is the schedule's to say, not the caller's.
@@ -76,6 +80,8 @@ class MemoryConfig:
             dtype_bytes(getattr(self, name), name)
         if self.compute_dtype is not None:
             dtype_bytes(self.compute_dtype, "compute_dtype")
+        if self.kv_context not in ("reach", "full"):
+            raise ValueError(f"kv_context = {self.kv_context!r}: use 'reach' or 'full'")
         if self.activation_checkpoint not in ("none", "selective", "full"):
             raise ValueError(
                 f"activation_checkpoint = {self.activation_checkpoint!r}: the memory model knows "

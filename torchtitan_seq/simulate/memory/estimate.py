@@ -10,7 +10,7 @@ from torchtitan_seq.simulate.memory.actions import action_plan
 from torchtitan_seq.simulate.memory.buffers import buffer_bytes
 from torchtitan_seq.simulate.memory.chunks import memory_chunk_split
 from torchtitan_seq.simulate.memory.config import MemoryConfig, dtype_bytes
-from torchtitan_seq.simulate.memory.stage_bytes import bytes_of_stage
+from torchtitan_seq.simulate.memory.stage_bytes import chain_bytes
 from torchtitan_seq.simulate.memory.states import state_bytes
 from torchtitan_seq.simulate.memory.walk import memory_walks
 from torchtitan_seq.simulate.memory.workspace import workspace_bytes
@@ -23,7 +23,8 @@ def gib(nbytes: float) -> float:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Bytes one rank holds at its peak, by kind (the package's docstring names the module of each)."""
+    """Bytes one rank holds at its peak, by kind (the package's docstring names the module of each), and
+    the K/V its KV contexts hold at most (``kv_held``, not a part of the total)."""
 
     parameters: int
     gradients: int
@@ -32,6 +33,10 @@ class RankMemory:
     kv_context: int
     workspace: int
     buffers: int
+    kv_held: int = 0
+    """The most K/V the rank's KV contexts hold at once (their arenas and slabs, each once; not their
+    gradients), what the metrics' ``peak_kv_bytes`` measures. Part of it is among the activations (the
+    slabs autograd saves views of), the rest in ``kv_context``, so the total leaves it out."""
 
     @property
     def total(self) -> int:
@@ -69,11 +74,10 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
     tokens = [length * c.microbatch_size for length in lengths]
     is_sequence = c.schedule in SEQUENCE_SCHEDULES
 
-    # Stages running alike chunks weigh alike: each chunk's bytes once (a chunk's layers and ends).
-    per_chunk = {chunk: bytes_of_stage(args, c, a, chunk, tokens, is_sequence) for chunk in set(chunks)}
-    weights = {s: per_chunk[chunks[s % plan.chain_length]] for s in plan.stages}
+    per_chunk = chain_bytes(args, c, a, chunks, tokens, is_sequence)
+    weights = {s: per_chunk[s % plan.chain_length] for s in plan.stages}
     ranks = []
-    for r, (act, combined) in enumerate(memory_walks(plan, weights, tuple(lengths), n, c.cp > 1)):
+    for r, (act, combined, held) in enumerate(memory_walks(plan, weights, tuple(lengths), n, c.cp > 1)):
         ranks.append(
             RankMemory(
                 **state_bytes(args, c, plan, chunks, r),
@@ -81,6 +85,7 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
                 kv_context=round(combined - act),
                 workspace=round(workspace_bytes(args, c, a, plan, chunks, r, max(tokens) / c.cp, is_sequence)),
                 buffers=round(buffer_bytes(args, c, a, plan, chunks, r, lengths)),
+                kv_held=round(held),
             )
         )
     worst = max(range(c.pp), key=lambda r: ranks[r].total)

@@ -9,9 +9,9 @@ import numpy as np
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.simulate.memory.actions import action_plan
 from torchtitan_seq.simulate.memory.buffers import buffer_bytes_per_token
-from torchtitan_seq.simulate.memory.chunks import chunk_layout
+from torchtitan_seq.simulate.memory.chunks import chunk_layout, memory_chunk_split
 from torchtitan_seq.simulate.memory.config import MemoryConfig, dtype_bytes
-from torchtitan_seq.simulate.memory.stage_bytes import bytes_of_stage
+from torchtitan_seq.simulate.memory.stage_bytes import StageBytes, chain_bytes
 from torchtitan_seq.simulate.memory.states import state_rates
 from torchtitan_seq.simulate.memory.workspace import workspace_per_token
 from torchtitan_seq.simulate.network import chunk_parameters
@@ -32,7 +32,8 @@ def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
     reads the previous stage's output and, for unit j, the stage's K/V of units 0..j-1), and none
     has run backward on any (a backward needs the next stage's input gradient and, on a stage, the
     dK/dV of the units after it, so the last unit's backward on the deepest stage comes first).
-    Other microbatches in flight and the arenas' sharing are left out.
+    Other microbatches in flight and the arenas' sharing are left out. Chunks of a kind whose layers of
+    bounded reach differ weigh each part as the lightest of them.
 
     ``walked``: the rank's activations are also at least what its units weigh where it holds the
     most of them (found once per schedule shape, :meth:`ActionPlan.fullest`); this takes the schedule's
@@ -44,11 +45,12 @@ def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
     is_sequence = c.schedule in SEQUENCE_SCHEDULES
     rates = state_rates(c)
     received = c.shape.microbatches / layout.copies * sum(c.shape.lengths)  # tokens a chain's stage receives
-    weights = [bytes_of_stage(args, c, a, chunk, tokens, is_sequence) for chunk in layout.chunks]
+    chain = chain_bytes(args, c, a, memory_chunk_split(args.n_layers, len(layout.kind)), tokens, is_sequence)
+    weights = [_lightest([w for w, kind in zip(chain, layout.kind) if kind == t]) for t in range(len(layout.chunks))]
     params = np.array([chunk_parameters(args, *chunk, c.tp) for chunk in layout.chunks])
     workspace = np.array([workspace_per_token(args, c, a, chunk, is_sequence) for chunk in layout.chunks])
     buffers = np.array([buffer_bytes_per_token(args, c, a, chunk) for chunk in layout.chunks]) * received
-    microbatch = np.array([sum(w.saved) + w.held + w.slab + w.constant for w in weights])
+    microbatch = np.array([sum(w.saved) + w.held + w.slab + w.constant + w.reach for w in weights])
 
     base = (
         layout.count @ params * (rates.parameters + rates.gradients)
@@ -69,3 +71,11 @@ def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
         floor = np.maximum(floor, base + units * scale)
     # The estimate rounds five sums of the fullest rank to bytes: 3 bytes below, the floor is below it.
     return float(floor.max()) - 3
+
+
+def _lightest(weights: list[StageBytes]) -> StageBytes:
+    """Each part of ``weights`` (of stages of one kind of chunk) at its least."""
+    return StageBytes(
+        list(np.min([w.saved for w in weights], axis=0)),
+        *(min(w[i] for w in weights) for i in range(1, len(StageBytes._fields))),
+    )

@@ -1,10 +1,9 @@
-"""What a stage's units and microbatches weigh: the units' saved activations, the KV context's slab and its
-gradient, under context parallelism too (notation: the package's docstring).
+"""What a stage's units and microbatches weigh: the units' saved activations, the KV context's slabs and
+their gradients, under context parallelism too (notation: the package's docstring).
 
-**KV context** (:mod:`torchtitan_seq.runtime.kv_context`): per stage, microbatch and layer one K/V
-slab of the keys later units read, S - L_{k-1} tokens at 2 Hkv hd a / t bytes each (MLA: H x (192 +
-128) in the 671B; whatever the kernel: the last unit keeps its own K/V; layers of bounded reach keep
-the whole prefix too, :func:`slab_tokens`), in arenas the
+**KV context** (:mod:`torchtitan_seq.runtime.kv_context`): per stage, microbatch and layer of full
+attention one K/V slab of the keys later units read, S - L_{k-1} tokens at 2 Hkv hd a / t bytes each
+(MLA: H x (192 + 128) in the 671B; whatever the kernel: the last unit keeps its own K/V), in arenas the
 context plans from the stage's pass order as the runtime does
 (:func:`~torchtitan_seq.runtime.kv_placement.plan_arenas`: a microbatch in backward and the next in
 forward share one arena from its two ends), each allocated by a write into it while it holds no
@@ -20,12 +19,20 @@ slab in it:
   the keys before the last unit, S - L_{k-1} tokens, from the microbatch's first backward
   (its input-gradient pass) to the slab's end.
 
+**Layers of bounded reach** (a sliding window, attention chunks; :mod:`.reach`) under ``kv_context =
+"reach"`` and without CP: the slab holds only the positions later units read, R tokens
+(:func:`~.reach.reach_positions`: fewer than k x window), outside the arenas, from the microbatch's first
+forward to its last backward; no saved tensor views it, so the context alone keeps it in every mode. Its
+units' attention saves their own K/V (2 Hkv hd a / t a token and layer of units 0..k-2 back in their
+per-unit bytes, where the layer is not recomputed), and its gradient holds R tokens. Under ``"full"``
+such a layer keeps the whole slab as a layer of full attention does.
+
 **Context parallelism** (the shape's ``cp`` = c, :mod:`torchtitan_seq.runtime.context_parallel`): a rank
 computes 1/c of every unit's tokens, so every per-token figure (activations, workspace, receive
 buffers) counts b L_j / c tokens, but its slab holds the whole sequence's K/V, S tokens (the last
 unit's too: other CP ranks' queries read it as their prefix), as does the slab's gradient; the
-units' attention saves views of it for their own K/V, the last unit's included. FSDP shards over
-``dp_shard`` x c ranks.
+units' attention saves views of it for their own K/V, the last unit's included; every layer keeps
+the whole slab. FSDP shards over ``dp_shard`` x c ranks.
 
 ``kv_context`` is what these add to the peak: the largest activations + context over the
 rank's actions, less the activation peak (so activations + kv_context is that sum's peak).
@@ -38,6 +45,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from torchtitan_seq.runtime.model_counts import kv_values, rope_width
 from torchtitan_seq.simulate.memory.activations import recomputed_fraction, saved_per_token
 from torchtitan_seq.simulate.memory.config import MemoryConfig
+from torchtitan_seq.simulate.memory.reach import bounded_layers, reach_positions
 
 if TYPE_CHECKING:  # torchtitan is imported where a flavor is looked up, not with this module
     from torchtitan.models.llama3 import TransformerModelArgs
@@ -56,13 +64,14 @@ class StageBytes(NamedTuple):
     """A microbatch's slab gradient."""
     constant: float = 0.0
     """Saved once while any unit of the stage is (the RoPE table)."""
+    reach: float = 0.0
+    """A microbatch's slabs of the layers that keep only their reach (the context alone keeps them), from
+    its first forward to its last backward."""
 
 
 def slab_tokens(tokens: list[int], cp: int) -> int:
-    """Tokens of a microbatch's K/V slab on one layer: the keys later units read (under CP, other CP ranks'
-    queries: the last unit's too). Every layer keeps them all, those of bounded reach (a sliding window,
-    chunked attention) too; what such a layer need keep, the keys its later queries reach, would be counted
-    here."""
+    """Tokens of a microbatch's K/V slab on one layer of full attention (or of any layer under ``kv_context =
+    "full"`` or CP): the keys later units read (under CP, other CP ranks' queries: the last unit's too)."""
     return sum(tokens) - (tokens[-1] if cp == 1 else 0)
 
 
@@ -73,9 +82,11 @@ def bytes_of_stage(
     chunk: tuple[float, bool, bool],
     tokens: list[int],
     is_sequence: bool,
+    bounded: float = 0.0,
 ) -> StageBytes:
-    """What units of ``tokens`` tokens weigh on a stage running ``chunk`` (under CP a rank computes 1/c of
-    each unit's tokens and its slab holds the whole sequence's K/V, the last unit's too)."""
+    """What units of ``tokens`` tokens weigh on a stage running ``chunk``, ``bounded`` of whose layers have a
+    bounded reach (under CP a rank computes 1/c of each unit's tokens and its slab holds the whole
+    sequence's K/V, the last unit's too)."""
     layers, first, last = chunk
     per_token = saved_per_token(args, c, a, layers, first, last, is_sequence)
     recomputed = recomputed_fraction(c)
@@ -84,14 +95,43 @@ def bytes_of_stage(
     table = 4 * c.seq_len * rope_width(args) if layers and (not is_sequence or recomputed) else 0
     if not is_sequence:  # torch's schedules: K/V are the unit's own, no context
         return StageBytes([n * per_token for n in tokens], constant=table)
-    kv = kv_values(args) / c.tp * a * layers  # K and V, a token
+    per_layer = kv_values(args) / c.tp * a  # K and V, a token and layer
+    reaching = bounded if c.kv_context == "reach" and c.cp == 1 else 0.0  # layers whose slab holds their reach
+    kv = per_layer * (layers - reaching)  # K and V, a token, of the layers whose slab holds every key
     slab = slab_tokens(tokens, c.cp) * kv
+    held = reach_positions(tuple(c.shape.lengths), args.reach) * c.microbatch_size if reaching else 0
+    reach = held * per_layer * reaching
     saved_kv = kv * (1 - recomputed)  # in the per-token bytes: where the slab holds them, its views
     own = [n / c.cp * (per_token - saved_kv) for n in tokens]  # K/V in the slab: units 0..k-2, all under CP
     return StageBytes(
         own[:-1] + [tokens[-1] * per_token if c.cp == 1 else own[-1]],
         slab * (1 - recomputed),
         slab * recomputed,
-        slab,
+        slab + reach,
         table,
+        reach,
     )
+
+
+def chain_bytes(
+    args: TransformerModelArgs, c: MemoryConfig, a: int, chunks: tuple, tokens: list[int], is_sequence: bool
+) -> list[StageBytes]:
+    """:func:`bytes_of_stage` of each chunk of a chain, in order, each alike chunk weighed once.
+
+    Args:
+        args: the model's arguments or shape.
+        c: the job.
+        a: bytes of the compute dtype.
+        chunks: the chain's chunks (:func:`~.chunks.memory_chunk_split`).
+        tokens: b L_j, tokens of each unit of a microbatch.
+        is_sequence: whether a sequence schedule runs them (a KV context threads the units).
+
+    Returns:
+        Per chunk, what its stage's units and microbatches weigh.
+    """
+    kinds = list(zip(chunks, bounded_layers(args, chunks)))
+    weighed = {
+        (chunk, bounded): bytes_of_stage(args, c, a, chunk, tokens, is_sequence, bounded)
+        for chunk, bounded in set(kinds)
+    }
+    return [weighed[kind] for kind in kinds]

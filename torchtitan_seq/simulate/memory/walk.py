@@ -12,25 +12,29 @@ from torchtitan_seq.simulate.memory.stage_bytes import StageBytes
 
 def memory_walks(
     plan: ActionPlan, weights: dict[int, StageBytes], lengths: tuple[int, ...], n: int, with_own: bool = False
-) -> list[tuple[float, float]]:
-    """Per rank, (peak of saved activations, peak of activations + KV context) over its actions
-    (bookkeeping in :func:`pass_events` and :func:`slab_arena_events`, built once per plan and lengths; all
-    ranks in one pass); ``with_own``: slabs hold the last unit's K/V too (CP)."""
+) -> list[tuple[float, float, float]]:
+    """Per rank, (peak of saved activations, peak of activations + KV context, peak of the K/V its KV
+    contexts hold) over its actions (bookkeeping in :func:`pass_events` and :func:`slab_arena_events`, built
+    once per plan and lengths; all ranks in one pass); ``with_own``: slabs hold the last unit's K/V too (CP).
+    The K/V held are the arenas and the slabs of bounded reach, not their gradients, as
+    :class:`~torchtitan_seq.instrumentation.kv_memory.KVMemory` measures them between a rank's actions."""
     k = len(lengths)
     e, starts = plan.merged_events(k)
     arenas = plan.merged_arenas(lengths, with_own)
     stages = np.array(list(weights))
     saved = np.zeros((stages.max() + 1, k))
-    slab, held, grad, constant = (np.zeros(stages.max() + 1) for _ in range(4))
+    slab, held, grad, constant, reach = (np.zeros(stages.max() + 1) for _ in range(5))
     saved[stages] = [w.saved for w in weights.values()]
-    for table, name in ((slab, "slab"), (held, "held"), (grad, "grad"), (constant, "constant")):
+    for table, name in ((slab, "slab"), (held, "held"), (grad, "grad"), (constant, "constant"), (reach, "reach")):
         table[stages] = [getattr(w, name) for w in weights.values()]
     act = e.saved * saved[e.stage, e.unit] + arenas * slab[e.stage] + e.constant * constant[e.stage]
-    kv = arenas * held[e.stage] + e.grad * grad[e.stage]
+    context = e.microbatch * reach[e.stage]
+    kv = arenas * held[e.stage] + e.grad * grad[e.stage] + context
+    context = context + arenas * (slab[e.stage] + held[e.stage])
     peaks = []
-    for deltas in (act, act + kv):
+    for deltas in (act, act + kv, context):
         running = np.cumsum(deltas)
         before = np.concatenate(([0.0], running))[starts]  # the running sum as each rank begins
         peaks.append(np.maximum(np.maximum.reduceat(running, starts) - before, 0.0))
     scale = np.where(plan.forwards_first, n / plan.built_microbatches, 1.0)
-    return [(float(a), float(b)) for a, b in zip(peaks[0] * scale, peaks[1] * scale)]
+    return [(float(a), float(b), float(c)) for a, b, c in zip(*(p * scale for p in peaks))]

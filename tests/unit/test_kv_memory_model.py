@@ -1,0 +1,115 @@
+"""The memory model's K/V context (``kv_held``: :func:`~torchtitan_seq.simulate.memory.predict_memory`) against
+the K/V the runtime's KV contexts hold, measured as the metrics measure them
+(:class:`~torchtitan_seq.instrumentation.kv_memory.KVMemory`, each storage once, sampled at unit
+boundaries): Seq1F1B on 2 ranks, each rank's stage a stack of attention layers with torchtitan's reach per
+layer (gpt-oss's even layers a window of 128, Llama 4 iRoPE's layers but every 4th chunks of 256, Llama 3
+full), run unit by unit in the rank's order, forward and backward, under ``kv_context = "reach"`` and
+``"full"``.
+
+The measurement shares no byte count with the model: the context sizes its own slabs and arenas and
+KVMemory reads their storages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtitan_seq.attention import SequenceAttention
+from torchtitan_seq.attention.kernels import select_kernel
+from torchtitan_seq.instrumentation.kv_memory import KVMemory
+from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.reach import FULL, Reach
+from torchtitan_seq.runtime.shape import JobShape
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
+from torchtitan_seq.schedules.ordering import stage_passes
+from torchtitan_seq.simulate import memory as mm
+from torchtitan_seq.simulate.flavors import flavor_shape
+from torchtitan_seq.titan.flavors import chunk_split
+
+PP, N, K, SEQ_LEN = 2, 4, 4, 1024
+TOLERANCE = 0.05
+
+
+def _gpt_oss(layer: int) -> Reach:
+    """torchtitan's gpt-oss: a sliding window on the even layers."""
+    return Reach(window=128) if layer % 2 == 0 else FULL
+
+
+def _llama4_irope(layer: int) -> Reach:
+    """torchtitan's Llama 4 under iRoPE: every 4th layer from 0 without RoPE, reading the whole prefix; the
+    others in attention chunks."""
+    return FULL if layer % 4 == 0 else Reach(chunk=256)
+
+
+MODELS = {"gpt_oss:debugmodel": _gpt_oss, "llama4:debugmodel_irope": _llama4_irope, "debugmodel": lambda layer: FULL}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small kernels: one thread each runs them ten times faster on a shared CPU than many."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _shape(model: str) -> JobShape:
+    return JobShape.of_model(flavor_shape(model), SEQ_LEN, K, "compute", microbatches=N)
+
+
+def _measured(model: str, mode: str) -> list[int]:
+    """Per rank, the most K/V its stage's context holds over a step."""
+    args, lengths = flavor_shape(model), _shape(model).lengths
+    heads = args.n_kv_heads or args.n_heads
+    width = args.head_dim or args.dim // args.n_heads
+    kernel = select_kernel(torch.device("cpu"))
+    offsets = [sum(lengths[:j]) for j in range(K)]
+    order = SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(PP, N, K))
+    first = 0
+    peaks = []
+    for rank, (layers, _, _) in enumerate(chunk_split(args.n_layers, PP)):
+        context = KVContext(list(lengths), mode=mode)
+        stage = [SequenceAttention(i, MODELS[model](i)) for i in range(first, first + layers)]
+        first += layers
+        for attention in stage:
+            attention.bind(context, kernel)
+        context.expect(stage_passes(order[rank], rank, K)[1])
+        memory, outs = KVMemory([context]), {}
+        with memory.track():
+            for forward, m, j in stage_passes(order[rank], rank, K)[1]:
+                unit = Unit(m, j, offsets[j], lengths[j], K)
+                if forward:
+                    with context.running(unit):
+                        qkv = [torch.randn(1, heads, lengths[j], width, requires_grad=True) for _ in range(3)]
+                        outs[m, j] = [attention(*qkv) for attention in stage]
+                else:
+                    with context.backward(unit):
+                        sum(out.sum() for out in outs.pop((m, j))).backward()
+        assert len(context) == 0
+        peaks.append(memory.peak)
+    return peaks
+
+
+@pytest.mark.parametrize("mode", ["reach", "full"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_predicted_kv_context_is_the_measured(model, mode):
+    config = mm.MemoryConfig(model, _shape(model), "Seq1F1B", pp=PP, device="cpu", kv_context=mode)
+    predicted = [rank.kv_held for rank in mm.predict_memory(config).ranks]
+    measured = _measured(model, mode)
+    assert all(m > 0 for m in measured)
+    for p, m in zip(predicted, measured):
+        assert p == pytest.approx(m, rel=TOLERANCE), (predicted, measured)
+
+
+def test_a_window_keeps_its_reach_a_full_layer_every_key():
+    """Under "reach" gpt-oss's windowed layers hold (k - 1) x 127 positions a microbatch and Llama 4's
+    chunked ones what their chunks read, Llama 3's every earlier unit; under "full" all hold every earlier
+    unit."""
+    full = {m: mm.predict_memory(mm.MemoryConfig(m, _shape(m), "Seq1F1B", pp=PP, kv_context="full")) for m in MODELS}
+    reach = {m: mm.predict_memory(mm.MemoryConfig(m, _shape(m), "Seq1F1B", pp=PP)) for m in MODELS}
+    assert reach["debugmodel"] == full["debugmodel"]
+    for model in ("gpt_oss:debugmodel", "llama4:debugmodel_irope"):
+        assert reach[model].kv_held < full[model].kv_held
+    windowed = flavor_shape("gpt_oss:debugmodel").reach
+    assert mm.reach_positions(tuple(_shape("gpt_oss:debugmodel").lengths), windowed) == (K - 1) * 127
