@@ -37,6 +37,11 @@ SMALL = (
 STEPS = 3
 
 
+NEEDS_FSDP = {"gpt_oss"}
+"""Families torchtitan 0.2.2 trains under FSDP only (gpt-oss: bfloat16 blocks, float32 embeddings): both runs
+shard over 2 data-parallel ranks."""
+
+
 @pytest.mark.parametrize("family", list(FLAVORS))
 def test_seq1f1b_logs_the_losses_of_the_job_without_a_pipeline(family, tmp_path):
     """Both runs load one seed checkpoint (torchtitan seeds each pipeline rank differently)."""
@@ -58,8 +63,10 @@ def test_seq1f1b_logs_the_losses_of_the_job_without_a_pipeline(family, tmp_path)
         "--checkpoint.interval",
         "1000",
     )
-    whole = run_train(*common, *one, dump_folder=tmp_path / "pp1", env={"NGPU": "1"}, check=False)
-    piped = run_train(*common, dump_folder=tmp_path / "pp2", env={"NGPU": "2"})
+    dp = 2 if family in NEEDS_FSDP else 1
+    fsdp = ("--parallelism.data_parallel_shard_degree", str(dp))
+    whole = run_train(*common, *one, *fsdp, dump_folder=tmp_path / "pp1", env={"NGPU": str(dp)}, check=False)
+    piped = run_train(*common, *fsdp, dump_folder=tmp_path / "pp2", env={"NGPU": str(2 * dp)})
     assert_trained(whole, STEPS)
     assert_trained(piped, STEPS)
     assert "pp=2" in piped.output and "Seq1F1B" in piped.output, piped.output[-3000:]
@@ -67,9 +74,9 @@ def test_seq1f1b_logs_the_losses_of_the_job_without_a_pipeline(family, tmp_path)
 
 
 def test_expert_parallel_seq1f1b_logs_the_losses_of_the_job_without_a_pipeline(tmp_path):
-    """pp 2 x FSDP 2 with the experts split over the FSDP ranks (EP 2; 4 ranks), DeepSeek-V3 from one seed
-    checkpoint: a unit's tokens reach their experts over gloo's all-to-all, and the step's per-expert
-    counts (the routing bias's update) are the whole batch's."""
+    """pp 2 x FSDP 2 with the experts split over the FSDP ranks (EP 2; 4 ranks) logs the losses of FSDP 2
+    alone, DeepSeek-V3 from one seed checkpoint: a unit's tokens reach their experts over gloo's
+    all-to-all, and the step's per-expert counts (the routing bias's update) are the whole batch's."""
     model = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
     one = ("--parallelism.pipeline_parallel_degree", "1", "--parallelism.pipeline_parallel_schedule", "1F1B")
     seed = run_train(
@@ -88,11 +95,11 @@ def test_expert_parallel_seq1f1b_logs_the_losses_of_the_job_without_a_pipeline(t
         "--checkpoint.interval",
         "1000",
     )
-    # The same global batch: 2 sequences on each of the 2 FSDP ranks, 4 in the one process.
-    whole = run_train(
-        *common, *one, "--training.local_batch_size", "4", dump_folder=tmp_path / "pp1", env={"NGPU": "1"}, check=False
-    )
-    ep = ("--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2")
+    # Both read the batches of 2 data-parallel ranks (each its own shard of the data): FSDP 2 without a
+    # pipeline or EP, and the pipeline with the experts split over the FSDP ranks.
+    fsdp = ("--parallelism.data_parallel_shard_degree", "2")
+    whole = run_train(*common, *one, *fsdp, dump_folder=tmp_path / "pp1", env={"NGPU": "2"}, check=False)
+    ep = (*fsdp, "--parallelism.expert_parallel_degree", "2")
     piped = run_train(*common, *ep, dump_folder=tmp_path / "ep2", env={"NGPU": "4"})
     assert_trained(whole, STEPS)
     assert_trained(piped, STEPS)

@@ -72,6 +72,13 @@ def test_every_schedule_is_exact_for_each_flex_family(tmp_path):
         for family in BLOCK_CAUSAL
         for schedule in SCHEDULES
     ]
+    # Every variant above keeps a bounded layer's reach only (kv_context "reach", the default); these keep every
+    # earlier key, in arenas shared by microbatches.
+    variants += [
+        Variant(f"{family}-{schedule}-kv-full", schedule, k=4, partition="compute", family=family, kv_context="full")
+        for family in ("llama4", "gpt_oss")
+        for schedule in ("Seq1F1B", "BSIPipe")
+    ]
     for r in run_variants(variants, tmp_path):
         assert_exact(r)
 

@@ -76,6 +76,7 @@ class Variant:
     # the tiny model's: llama3, qwen3, qwen3_moe; under 0.2.2 also deepseek_v3, deepseek_v3_q_lora, llama4
     # and gpt_oss (harness_titan.Titan022.model_args)
     family: str = "llama3"
+    kv_context: str = "reach"  # what the KV context keeps of a bounded layer: "reach" or "full" (every key)
 
     @property
     def world(self) -> int:
@@ -253,6 +254,7 @@ def _stages(v: Variant, args, chunks, dims) -> list:
             lengths=lengths,
             chain_length=chain,
             context_shard=shard,
+            kv_context=v.kv_context,
             group=pp_mesh.get_group(),
         )
         for index, chain, chunk in chunks

@@ -189,8 +189,11 @@ def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
 def _check_block_dtype(job_config: JobConfig, world_size: int) -> None:
     """torchtitan 0.2.2's gpt-oss holds its blocks in bfloat16 and its embeddings and output in float32
     (``GptOssModel.__init__``): only FSDP's mixed precision, which casts every parameter to one dtype,
-    makes the two meet; without FSDP its first block refuses float32 input, under any schedule."""
+    makes the two meet; without FSDP its first block refuses float32 input, under any schedule. A seed
+    checkpoint (one process, no step) is written without one."""
     par = job_config.parallelism
+    if job_config.checkpoint.create_seed_checkpoint:
+        return
     others = par.data_parallel_replicate_degree * par.context_parallel_degree * par.tensor_parallel_degree
     shard = par.data_parallel_shard_degree
     if shard == -1:
