@@ -221,5 +221,3 @@ def test_context_parallel_logs_the_losses_of_the_pipeline_alone(config, tmp_path
     assert_trained(cp, 2)
     assert "Building device mesh with parallelism: pp=2, dp_replicate=1, dp_shard=1, cp=2, tp=1" in cp.output
     assert_same_losses(cp, ref, TOL_CP)
-
-
