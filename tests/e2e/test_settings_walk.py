@@ -44,7 +44,14 @@ SEQUENCE_PIPELINE = {
     "attention_backend=flash": ("--sequence_pipeline.attention_backend", "flash"),
     "attention_backend=sdpa": ("--sequence_pipeline.attention_backend", "sdpa"),
     "kv_context=full": ("--sequence_pipeline.kv_context", "full"),
-    "kv_context=reach+gpt_oss": ("--sequence_pipeline.kv_context", "reach", "--model.name", "gpt_oss"),
+    "kv_context=reach+llama4": (
+        "--sequence_pipeline.kv_context",
+        "reach",
+        "--model.name",
+        "llama4",
+        "--model.flavor",
+        "debugmodel_irope",
+    ),
     "bidirectional_placement=linear": ("--sequence_pipeline.bidirectional_placement", "linear"),
     "bidirectional_placement=linear+Chimera": (
         "--sequence_pipeline.bidirectional_placement",
