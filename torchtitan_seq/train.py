@@ -75,6 +75,10 @@ from torchtitan_seq.titan import cpu_compat  # noqa: E402
 
 cpu_compat.apply()  # before torchtitan is imported
 
+from torchtitan_seq.runtime.torch_internals import keep_async_collective_input_grads  # noqa: E402
+
+keep_async_collective_input_grads()  # compiled blocks under TP get their first input's gradient, any schedule
+
 from torchtitan.config import ConfigManager  # noqa: E402
 
 if TITAN_03:

@@ -50,3 +50,27 @@ def test_fsdp_and_tp_are_exact(dp_shard, tp, tmp_path):
     ]
     for r in run_variants(variants, tmp_path):
         assert_exact(r, n_losses=2)
+
+
+def test_fsdp_and_tp_are_exact_with_terapipe_and_interleaved(tmp_path):
+    # TeraPipe (GPipe order) and InterleavedSeq1F1B (two stages per rank) share Seq1F1B's runtime but not
+    # its order: FSDP's unshard/reshard and reduction and TP's collectives run at other points. pp2 x fsdp2
+    # and pp2 x tp2 both take 4 ranks, so one process group runs them all.
+    variants = [
+        Variant(
+            f"{schedule}-fsdp{dp_shard}-tp{tp}-{split}",
+            schedule=schedule,
+            k=4,
+            partition="compute",
+            dp_shard=dp_shard,
+            tp=tp,
+            seq_len=64,
+            split_backward=split == "IW",
+            microbatches=2,
+        )
+        for schedule in ("TeraPipe", "InterleavedSeq1F1B")
+        for dp_shard, tp in [(2, 1), (1, 2)]
+        for split in ("B", "IW")
+    ]
+    for r in run_variants(variants, tmp_path):
+        assert_exact(r, n_losses=2)

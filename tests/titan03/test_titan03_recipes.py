@@ -68,7 +68,6 @@ def test_the_sequence_pipeline_section_takes_overrides_as_0_3_takes_its_own():
             2,
             "split_backward = true cannot run with compile",
         ),
-        (["--compile.enable", "--parallelism.tensor-parallel-degree", "2"], 4, "tensor_parallel_degree = 2 in a pipe"),
         (
             ["--sequence-pipeline.split-backward", "activation-checkpoint:selective"],
             2,

@@ -44,6 +44,7 @@ GPT_OSS_FSDP = ("--parallelism.pipeline_parallel_degree", "1", "--parallelism.da
 REFUSALS: list[tuple[tuple[str, ...], str]] = [
     # (overrides of the shipped config, on 2 CPU processes; what the one-line refusal says)
     (("--model.name", "llama3_ft"), "cannot run model.name = 'llama3_ft': it has no chunk-aware attention"),
+    (("--compile.enable", "--sequence_pipeline.split_backward"), "split_backward = true cannot run with compile"),
     (("--model.name", "gpt_oss"), "model.name = 'gpt_oss' needs FSDP (parallelism.data_parallel_shard_degree = 1)"),
     (
         ("--activation_checkpoint.mode", "memory_budget"),
@@ -107,18 +108,16 @@ def test_refused_in_one_message_naming_the_setting(overrides, needle):
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_compile_with_tp_in_a_pipeline_is_refused():
-    for schedule in ("Seq1F1B", "1F1B"):  # torch's own fails the same way
-        with pytest.raises(ValueError) as e:
-            _check(
-                "--compile.enable",
-                "--parallelism.tensor_parallel_degree",
-                "2",
-                "--parallelism.pipeline_parallel_schedule",
-                schedule,
-                world=4,
-            )
-        assert "compile.enable = true cannot run with parallelism.tensor_parallel_degree = 2" in str(e.value)
+def test_compile_with_tp_passes_where_torch_is_repaired_and_is_refused_where_not(monkeypatch):
+    from torchtitan_seq.titan import job_rules
+
+    tp = ("--compile.enable", "--parallelism.tensor_parallel_degree", "2")
+    for schedule in ("Seq1F1B", "1F1B"):  # torch's own needs the repair too
+        _check(*tp, "--parallelism.pipeline_parallel_schedule", schedule, world=4)
+    monkeypatch.setattr(job_rules, "ASYNC_COLLECTIVE_REPAIRABLE", False)
+    with pytest.raises(ValueError) as e:
+        _check(*tp, world=4)
+    assert "compile.enable = true cannot run with parallelism.tensor_parallel_degree = 2 on torch" in str(e.value)
     _check("--compile.enable", "--parallelism.data_parallel_shard_degree", "2", world=4)  # FSDP2 runs
 
 

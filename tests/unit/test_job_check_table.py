@@ -20,10 +20,8 @@ with it, from these facts:
 * torchtitan's own CP (torch's schedules, or no pipeline) runs torch's ring attention, which has no
   CPU kernel, and shards flex attention's block masks, which llama3_seq's block-causal flavors
   replace by document ids;
-* torch 2.13-2.15's compiled blocks take plain tensors for DTensors in backward under TP in a
-  pipeline (torch's 1F1B alike);
-* the project's policy: a sequence schedule's own CP runs eager (a compiled block would save its own
-  share of K/V for backward).
+* torch 2.13-2.15's compiled blocks lose their first input's gradient under TP, which the project repairs
+  (``torch_internals.keep_async_collective_input_grads``): compile with TP runs where the repair reaches.
 
 A row is refused in one line naming one of the settings :func:`expected` gives, or passes where it
 gives none. :func:`test_every_rule_of_the_check_matters` turns each rule of ``check_job`` into one
@@ -132,8 +130,6 @@ def expected(row: Row) -> frozenset[str]:
     names = set()
     if dims.dp_replicate_enabled and not dims.fsdp_enabled and dims.world_size != dims.dp_replicate:
         names.add("data_parallel_replicate_degree")
-    if row.compile and row.tp > 1 and row.pp > 1:
-        names.add("compile.enable")
     if row.cp > 1 and not units and (not cuda or row.flavor == BLOCK_CAUSAL):
         names.add("context_parallel_degree")
     if sequence and row.backend == "flash" and not (cuda and row.flash_installed):
@@ -222,7 +218,7 @@ def test_the_cuda_kernels_take_half_precision_alone():
 def test_the_table_covers_every_answer():
     """Rows the job runs, and rows refused for each fact of :func:`expected`, on each device."""
     answers = {(row.device, name) for row in ROWS for name in expected(row) or {"runs"}}
-    facts = {"runs", "data_parallel_replicate_degree", "compile.enable", "context_parallel_degree", "attention_backend"}
+    facts = {"runs", "data_parallel_replicate_degree", "context_parallel_degree", "attention_backend"}
     assert answers == {(d, f) for d in ("cuda", "cpu") for f in facts} | {("cuda", "mixed_precision_param")}
 
 

@@ -193,3 +193,24 @@ def test_function_apply_is_torchs_apply():
     assert torch.equal(x.grad, torch.full((3,), 2.0)) and torch.equal(y.grad, torch.ones(3))
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda t: apply(t, t, 2.0).sum())(torch.randn(3))
+
+
+@pytest.mark.slow  # a compile (aot_eager: seconds)
+def test_a_compiled_graph_keeps_the_gradient_of_an_async_collective_input():
+    """An AsyncCollectiveTensor that requires grad (a reduce-scatter not yet waited for, as TP's embedding
+    hands the first block) gets its gradient from a compiled graph, as in eager; torch 2.13 to 2.15 drop it
+    without keep_async_collective_input_grads."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    assert torch_internals.ASYNC_COLLECTIVE_REPAIRABLE and torch_internals.keep_async_collective_input_grads()
+    scale = torch.randn(4, requires_grad=True)
+    grads = []
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return (t * scale).sin()
+
+    for compiled in (False, True):
+        x = AsyncCollectiveTensor(torch.arange(12.0).view(3, 4)).requires_grad_()
+        (torch.compile(block, backend="aot_eager", fullgraph=True) if compiled else block)(x).sum().backward()
+        grads.append(x.grad)
+    assert grads[1] is not None and torch.allclose(grads[0], grads[1])

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch._dynamo.config
+import torch._functorch.aot_autograd
 import torch._utils
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -48,6 +49,8 @@ __all__ = [
     "stage_to_rank_mapping",
     "detach_tensors",
     "allow_recompiles",
+    "keep_async_collective_input_grads",
+    "ASYNC_COLLECTIVE_REPAIRABLE",
     "dispatch_mode_active",
     "persistent_buffers",
     "C_FUNCTION_APPLY",
@@ -85,6 +88,9 @@ PRIVATE_NAMES: dict[str, str] = {
     "public pytree)",
     "torch._dynamo": "config.recompile_limit: a compiled block meets one shape per unit length, and the default "
     "limit is below the lengths a schedule may cut",
+    "torch._functorch": "aot_autograd.process_inputs (and _aot_autograd.frontend_utils', its home), which makes "
+    "a compiled graph's inputs fake and drops requires_grad from AsyncCollectiveTensor inputs; the only place "
+    "to keep it, which torch has no setting for (keep_async_collective_input_grads)",
     "torch._C": "_len_torch_dispatch_stack: whether a TorchDispatchMode (selective checkpointing's cache, fake "
     "tensors) sees the ops that run; torch has no public query, and unit attention runs as one op under one. "
     "_FunctionBase.apply, _functorch.unwrap_if_dead, _are_functorch_transforms_active: Function.apply as torch "
@@ -158,6 +164,53 @@ def detach_tensors(tree: Any) -> Any:
 def allow_recompiles(graphs: int) -> None:
     """Let torch.compile keep at least ``graphs`` graphs per compiled function (one per unit length)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+
+
+def keep_async_collective_input_grads() -> bool:
+    """Give a compiled graph's input that is an AsyncCollectiveTensor requiring grad its gradient back;
+    whether the repair is in place (False: a torch without the function it wraps).
+
+    Under tensor parallelism with sequence parallel, torchtitan's embedding (``RowwiseParallel``, output
+    ``Shard(1)``) reduce-scatters without waiting and hands the first compiled block an
+    AsyncCollectiveTensor that requires grad. torch 2.13 to 2.15 make a compiled graph's inputs fake in
+    ``torch._functorch._aot_autograd.frontend_utils.process_inputs``, which replaces such an input by
+    ``trigger_wait()``, the collective's plain result, without requires_grad: AOT autograd then
+    traces the input as constant, and the compiled backward returns None for it, so the embedding's
+    DTensor backward gets autograd's plain zeros (``'Tensor' object has no attribute '_local_tensor'``),
+    with torch's own schedules and without a pipeline alike. The repair marks the fakes of inputs that
+    required grad as requiring it again, as every other input's fake does (torch's own repair upstream:
+    "Preserve requires_grad when unwrapping ACT inputs in process_inputs"); on a torch whose fakes keep
+    it, nothing changes. Installed by every sequence pipeline stage and by ``torchtitan_seq.train``
+    (for torch's schedules too) before anything compiles; calling it again changes nothing.
+    """
+    process_inputs = getattr(torch._functorch.aot_autograd, "process_inputs", None)
+    if process_inputs is None:
+        return False
+    if getattr(process_inputs, "keeps_input_grads", False):
+        return True
+
+    def keeping_input_grads(flat_args: list, *args: Any, **kwargs: Any) -> Any:
+        needed = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        out = process_inputs(flat_args, *args, **kwargs)
+        # (fakes, the ACT inputs' places) since torch unwraps ACT inputs; the fakes alone before
+        fakes = out[0] if isinstance(out, tuple) else out
+        for i in needed:
+            # a fake without requires_grad is a leaf: only the flag is missing
+            if isinstance(fakes[i], torch.Tensor) and not fakes[i].requires_grad:
+                fakes[i].requires_grad_(True)
+        return out
+
+    keeping_input_grads.keeps_input_grads = True
+    # aot_autograd calls the name it imported from its home module: both are replaced
+    for owner in (torch._functorch.aot_autograd, torch._functorch._aot_autograd.frontend_utils):
+        if getattr(owner, "process_inputs", None) is process_inputs:
+            owner.process_inputs = keeping_input_grads
+    return True
+
+
+ASYNC_COLLECTIVE_REPAIRABLE: bool = hasattr(torch._functorch.aot_autograd, "process_inputs")
+"""Whether :func:`keep_async_collective_input_grads` can repair this torch (it has the function the repair
+wraps): compiled blocks under tensor parallelism get their first input's gradient."""
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ from torchtitan_seq.instrumentation.timeline import RECORDER
 from torchtitan_seq.runtime.context_parallel import ContextShard
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
 from torchtitan_seq.runtime.reach import KVContextMode
-from torchtitan_seq.runtime.torch_internals import UnitStageBase, detach_tensors
+from torchtitan_seq.runtime.torch_internals import UnitStageBase, detach_tensors, keep_async_collective_input_grads
 from torchtitan_seq.schedules.ordering import B, F, I, W, stage_passes
 from torchtitan_seq.schedules.receives import scale_receives
 
@@ -58,6 +58,7 @@ class SequencePipelineStage(UnitStageBase):
         **kwargs: Any,
     ) -> None:
         self.chain_length = chain_length or num_stages
+        keep_async_collective_input_grads()  # compiled blocks under TP get their first input's gradient
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)
         if not lengths or min(lengths) < 1:
             raise ValueError(f"subsequence lengths must be positive, got {lengths}")

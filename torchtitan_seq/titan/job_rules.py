@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_seq.runtime.torch_internals import ASYNC_COLLECTIVE_REPAIRABLE
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ScheduleShape
 from torchtitan_seq.titan import pipeline_core
 
@@ -146,19 +147,21 @@ def check_unit_precision(schedule: str, pp_degree: int, activations: str, why: s
         )
 
 
-def check_compile(compile_model: bool, *, split_backward: bool, sequence: bool, tp_degree: int, pp_degree: int) -> None:
-    """Refuse compiled blocks with a split backward or with tensor parallelism in a pipeline.
+def check_compile(compile_model: bool, *, split_backward: bool, sequence: bool, tp_degree: int) -> None:
+    """Refuse compiled blocks with a split backward, and with tensor parallelism on a torch the project
+    cannot repair.
 
     A compiled block is one autograd node, so a split backward's weight pass would run its whole
-    backward again; and torch 2.13 to 2.15 hand the compiled blocks' backward plain tensors for DTensors
-    under tensor parallelism in a pipeline.
+    backward again. Under tensor parallelism torch 2.13 to 2.15 drop the gradient of the first compiled
+    block's input (the embedding's reduce-scatter, not yet waited for), with any schedule;
+    :func:`~torchtitan_seq.runtime.torch_internals.keep_async_collective_input_grads` repairs it where
+    torch has the function it wraps.
 
     Args:
         compile_model: ``compile.enable`` with the model among its components.
         split_backward: ``sequence_pipeline.split_backward``.
         sequence: whether the job runs a sequence schedule (a split backward is theirs).
         tp_degree: the tensor-parallel degree.
-        pp_degree: the pipeline degree.
 
     Raises:
         ValueError: compiled blocks with either.
@@ -169,11 +172,11 @@ def check_compile(compile_model: bool, *, split_backward: bool, sequence: bool, 
             "autograd node, so the weight pass would run its whole backward again (and torch 2.13 then gets some "
             "weight gradients wrong); use a full backward"
         )
-    if compile_model and tp_degree > 1 and pp_degree > 1:
+    if compile_model and tp_degree > 1 and not ASYNC_COLLECTIVE_REPAIRABLE:
         raise ValueError(
-            f"compile.enable = true cannot run with parallelism.tensor_parallel_degree = {tp_degree} in a "
-            "pipeline: torch 2.13 to 2.15 hand the compiled blocks' backward plain tensors for DTensors (torch's "
-            "1F1B alike); turn one of them off"
+            f"compile.enable = true cannot run with parallelism.tensor_parallel_degree = {tp_degree} on torch "
+            f"{torch.__version__}: its compiled blocks drop the gradient of the embedding's reduce-scatter (torch's "
+            "own schedules alike), and torchtitan_seq's repair does not reach this torch; turn one of them off"
         )
 
 

@@ -97,8 +97,8 @@ def _check_weight_tying(job_config: JobConfig, spec: TrainSpec) -> None:
 
 
 def _check_compile(job_config: JobConfig) -> None:
-    """torchtitan's memory-budget AC is a compile pass; compiled blocks run no split backward, nor
-    tensor parallelism in a pipeline (:func:`~torchtitan_seq.titan.job_rules.check_compile`)."""
+    """torchtitan's memory-budget AC is a compile pass; compiled blocks run no split backward
+    (:func:`~torchtitan_seq.titan.job_rules.check_compile`)."""
     par, ac = job_config.parallelism, job_config.activation_checkpoint
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     check_compile(
@@ -106,7 +106,6 @@ def _check_compile(job_config: JobConfig) -> None:
         split_backward=job_config.sequence_pipeline.split_backward,
         sequence=par.pipeline_parallel_schedule in SEQUENCE_SCHEDULES,
         tp_degree=par.tensor_parallel_degree,
-        pp_degree=par.pipeline_parallel_degree,
     )
     if ac.mode == "memory_budget" and not compile_model:
         raise ValueError(

@@ -68,11 +68,7 @@ def _check_sequence_job(config: Any) -> None:
     job_rules.check_family(name, config.model_spec.name, SEQUENCE_MODELS)
     compile_model = config.compile.enable and "model" in config.compile.components
     job_rules.check_compile(
-        compile_model,
-        split_backward=seq.split_backward,
-        sequence=True,
-        tp_degree=par.tensor_parallel_degree,
-        pp_degree=par.pipeline_parallel_degree,
+        compile_model, split_backward=seq.split_backward, sequence=True, tp_degree=par.tensor_parallel_degree
     )
     job_rules.check_instrumentation(seq.activation_memory_freq)
     param = config.training.mixed_precision_param
