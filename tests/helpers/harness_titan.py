@@ -434,7 +434,7 @@ def _config03(seq_len: int, n_layers: int, family: str):
 def _llama3_config03(seq_len: int, n_layers: int):
     """0.3's Llama 3 config of the tiny model. ``_build_llama3_layers`` and the initialisers are 0.3's
     private ones, its flavors'."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.common import ComplexRoPE, compute_ffn_hidden_dim
     from torchtitan.models.llama3 import (
         _EMBEDDING_INIT,
         _NORM_INIT,
@@ -443,22 +443,32 @@ def _llama3_config03(seq_len: int, n_layers: int):
         _output_linear_init,
     )
 
-    return Llama3Model.Config(
+    layers = _build_llama3_layers(
+        fuse_qkv=True,
+        n_layers=n_layers,
+        dim=DIM,
+        n_heads=HEADS,
+        n_kv_heads=KV_HEADS,
+        hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=MULTIPLE_OF),
+        rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=seq_len, theta=ROPE_THETA, scaling="none"),
+        attn_backend="flex",
+    )
+    return _decoder_config03(Llama3Model, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init, layers)
+
+
+def _decoder_config03(model_cls: type, embedding_init: Any, norm_init: Any, output_init: Any, layers: list):
+    """The tiny model's config of a 0.3 family built as Llama 3, DeepSeek-V3 and gpt-oss build theirs: the
+    family's ``model_cls`` of ``layers``, the embeddings, final norm and output layer initialised by the
+    family's own initialisers (``output_init(dim)`` the output layer's)."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+
+    return model_cls.Config(
         dim=DIM,
         vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
-        layers=_build_llama3_layers(
-            fuse_qkv=True,
-            n_layers=n_layers,
-            dim=DIM,
-            n_heads=HEADS,
-            n_kv_heads=KV_HEADS,
-            hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=MULTIPLE_OF),
-            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=seq_len, theta=ROPE_THETA, scaling="none"),
-            attn_backend="flex",
-        ),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=embedding_init),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm_init),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=output_init(DIM)),
+        layers=layers,
     )
 
 
@@ -514,7 +524,7 @@ def _deepseek_v3_config03(seq_len: int, n_layers: int):
     mscale, the first layer dense, then MoE layers of 4 experts, 2 routed a token, and one shared expert,
     the experts in fp32 (:func:`_float32_experts`). ``_build_dsv3_layers`` and the initialisers are 0.3's
     private ones, its flavors'."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import ComplexRoPE
     from torchtitan.models.deepseek_v3 import (
         _EMBEDDING_INIT,
         _NORM_INIT,
@@ -540,14 +550,7 @@ def _deepseek_v3_config03(seq_len: int, n_layers: int):
     layers = _build_dsv3_layers(**shape, **mla, **moe, **backends, rope=rope)
     for layer in layers[1:]:
         _use_experts(layer.moe, _float32_experts())
-    return DeepSeekV3Model.Config(
-        dim=DIM,
-        vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
-        layers=layers,
-    )
+    return _decoder_config03(DeepSeekV3Model, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init, layers)
 
 
 def _gpt_oss_config03(seq_len: int, n_layers: int):
@@ -556,7 +559,7 @@ def _gpt_oss_config03(seq_len: int, n_layers: int):
     4 experts, 2 routed a token, and one shared expert (gpt-oss has none, 0.3's MoE config takes one), the
     experts in fp32 (:func:`_float32_gpt_oss_experts`). ``_build_gptoss_layers``,
     ``_make_gptoss_attn_config`` and the initialisers are 0.3's private ones, its flavors'."""
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import CosSinRoPE
     from torchtitan.models.common.config_utils import make_ffn_config
     from torchtitan.models.gpt_oss import (
         _EMBEDDING_INIT,
@@ -606,14 +609,7 @@ def _gpt_oss_config03(seq_len: int, n_layers: int):
         init = _depth_init(layer_id)
         layer.moe.shared_experts = make_ffn_config(dim=DIM, hidden_dim=DIM, w1_param_init=init, w2w3_param_init=init)
         _use_experts(layer.moe, _float32_gpt_oss_experts())
-    return GptOssModel.Config(
-        dim=DIM,
-        vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
-        layers=layers,
-    )
+    return _decoder_config03(GptOssModel, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init, layers)
 
 
 def _use_experts(moe, experts_cls: type) -> None:
