@@ -1,7 +1,5 @@
 """BSIPipe through torchtitan: from one seed checkpoint it logs the losses of 1F1B."""
 
-import shutil
-
 import pytest
 
 from titan import assert_same_losses, assert_trained, run_train
@@ -25,15 +23,14 @@ def test_logs_the_losses_of_1f1b_from_one_seed_checkpoint(tmp_path):
     runs = {}
     for schedule in ("BSIPipe", "1F1B"):
         folder = tmp_path / schedule
-        shutil.copytree(tmp_path / "seed" / "checkpoint", folder / "checkpoint")
         runs[schedule] = run_train(
             *SMALL,
             "--training.steps",
             "5",
             "--checkpoint.enable",
-            "--checkpoint.interval",
-            "1000",
-            "--checkpoint.last_save_model_only",
+            "--checkpoint.initial_load_path",
+            str(tmp_path / "seed" / "checkpoint" / "step-0"),
+            "--checkpoint.load_only",
             "--parallelism.pipeline_parallel_schedule",
             schedule,
             dump_folder=folder,

@@ -208,8 +208,7 @@ def test_context_parallel_logs_the_losses_of_the_pipeline_alone(config, tmp_path
         "--checkpoint.enable",
         "--checkpoint.initial_load_path",
         str(tmp_path / "seed" / "checkpoint" / "step-0"),
-        "--checkpoint.interval",
-        "100",
+        "--checkpoint.load_only",
         "--training.mixed_precision_param",
         "float32",
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,11 +71,12 @@ def losses_from_one_seed(
         env={"NGPU": "1"},
     )
     assert seed.returncode == 0, seed.output[-3000:]
+    seed_step = (tmp_path / "seed" / "checkpoint" / "step-0").resolve()
     losses = {}
     for name, (own, env) in runs.items():
         folder = tmp_path / name
-        shutil.copytree(tmp_path / "seed" / "checkpoint", folder / "checkpoint")
-        checkpoint = ("--checkpoint.enable", "--checkpoint.interval", "1000")
+        # Loaded, never saved: a debug model's checkpoint is up to a gigabyte (gpt-oss's vocabulary).
+        checkpoint = ("--checkpoint.enable", "--checkpoint.initial-load-path", str(seed_step), "--checkpoint.load-only")
         run = run_train(
             *overrides, *own, "--training.steps", str(steps), *checkpoint, dump_folder=folder, config=config, env=env
         )
