@@ -23,12 +23,20 @@ def _variants(pp: int) -> list[Variant]:
     ]
 
 
-@pytest.fixture(
-    scope="module", params=[pytest.param(p, marks=pytest.mark.slow) for p in (2, 4)], ids=lambda p: f"pp{p}"
-)
+EXACT = {pp: _variants(pp) for pp in (2, 4)}
+# 4 ranks: pp=2 x tp=2 (TP shards the heads, each KV context holds its rank's) and pp=2 x dp_shard=2 (FSDP2
+# reduces once per step; the pairs combine the shards).
+TP_FSDP = [
+    Variant("pp2-tp2-k2", schedule="BSIPipe", pp=2, tp=2, k=2, layers=4),
+    Variant("pp2-tp2-copies", schedule="BSIPipe", pp=2, tp=2, k=2, layers=4, optimizer_steps=3),
+    Variant("pp2-fsdp2-k2", schedule="BSIPipe", pp=2, dp_shard=2, k=2, layers=4),
+]
+
+
+@pytest.fixture(scope="module", params=[pytest.param(p, marks=pytest.mark.slow) for p in EXACT], ids=lambda p: f"pp{p}")
 def results(request, tmp_path_factory):
     pp = request.param
-    return {r["name"]: r for r in run_variants(_variants(pp), tmp_path_factory.mktemp(f"pp{pp}"))}
+    return {r["name"]: r for r in run_variants(EXACT[pp], tmp_path_factory.mktemp(f"pp{pp}"))}
 
 
 def test_exact_against_full_sequence(results):
@@ -49,14 +57,8 @@ def test_copies_stay_identical_over_optimizer_steps(results):
 
 @pytest.mark.slow
 def test_tensor_parallel_and_fsdp_match_the_reference(tmp_path):
-    """4 ranks: pp=2 x tp=2 (TP shards the heads, each KV context holds its rank's) and
-    pp=2 x dp_shard=2 (FSDP2 reduces once per step; the pairs combine the shards)."""
-    variants = [
-        Variant("pp2-tp2-k2", schedule="BSIPipe", pp=2, tp=2, k=2, layers=4),
-        Variant("pp2-tp2-copies", schedule="BSIPipe", pp=2, tp=2, k=2, layers=4, optimizer_steps=3),
-        Variant("pp2-fsdp2-k2", schedule="BSIPipe", pp=2, dp_shard=2, k=2, layers=4),
-    ]
-    tp, copies, fsdp = run_variants(variants, tmp_path)
+    """:data:`TP_FSDP` against the reference, the copies identical after each step."""
+    tp, copies, fsdp = run_variants(TP_FSDP, tmp_path)
     assert_exact(tp, n_losses=2)
     assert_exact(copies, n_losses=2)
     assert copies["copies_diff"] == [0.0, 0.0, 0.0], copies

@@ -6,7 +6,7 @@ import pytest
 
 from harness import Variant, assert_exact, run_variants
 
-EXACT = [
+_SEQ1F1B = [
     Variant(f"k{k}-{part}", k=k, partition=part)
     for k, part in itertools.product((1, 2, 3, 4), ("even", "compute"))
     if k > 1 or part == "even"  # one subsequence: both partitions are the whole sequence
@@ -26,13 +26,13 @@ def _interleaved(variants, pp):
     ]
 
 
-@pytest.fixture(
-    scope="module", params=[pytest.param(p, marks=pytest.mark.slow) for p in (2, 4)], ids=lambda p: f"pp{p}"
-)
+EXACT = {pp: _interleaved(_SEQ1F1B, pp) for pp in (2, 4)}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(p, marks=pytest.mark.slow) for p in EXACT], ids=lambda p: f"pp{p}")
 def results(request, tmp_path_factory):
     pp = request.param
-    variants = _interleaved(EXACT, pp)
-    return {r["name"]: r for r in run_variants(variants, tmp_path_factory.mktemp(f"pp{pp}"))}
+    return {r["name"]: r for r in run_variants(EXACT[pp], tmp_path_factory.mktemp(f"pp{pp}"))}
 
 
 def test_exact_against_full_sequence(results):
