@@ -49,6 +49,13 @@ TWO_RANKS = [
     Variant(
         "bottom_right_descending", k=4, partition="compute", kernels=BOTTOM_RIGHT, mutation="bottom_right_descending"
     ),
+    Variant(
+        "kv_offload_not_copied_out",
+        schedule="InterleavedSeq1F1B",
+        k=4,
+        kv_offload=True,
+        mutation="kv_offload_not_copied_out",
+    ),
 ]
 FOUR_RANKS = [
     Variant("tp_wrong_shard", k=4, tp=2, seq_len=64, mutation="tp_wrong_shard"),
@@ -69,13 +76,22 @@ def results(tmp_path_factory):
 
 # Mutations of what only an MoE model has, exercised on Qwen3 MoE in test_families.py.
 MOE_ONLY = {"inference_counts_kept"}
-# Mutations of what only another family has (sliding windows, sinks, MLA's decoupled RoPE, attention
+# Mutations of what only another family has (sliding windows, sinks, MLA's decoupled RoPE and latent, attention
 # chunks), exercised on it in test_families.py.
-FAMILY_ONLY = {"window_off_by_one", "sink_per_call", "mla_rope_at_sequence_positions", "chunk_boundary_at_unit_start"}
+FAMILY_ONLY = {
+    "window_off_by_one",
+    "sink_per_call",
+    "mla_rope_at_sequence_positions",
+    "chunk_boundary_at_unit_start",
+    "latent_prefix_grad_dropped",
+}
+# HSDP's, exercised under torchtitan 0.3 (tests/titan03/test_titan03_harness.py), whose replicas need no shards;
+# 0.2.2 pipelines replicas only over FSDP2's shards (without them they are its DDP), on 8 ranks.
+HSDP_ONLY = {"replicas_not_reduced"}
 
 
 def test_every_mutation_is_exercised():
-    assert {v.mutation for v in TWO_RANKS + FOUR_RANKS} | MOE_ONLY | FAMILY_ONLY == set(MUTATIONS)
+    assert {v.mutation for v in TWO_RANKS + FOUR_RANKS} | MOE_ONLY | FAMILY_ONLY | HSDP_ONLY == set(MUTATIONS)
 
 
 def _check(results, name: str) -> None:
@@ -157,6 +173,11 @@ def test_bottom_right_kernel_reading_a_descending_slab(results):
     """A kernel that aligns causal masks bottom-right (flash-attn's, torch's CUDA flash kernel) makes its
     one call over a slab an arena holds from the top: it reads prefix and own keys last position first."""
     _check(results, "bottom_right_descending")
+
+
+def test_kv_offload_copying_stale_kv_back(results):
+    """The K/V offload frees an arena without copying it out: the units that read it next read zeros."""
+    _check(results, "kv_offload_not_copied_out")
 
 
 def test_context_parallel_kv_shard_left_out_of_the_gather(results):

@@ -63,6 +63,7 @@ class Variant:
     layers: int = 4  # of the tiny model: pp * v stages need enough of them
     ac: str = "none"  # torchtitan activation checkpointing: none, full, selective:<layers|op>
     dp_shard: int = 1  # FSDP2 degree, through torchtitan's parallelize_llama
+    dp_replicate: int = 1  # replicas of the FSDP2 shards (HSDP), each training its own rows, likewise
     tp: int = 1  # tensor-parallel degree, likewise
     cp: int = 1  # context-parallel degree: each unit's queries over cp ranks (FSDP then spans them)
     compile: str | None = None  # torch.compile backend of torchtitan's per-block compile, e.g. "inductor"
@@ -76,11 +77,20 @@ class Variant:
     # the tiny model's: llama3, qwen3, qwen3_moe; under 0.2.2 also deepseek_v3, deepseek_v3_q_lora, llama4
     # and gpt_oss (harness_titan.Titan022.model_args)
     family: str = "llama3"
-    kv_context: str = "reach"  # what the KV context keeps of a bounded layer: "reach" or "full" (every key)
+    kv_context: str = "reach"  # what the KV context keeps: "reach", "full" (every key) or "latent" (MLA's latent)
+    # after the compared step, the schedule's eval too (forward only, as torchtitan's validator calls it on
+    # microbatches): its loss is compared, and it must leave the KV context empty
+    evaluate: bool = False
+    kv_offload: bool = False  # sequence_pipeline.kv_offload: idle K/V arenas copied to host memory and back
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks, each training its own rows of the batch: replicas x FSDP shards."""
+        return self.dp_replicate * self.dp_shard
 
     @property
     def stages_per_rank(self) -> int:
@@ -90,8 +100,8 @@ class Variant:
 
     @property
     def batch_size(self) -> int:
-        """Rows of a step's batch over all data-parallel ranks: two per microbatch."""
-        return 2 * self.microbatches
+        """Rows of a step's batch over all data-parallel ranks: per microbatch two, or one per data-parallel rank."""
+        return max(2, self.dp) * self.microbatches
 
 
 model_args = TITAN.model_args  # the tiny model's args (0.2.2's TransformerModelArgs; 0.3: its shape)
@@ -124,8 +134,8 @@ def _free_port() -> int:
 
 
 def dp_rank_of(rank: int, v: Variant) -> int:
-    """Data-parallel coordinate of ``rank`` in torchtitan's mesh order (pp, dp_shard, cp, tp)."""
-    return rank // (v.tp * v.cp) % v.dp_shard
+    """Data-parallel coordinate of ``rank`` in torchtitan's mesh order (pp, dp_replicate, dp_shard, cp, tp)."""
+    return rank // (v.tp * v.cp) % v.dp
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -196,9 +206,9 @@ def _batches(v: Variant, vocab_size: int) -> list[Batch]:
 
 def _data_parallel_rows(v: Variant, rank: int) -> slice:
     """The batch rows ``rank`` trains on: its data-parallel slice of the batch."""
-    if v.dp_shard == 1:
+    if v.dp == 1:
         return slice(None)
-    n = v.batch_size // v.dp_shard
+    n = v.batch_size // v.dp
     return slice(dp_rank_of(rank, v) * n, (dp_rank_of(rank, v) + 1) * n)
 
 
@@ -255,6 +265,7 @@ def _stages(v: Variant, args, chunks, dims) -> list:
             chain_length=chain,
             context_shard=shard,
             kv_context=v.kv_context,
+            kv_offload=v.kv_offload,
             group=pp_mesh.get_group(),
         )
         for index, chain, chunk in chunks
@@ -282,8 +293,9 @@ def _mutated(v: Variant, dims) -> Iterator[None]:
 
     context = MutationContext(
         schedule=v.schedule,
-        units_per_step=v.microbatches * v.k * v.dp_shard,
+        units_per_step=v.microbatches * v.k * v.dp,
         tp_group=dims.get_mesh("tp").get_group() if v.tp > 1 else None,
+        replicate_group=dims.get_mesh("dp_replicate").get_group() if v.dp_replicate > 1 else None,
     )
     with contextlib.ExitStack() as stack:
         for patch in patches(v.mutation, context):
@@ -358,6 +370,25 @@ class _PipelineRun:
             self.graphs.append(counters["stats"]["unique_graphs"])
         return losses
 
+    def evaluate(self, b: Batch) -> list | None:
+        """The schedule's ``eval`` on ``b``, in microbatches as torchtitan 0.3's validator hands them over,
+        without gradients; the last stage's microbatch losses (None on other ranks)."""
+        n, rows = self.schedule.num_microbatches, self.rows
+
+        def split(t: torch.Tensor) -> list[torch.Tensor]:
+            return list(t[rows].tensor_split(n))
+
+        losses = [] if self.last else None
+        masks = [{}] * n if b.documents is None else [{"attention_masks": m} for m in split(b.documents)]
+        with TITAN.step_context(self.dims), torch.no_grad():
+            self.schedule.eval(
+                arg_mbs=[(t,) for t in split(b.tokens)] if self.first else None,
+                kwarg_mbs=masks,
+                target_mbs=split(b.labels) if self.last else None,
+                losses=losses,
+            )
+        return losses
+
     def next_kernel(self) -> None:
         """The records of saved activations and host reads start again for the next kernel's steps
         (the graphs compiled so far are counted on: a kernel switch compiles nothing)."""
@@ -394,16 +425,21 @@ def _report(run: _PipelineRun, chunks, stages: list, losses: list | None, compar
         "host_reads": run.host_reads,
         "expert_counts_diff": _expert_counts_diff(chunks, ref_counts, run.steps_per_compare, dims),
     }
-    # Every last stage holds its units' losses (BSIPipe and Chimera have two); the pipeline's sum is the
-    # loss, and under CP the sum of the CP ranks' shares.
+    if (loss_rel := _loss_rel(run, losses, ref_loss, dims)) is not None:
+        out["loss_rel"] = loss_rel
+        out["n_losses"] = len(losses)
+    return out
+
+
+def _loss_rel(run: _PipelineRun, losses: list | None, ref_loss: float, dims) -> float | None:
+    """The pipeline's loss from each last stage's ``losses`` (BSIPipe and Chimera have two; the pipeline's
+    sum is the loss, and under CP the sum of the CP ranks' shares), relative to the reference's; None on
+    ranks without a last stage."""
     loss = torch.tensor(float(sum(losses)) if run.last else 0.0)
     dist.all_reduce(loss, group=dims.get_mesh("pp").get_group())
     if dims.cp > 1:
         dist.all_reduce(loss, group=dims.get_mesh("cp").get_group())
-    if run.last:
-        out["loss_rel"] = abs(loss.item() - ref_loss) / abs(ref_loss)
-        out["n_losses"] = len(losses)
-    return out
+    return abs(loss.item() - ref_loss) / abs(ref_loss) if run.last else None
 
 
 def _expert_counts_diff(chunks, ref_counts: dict, steps: int | None, dims) -> float:
@@ -417,7 +453,7 @@ def _expert_counts_diff(chunks, ref_counts: dict, steps: int | None, dims) -> fl
         if index >= chain:
             continue
         for name, counted in expert_counts(chunk).items():
-            if dims.dp_shard > 1:
+            if dims.dp_replicate * dims.dp_shard > 1:
                 dist.all_reduce(counted, group=dims.get_mesh("batch").get_group())
             worst = max(worst, float((counted - steps * ref_counts[name]).abs().max()))
     return worst
@@ -451,6 +487,10 @@ def _run_variant(v: Variant, rank: int) -> dict:
                 expert_counts(chunk, zero=True)
             losses = run.step(batches[-1], repeats=v.steps)
             reports[kernel] = _report(run, chunks, stages, losses, compared, dims)
+            if v.evaluate:  # after the step's report: torch's eval prepares the stages again, gradients cleared
+                eval_rel = _loss_rel(run, run.evaluate(batches[-1]), compared[0], dims)
+                reports[kernel].update({} if eval_rel is None else {"eval_loss_rel": eval_rel})
+                reports[kernel]["kv_left"] += sum(len(s.kv_context) for s in stages)
     return {"kernels": reports}
 
 
@@ -500,6 +540,7 @@ def _merge(name: str, recs: list[dict]) -> dict:
         "worst_param": max(recs, key=lambda r: r.get("grad_rel", float("inf"))).get("worst_param"),
         "ref_grad_min": min((r.get("ref_grad_min", 0.0) for r in recs), default=0.0),
         "loss_rel": max((r["loss_rel"] for r in recs if "loss_rel" in r), default=float("inf")),
+        "eval_loss_rel": max((r["eval_loss_rel"] for r in recs if "eval_loss_rel" in r), default=None),
         "kv_left": sum(r.get("kv_left", 0) for r in recs),
         "activations_left": max(r.get("activations_left", 0) for r in recs),
         "peaks": [r.get("peaks") for r in recs],
@@ -572,6 +613,7 @@ def assert_exact(r: dict, n_losses: int | None = None) -> None:
     for k in r["kernels"].values():
         assert k["ref_grad_min"] >= GRAD_FLOOR, k  # else a wrong gradient could hide in round-off
         assert k["loss_rel"] <= TOL and k["grad_rel"] <= TOL, k
+        assert k["eval_loss_rel"] is None or k["eval_loss_rel"] <= TOL, k  # the schedule's eval, where it ran
         assert k["kv_left"] == 0, k
         assert k["activations_left"] == 0, k
         assert k["expert_counts_diff"] == 0, k  # an MoE's tokens per expert, as the whole batch routes them
@@ -588,7 +630,9 @@ def assert_breaks_exactness(r: dict, margin: float = 100) -> float:
     ``margin`` x the tolerance; returns the smallest of their relative errors."""
     assert r["error"] is None, f"{r['name']}:\n{r['error']}"
     assert r["kernels"], r
-    errors = {kernel: max(k["grad_rel"], k["loss_rel"]) for kernel, k in r["kernels"].items()}
+    errors = {
+        kernel: max(k["grad_rel"], k["loss_rel"], k["eval_loss_rel"] or 0.0) for kernel, k in r["kernels"].items()
+    }
     for kernel, error in errors.items():
         assert error > margin * TOL, r["kernels"][kernel]
     return min(errors.values())

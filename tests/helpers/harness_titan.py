@@ -21,9 +21,9 @@ this rank's chunks, parallelising each chunk with the version's parallelize func
   ``_split_module`` as :mod:`torchtitan_seq.titan.v03.pipeline` cuts them, parallelised by the family's
   model spec's ``parallelize_fn`` (keyword configs: ``training``, ``parallelism``, ``compile_config``,
   ``ac_config``), pipeline steps inside 0.3's SPMD context (its ``spmd_types`` backend, as the
-  trainer's ``train_context``). 0.3's families fuse wq, wk and wv into one ``wqkv``; the names the
-  harness compares are each version's own, on both sides. CP is refused under 0.3 (as
-  :mod:`torchtitan_seq.titan.v03.job_check` refuses it).
+  trainer's ``train_context``; under CP both with the CP ranks as FSDP's, the degrees of
+  :func:`~torchtitan_seq.titan.v03.pipeline.chunk_parallel_dims`). 0.3's families fuse wq, wk and wv into
+  one ``wqkv``; the names the harness compares are each version's own, on both sides.
 """
 
 from __future__ import annotations
@@ -234,9 +234,8 @@ class Titan022:
         from torchtitan_seq.titan.cpu_compat import fsdp_for_gloo
         from torchtitan_seq.titan.v022.pipeline import chunk_parallel_dims, split_model
 
-        dims = ParallelDims(
-            dp_replicate=1, dp_shard=v.dp_shard, cp=v.cp, tp=v.tp, pp=v.pp, ep=1, etp=1, world_size=v.world
-        )
+        degrees = dict(dp_replicate=v.dp_replicate, dp_shard=v.dp_shard, cp=v.cp, tp=v.tp, pp=v.pp)
+        dims = ParallelDims(**degrees, ep=1, etp=1, world_size=v.world)
         dims.build_mesh()
         pp_mesh = dims.get_mesh("pp")
         cls = SEQUENCE_SCHEDULES[v.schedule]
@@ -247,6 +246,7 @@ class Titan022:
         job.training.seq_len = v.seq_len
         job.parallelism.pipeline_parallel_degree = v.pp
         job.parallelism.data_parallel_shard_degree = v.dp_shard
+        job.parallelism.data_parallel_replicate_degree = v.dp_replicate
         job.parallelism.tensor_parallel_degree = v.tp
         job.parallelism.context_parallel_degree = v.cp
         job.parallelism.disable_loss_parallel = True
@@ -323,21 +323,23 @@ class Titan03:
     def configs(self, v) -> dict[str, Any]:
         """The configs 0.3 hands a ``parallelize_fn`` (but ``parallel_dims``)."""
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+        from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
 
+        policies = {"full": FullAC, "selective": SelectiveAC, "memory_budget": MemoryBudgetAC}
         mode, _, option = v.ac.partition(":")
-        if mode not in ("none", "full", "selective"):
-            raise ValueError(f"activation checkpointing {v.ac!r}: 0.3's harness runs none, full or selective")
+        if mode != "none" and mode not in policies:
+            raise ValueError(f"activation checkpointing {v.ac!r}: 0.3's harness runs none, {', '.join(policies)}")
         return {
             "training": TrainingConfig(seq_len=v.seq_len, mixed_precision_param="float32"),  # FSDP's default: bf16
             "parallelism": ParallelismConfig(
                 pipeline_parallel_degree=v.pp,
                 data_parallel_shard_degree=v.dp_shard,
+                data_parallel_replicate_degree=v.dp_replicate,
                 tensor_parallel_degree=v.tp,
                 context_parallel_degree=v.cp,
             ),
             "compile_config": CompileConfig(enable=v.compile is not None, backend=v.compile or "inductor"),
-            "ac_config": {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[mode],
+            "ac_config": None if mode == "none" else policies[mode].Config(),
             "dump_folder": "",
         }
 
@@ -345,8 +347,6 @@ class Titan03:
         """``(shape, whole, reference)``: as :meth:`Titan022.models`, 0.3's model."""
         from torchtitan_seq.titan.flavors import model_shape
 
-        if v.cp > 1:
-            raise NotImplementedError("context parallelism: torchtitan_seq refuses it under torchtitan 0.3")
         config = self.model_config(v)
         config.update_from_config(config=_JobLike(self.configs(v)["parallelism"]))  # its TP sharding config
         torch.manual_seed(0)
@@ -394,7 +394,7 @@ class Titan03:
 
         configs = self.configs(v)
         dist_utils.set_spmd_backend(configs["parallelism"].spmd_backend)  # as 0.3's trainer does
-        dims = _parallel_dims03(v.pp, v.dp_shard, v.tp, v.world)
+        dims = _parallel_dims03(v.pp, v.dp_replicate, v.dp_shard, v.cp, v.tp, v.world)
         pp_mesh = dims.get_mesh("pp")
         cls = SEQUENCE_SCHEDULES[v.schedule]
         names = titan_pp._generate_llm_fqn_per_model_part(
@@ -406,16 +406,19 @@ class Titan03:
             v.family.removesuffix("_moe"), "debugmodel", pipeline_sequence_llm
         ).parallelize_fn
         split = [(stage, titan_pp._split_module(whole, names[chunk])) for stage, chunk in held]
-        chunks = [(stage, len(names), parallelize_fn(chunk, parallel_dims=dims, **configs)) for stage, chunk in split]
+        chunk_dims = _chunk_dims03(dims)
+        chunks = [
+            (stage, len(names), parallelize_fn(chunk, parallel_dims=chunk_dims, **configs)) for stage, chunk in split
+        ]
         fsdp_for_gloo([chunk for _, _, chunk in chunks])
         return chunks, dims
 
     def step_context(self, dims) -> contextlib.AbstractContextManager:
-        """0.3's SPMD context (the current mesh of its ``spmd_types`` backend), as its trainer's
+        """0.3's SPMD context (the current mesh of its ``spmd_types`` backend, the chunks'), as its trainer's
         ``train_context`` runs a step."""
         from torchtitan.distributed import utils as dist_utils
 
-        return dist_utils.get_spmd_context(parallel_dims=dims)()
+        return dist_utils.get_spmd_context(parallel_dims=_chunk_dims03(dims))()
 
 
 def _config03(seq_len: int, n_layers: int, family: str):
@@ -620,7 +623,7 @@ def _use_experts(moe, experts_cls: type) -> None:
 
 
 @functools.cache
-def _parallel_dims03(pp: int, dp_shard: int, tp: int, world: int):
+def _parallel_dims03(pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, world: int):
     """0.3's ``ParallelDims`` of the degrees, its mesh built, one per degrees in a rank's process.
 
     Variants of the same degrees share it: 0.3's FSDP under its ``spmd_types`` backend finds a
@@ -632,11 +635,23 @@ def _parallel_dims03(pp: int, dp_shard: int, tp: int, world: int):
     from torchtitan.distributed import ParallelDims
 
     parallelism = ParallelismConfig(
-        pipeline_parallel_degree=pp, data_parallel_shard_degree=dp_shard, tensor_parallel_degree=tp
+        pipeline_parallel_degree=pp,
+        data_parallel_replicate_degree=dp_replicate,
+        data_parallel_shard_degree=dp_shard,
+        context_parallel_degree=cp,
+        tensor_parallel_degree=tp,
     )
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
     return dims
+
+
+def _chunk_dims03(dims):
+    """The degrees :func:`torchtitan_seq.titan.v03.pipeline.chunk_parallel_dims` gives the chunks of a job of
+    ``dims``' (the CP ranks as FSDP's), as :func:`_parallel_dims03`'s ``ParallelDims``: one per degrees in a
+    rank's process, whatever the variant (an FSDP2 variant's degrees are a CP variant's chunks')."""
+    p = dims
+    return _parallel_dims03(p.pp, p.dp_replicate, p.dp_shard * p.cp, 1, p.tp, p.world_size)
 
 
 @functools.cache

@@ -26,6 +26,7 @@ class MutationContext:
     schedule: str
     units_per_step: int  # units over all data-parallel ranks: a per-unit mean divides by this
     tp_group: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None = None  # HSDP's replicas
 
 
 def _prefix_grads(keep_k: bool, keep_v: bool) -> list:
@@ -126,7 +127,7 @@ def _recompute_without_prefix(ctx: MutationContext) -> list:
 
     def without_prefix(documents, segments, bottom_right, reach):
         causal, prefix = calls(documents, segments, bottom_right, reach)
-        caller = sys._getframe(2)  # the forward op (through _unit_calls), in the phase the KV context gave it
+        caller = sys._getframe(2)  # the forward op (through unit_calls), in the phase the KV context gave it
         recomputing = caller.f_code.co_name == "_unit_attention" and caller.f_locals.get("phase") is Phase.RECOMPUTE
         return causal, [] if recomputing else prefix
 
@@ -197,6 +198,19 @@ def _copies_not_synced(ctx: MutationContext) -> list:
     from torchtitan_seq.schedules import MirroredCopies
 
     return [mock.patch.object(MirroredCopies, "sync_parameters", lambda self: None)]
+
+
+def _replicas_not_reduced(ctx: MutationContext) -> list:
+    """HSDP: FSDP reduces each stage's gradients over its shards but not over the replicas, so each
+    replica keeps the gradients of its own rows."""
+    all_reduce = dist.all_reduce
+
+    def over_shards_only(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if group is ctx.replicate_group:
+            return None
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    return [mock.patch.object(dist, "all_reduce", over_shards_only)]
 
 
 def _across_documents(ctx: MutationContext) -> list:
@@ -356,6 +370,36 @@ def _mla_rope_at_sequence_positions(ctx: MutationContext) -> list:
     return [mock.patch.object(model, "apply_rotary_emb", local)]
 
 
+def _kv_offload_not_copied_out(ctx: MutationContext) -> list:
+    """The K/V offload frees an arena without copying it out: the copy back brings what the host buffer held
+    (zeros), stale K/V for the units that read it next."""
+    from torchtitan_seq.runtime.kv_offload import KVOffload
+
+    copy = KVOffload._copy
+
+    def stale(self, pairs, out):
+        if out:
+            for _, host in pairs:
+                host.fill_(0)
+            return None
+        return copy(self, pairs, out)
+
+    return [mock.patch.object(KVOffload, "_copy", stale)]
+
+
+def _latent_prefix_grad_dropped(ctx: MutationContext) -> list:
+    """Under kv_context "latent", the gradient a unit sends its prefix's latent and RoPE key never reaches the
+    units that wrote them (wkv_b's gradient from the expansion stays)."""
+    from torchtitan_seq.runtime.kv_latent import LatentSlab
+
+    accumulate = LatentSlab.accumulate
+
+    def dropped(self, grad_latent, grad_rope):
+        accumulate(self, *(None if g is None else torch.zeros_like(g) for g in (grad_latent, grad_rope)))
+
+    return [mock.patch.object(LatentSlab, "accumulate", dropped)]
+
+
 MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "prefix_dk_dropped": lambda ctx: _prefix_grads(keep_k=False, keep_v=True),
     "prefix_dv_dropped": lambda ctx: _prefix_grads(keep_k=True, keep_v=False),
@@ -368,6 +412,7 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "tp_wrong_shard": _tp_wrong_shard,
     "pairs_not_combined": _pairs_not_combined,
     "copies_not_synced": _copies_not_synced,
+    "replicas_not_reduced": _replicas_not_reduced,
     "across_documents": _across_documents,
     "slab_offset": _slab_offset,
     "cp_shard_left_out": _cp_shard_left_out,
@@ -380,6 +425,8 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "chunk_boundary_at_unit_start": _chunk_boundary_at_unit_start,
     "sink_per_call": _sink_per_call,
     "mla_rope_at_sequence_positions": _mla_rope_at_sequence_positions,
+    "latent_prefix_grad_dropped": _latent_prefix_grad_dropped,
+    "kv_offload_not_copied_out": _kv_offload_not_copied_out,
 }
 
 
@@ -498,8 +545,8 @@ def _planner_memory_at_simulated_microbatches() -> list:
 
     config = memory_check.memory_config
 
-    def simulated(job, cluster, choice, pp, tp, ac, cp):
-        out = config(job, cluster, choice, pp, tp, ac, cp)
+    def simulated(job, cluster, choice, pp, tp, ac, cp, offload=False):
+        out = config(job, cluster, choice, pp, tp, ac, cp, offload)
         microbatches = min(out.shape.microbatches, 2 * pp)
         return dataclasses.replace(out, shape=dataclasses.replace(out.shape, microbatches=microbatches))
 

@@ -7,7 +7,9 @@ low, each Seq1F1B run composes more than its mesh: activation checkpointing (whi
 must leave the losses as they are) rides on the mesh runs, whose 1F1B runs, without it, are the
 reference; the TP runs train on packed documents (the block-causal config: document ids pass through
 0.3's TP plan for attention); the FSDP2 run also writes the metrics record (``metrics.jsonl``,
-TensorBoard, the pipeline timeline), read by its own test.
+TensorBoard, the pipeline timeline), read by its own test. Context parallelism inside units (pp 2 x cp 2)
+logs the losses of the pipeline alone (pp 2), causal and on packed documents. HSDP (2 replicas) logs
+1F1B's losses on the same mesh, and the validator (on packed documents under TP) 1F1B's validation losses.
 """
 
 from __future__ import annotations
@@ -190,3 +192,81 @@ def test_compiled_seq1f1b_logs_the_losses_of_eager_1f1b(seed, tmp_path):
     assert "Compiling each TransformerBlock with torch.compile" in compiled.output, compiled.output[-3000:]
     print(f"compiled Seq1F1B {compiled.losses}, eager 1F1B {ref.losses}")
     assert _max_diff(compiled.losses, ref.losses) < TOL, (compiled.losses, ref.losses)
+
+
+TOL_CP = 2e-5  # pp 2 x cp 2 against pp 2 from the same weights: fp32 round-off, and the log's 5 decimals
+CP_CONFIGS = {"causal": "llama3_debugmodel_seq1f1b", "block-causal": "llama3_debugmodel_block_causal_seq1f1b"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(CP_CONFIGS))
+def test_context_parallel_logs_the_losses_of_the_pipeline_alone(seed, config, tmp_path):
+    """Context parallelism inside units (each CP rank a share of every unit, the CP ranks as FSDP's) from the
+    seed checkpoint, as tests/e2e/test_compose_titan.py runs it under 0.2.2; float32 parameters, which 0.3's
+    FSDP otherwise casts to bf16."""
+    fp32 = ("--training.mixed-precision-param", "float32")
+    ref = _from_seed(seed, *fp32, dump_folder=tmp_path / "pp", ngpu=2, config=CP_CONFIGS[config])
+    cp = _from_seed(
+        seed,
+        *fp32,
+        "--parallelism.context-parallel-degree",
+        "2",
+        dump_folder=tmp_path / "cp",
+        ngpu=4,
+        check=True,
+        config=CP_CONFIGS[config],
+    )
+    assert "Building device mesh with parallelism: pp=2, dp_replicate=1, dp_shard=1, cp=2, tp=1" in cp.output
+    print(f"{config}: pp 2 x cp 2 {cp.losses}, pp 2 {ref.losses}")
+    assert _max_diff(cp.losses, ref.losses) <= TOL_CP, (cp.losses, ref.losses)
+
+
+@pytest.mark.slow
+def test_seq1f1b_with_hsdp_logs_the_losses_of_1f1b_on_the_same_mesh(seed, tmp_path):
+    """Replicated data parallelism (HSDP: 0.3's FSDP over a (dp_replicate, fsdp) mesh; here 2 replicas of
+    unsharded chunks, each reading its own batches), from the seed checkpoint."""
+    hsdp = ("--parallelism.data-parallel-replicate-degree", "2")
+    seq = _from_seed(seed, *hsdp, dump_folder=tmp_path / "seq", ngpu=4, check=True)
+    schedule = ("--parallelism.pipeline-parallel-schedule", "1F1B")
+    ref = _from_seed(seed, *hsdp, *schedule, dump_folder=tmp_path / "ref", ngpu=4)
+    for run in (seq, ref):
+        mesh_line = "Building device mesh with parallelism: pp=2, dp_replicate=2, dp_shard=1, cp=1, tp=1"
+        assert mesh_line in run.output and "Applied HSDP to the model" in run.output, run.output[-3000:]
+    print(f"HSDP: Seq1F1B {seq.losses}, 1F1B {ref.losses}")
+    assert _max_diff(seq.losses, ref.losses) < TOL, (seq.losses, ref.losses)
+
+
+# 0.3's validator: one step of the shipped packed validation set, at step 1 and at the last step
+VALIDATE = (
+    "--validator.enable",
+    "--validator.steps",
+    "1",
+    "--validator.freq",
+    str(STEPS),
+    "--validator.dataloader.dataset",
+    "seqpp_packed_validation",
+)
+
+
+def _validation_losses(dump: Path) -> list[float]:
+    """A run's validation losses from its record (``metrics.jsonl``), in step order, unrounded (the console
+    shows 4 decimals)."""
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["event"] == "validation"]
+
+
+@pytest.mark.slow
+def test_seq1f1b_validates_with_the_losses_of_1f1b(seed, tmp_path):
+    """The validator runs the schedule forward only (its ``eval``), here on packed documents under TP
+    (pp 2 x tp 2), with the batches the trainer's steps get (:class:`~torchtitan_seq.titan.v03.validate.SeqValidator`):
+    from the seed checkpoint Seq1F1B's validation losses, and its training losses, are 1F1B's."""
+    config, tp = "llama3_debugmodel_block_causal_seq1f1b", ("--parallelism.tensor-parallel-degree", "2")
+    seq = _from_seed(seed, *tp, *VALIDATE, dump_folder=tmp_path / "seq", ngpu=4, check=True, config=config)
+    schedule = ("--parallelism.pipeline-parallel-schedule", "1F1B")
+    ref = _from_seed(seed, *tp, *VALIDATE, *schedule, dump_folder=tmp_path / "ref", ngpu=4, config=config)
+    seq_val, ref_val = _validation_losses(tmp_path / "seq"), _validation_losses(tmp_path / "ref")
+    assert "Preparing seqpp_packed_validation dataset" in seq.output, seq.output[-3000:]
+    assert len(seq_val) == STEPS and seq.output.count("validate step:") == STEPS, seq.output[-3000:]
+    print(f"validation: Seq1F1B {seq_val}, 1F1B {ref_val}; training: Seq1F1B {seq.losses}, 1F1B {ref.losses}")
+    assert _max_diff(seq_val, ref_val) < TOL, (seq_val, ref_val)
+    assert _max_diff(seq.losses, ref.losses) < TOL, (seq.losses, ref.losses)

@@ -57,6 +57,9 @@ FOUR_RANKS = [
     *_each("tp2", tp=2, seq_len=64),
     *_each("compiled-tp2", tp=2, seq_len=64, compile="aot_eager", optimizer_steps=1),
     Variant("Seq1F1B-compiled-tp2", k=4, partition="compute", tp=2, seq_len=64, compile="aot_eager", optimizer_steps=1),
+    # the unit attention op reads the gathered K/V from the KV context inside the compiled backward
+    *_each("compiled-cp2", cp=2, seq_len=64, compile="aot_eager", optimizer_steps=1),
+    Variant("Seq1F1B-compiled-cp2", k=4, partition="compute", cp=2, seq_len=64, compile="aot_eager", optimizer_steps=1),
 ]
 
 

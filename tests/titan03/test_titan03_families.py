@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from titan03_run import parse_job
 
 from harness import Variant, assert_exact, run_variants
 from torchtitan_seq.titan.version import TITAN_03
@@ -136,12 +137,6 @@ def test_a_debug_flavor_unit_by_unit_computes_the_whole_sequence(family):
     assert float((torch.cat(units, 1) - whole).abs().max() / whole.abs().max()) < 1e-5
 
 
-def _parse(*args: str):
-    from torchtitan.config import ConfigManager
-
-    return ConfigManager().parse_args(["--module", "torchtitan_seq.recipes", *args])
-
-
 @pytest.mark.parametrize(
     "recipe,flavor,experts,windows",
     [
@@ -162,7 +157,7 @@ def test_the_families_config_functions_pass_the_check_and_build_the_family(recip
     from torchtitan_seq.titan.v03.job_check import check_job
     from torchtitan_seq.titan.v03.model import SeqInnerAttention
 
-    config = _parse("--config", recipe)
+    config = parse_job("--config", recipe)
     family = recipe.split("_debugmodel")[0]
     assert (config.model_spec.name, config.model_spec.flavor) == (f"{family}_seq", flavor)
     assert config.parallelism.pipeline_parallel_schedule == "Seq1F1B"
@@ -191,7 +186,7 @@ def test_the_job_check_refuses_a_model_without_chunk_aware_attention_in_one_line
 
     from torchtitan_seq.titan.v03.job_check import check_job
 
-    config = _parse("--config", "qwen3_debugmodel_moe_seq1f1b")
+    config = parse_job("--config", "qwen3_debugmodel_moe_seq1f1b")
     config.model_spec = dataclasses.replace(
         model_registry("debugmodel_moe"), pipelining_fn=config.model_spec.pipelining_fn
     )
@@ -205,7 +200,7 @@ def test_the_job_check_refuses_a_tied_flavor_in_a_pipeline_in_one_line():
     from torchtitan_seq.titan.v03.job_check import check_job
     from torchtitan_seq.titan.v03.model import sequence_model_spec
 
-    config = _parse("--config", "qwen3_debugmodel_untied_seq1f1b")
+    config = parse_job("--config", "qwen3_debugmodel_untied_seq1f1b")
     config.model_spec = sequence_model_spec("qwen3", "debugmodel", config.model_spec.pipelining_fn)
     with pytest.raises(ValueError, match="'debugmodel'.*ties its output layer") as e:
         check_job(config, 2)
@@ -216,7 +211,7 @@ def test_the_job_check_refuses_gpt_oss_with_tp_in_one_line():
     """0.3's gpt-oss experts add their output bias on every TP rank under its spmd_types backend."""
     from torchtitan_seq.titan.v03.job_check import check_job
 
-    config = _parse("--config", "gpt_oss_debugmodel_seq1f1b", "--parallelism.tensor-parallel-degree", "2")
+    config = parse_job("--config", "gpt_oss_debugmodel_seq1f1b", "--parallelism.tensor-parallel-degree", "2")
     with pytest.raises(ValueError, match="tensor_parallel_degree = 2 with gpt_oss_seq.*set it to 1") as e:
         check_job(config, 4)
     assert "\n" not in str(e.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from titan03_run import parse_job
 
 from torchtitan_seq.titan.version import TITAN_03
 
@@ -16,18 +17,12 @@ RECIPES = {
 }
 
 
-def _parse(*args: str):
-    from torchtitan.config import ConfigManager
-
-    return ConfigManager().parse_args(["--module", "torchtitan_seq.recipes", *args])
-
-
 @pytest.mark.parametrize("name", RECIPES)
 def test_each_shipped_job_is_a_config_function(name):
     """One per TOML file of train_configs/, chosen with --module/--config as 0.3 chooses its own."""
     from torchtitan_seq.titan.v03.trainer import SeqTrainer
 
-    config = _parse("--config", name)
+    config = parse_job("--config", name)
     assert isinstance(config, SeqTrainer.Config)
     assert (config.model_spec.flavor, config.dataloader.dataset) == RECIPES[name]
     assert config.parallelism.pipeline_parallel_schedule == "Seq1F1B"
@@ -35,7 +30,7 @@ def test_each_shipped_job_is_a_config_function(name):
 
 
 def test_the_sequence_pipeline_section_takes_overrides_as_0_3_takes_its_own():
-    config = _parse(
+    config = parse_job(
         "--config",
         "llama3_debugmodel_seq1f1b",
         "--parallelism.pipeline-parallel-schedule",
@@ -73,24 +68,24 @@ def test_the_sequence_pipeline_section_takes_overrides_as_0_3_takes_its_own():
             2,
             "split_backward = true cannot run with activation-checkpoint:selective",
         ),
-        # not tested under 0.3 yet
+        # torchtitan's validator shards whole sequences for its own CP
         (
-            ["--parallelism.context-parallel-degree", "2"],
+            ["--validator.enable", "--parallelism.context-parallel-degree", "2"],
             4,
-            "parallelism.context_parallel_degree = 2 with the sequence",
+            "cannot run with validator.enable = true yet",
         ),
-        (["--parallelism.data-parallel-replicate-degree", "2"], 4, "parallelism.data_parallel_replicate_degree = 2"),
+        # BSIPipe's V turns hand gradients over on the rank, which torch's runtime does in eval too
         (
-            ["--compile.enable", "activation-checkpoint:memory-budget"],
+            ["--validator.enable", "--parallelism.pipeline-parallel-schedule", "BSIPipe"],
             2,
-            "activation-checkpoint:memory-budget with the sequence schedule",
+            "validator.enable = true with the sequence schedule BSIPipe",
         ),
     ],
 )
 def test_the_job_check_refuses_in_one_line(args, world, match):
     from torchtitan_seq.titan.v03.job_check import check_job
 
-    config = _parse("--config", "llama3_debugmodel_seq1f1b", *args)
+    config = parse_job("--config", "llama3_debugmodel_seq1f1b", *args)
     with pytest.raises(ValueError, match=match) as e:
         check_job(config, world)
     assert "\n" not in str(e.value)
@@ -102,12 +97,91 @@ def test_the_job_check_refuses_in_one_line(args, world, match):
         (["--parallelism.data-parallel-shard-degree", "2", "activation-checkpoint:selective"], 4),
         (["--parallelism.tensor-parallel-degree", "2", "activation-checkpoint:full"], 4),
         (["--compile.enable"], 2),
+        (["--parallelism.context-parallel-degree", "2"], 4),
+        (["--parallelism.data-parallel-replicate-degree", "2", "--validator.enable"], 4),
+        (["--parallelism.tensor-parallel-degree", "2", "--validator.enable"], 4),
+        # what tests/titan03/test_titan03_harness.py checks exact
+        (["--parallelism.data-parallel-replicate-degree", "2", "--parallelism.data-parallel-shard-degree", "2"], 8),
+        (["--compile.enable", "activation-checkpoint:memory-budget"], 2),
     ],
 )
 def test_the_job_check_passes_what_tests_titan03_compose_runs(args, world):
     from torchtitan_seq.titan.v03.job_check import check_job
 
-    check_job(_parse("--config", "llama3_debugmodel_seq1f1b", *args), world)
+    check_job(parse_job("--config", "llama3_debugmodel_seq1f1b", *args), world)
+
+
+def test_the_job_check_refuses_memory_budget_ac_without_compile_in_one_line():
+    """0.3's own config refuses it when parsed; a config changed after that meets the job check."""
+    from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC
+
+    from torchtitan_seq.titan.v03.job_check import check_job
+
+    config = parse_job("--config", "llama3_debugmodel_seq1f1b")
+    config.activation_checkpoint = MemoryBudgetAC.Config()
+    with pytest.raises(ValueError, match="activation-checkpoint:memory-budget needs torch.compile") as e:
+        check_job(config, 2)
+    assert "\n" not in str(e.value)
+
+
+def test_the_job_check_refuses_0_3s_own_validator_in_one_line():
+    """0.3's validator would hand a sequence schedule per-document positions and no document ids."""
+    from torchtitan.components.validate import Validator
+
+    from torchtitan_seq.titan.v03.job_check import check_job
+    from torchtitan_seq.titan.v03.validate import SeqValidator
+
+    config = parse_job("--config", "llama3_debugmodel_block_causal_seq1f1b", "--validator.enable")
+    assert isinstance(config.validator, SeqValidator.Config)
+    assert config.validator.dataloader.dataset == "seqpp_text_validation"  # shipped: nothing from the Hub
+    config.validator = Validator.Config(enable=True)
+    with pytest.raises(ValueError, match="use torchtitan_seq's SeqValidator.Config") as e:
+        check_job(config, 2)
+    assert "\n" not in str(e.value)
+
+
+CP2 = ("--parallelism.context-parallel-degree", "2")
+
+
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B", "BSIPipe", "Chimera", "TeraPipe"])
+@pytest.mark.parametrize(
+    "config", ["llama3_debugmodel_seq1f1b", "llama3_debugmodel_block_causal_seq1f1b", "qwen3_debugmodel_untied_seq1f1b"]
+)
+def test_context_parallel_passes_with_every_sequence_schedule(config, schedule):
+    """What tests/titan03/test_titan03_harness.py checks exact: pp 2 x cp 2, dense families, packed documents."""
+    from torchtitan_seq.titan.v03.job_check import check_job
+
+    check_job(parse_job("--config", config, *CP2, "--parallelism.pipeline-parallel-schedule", schedule), 4)
+
+
+@pytest.mark.parametrize(
+    "config,args,world,match",
+    [
+        (
+            "llama3_debugmodel_seq1f1b",
+            ["--parallelism.pipeline-parallel-schedule", "1F1B"],
+            4,
+            "torch's schedule '1F1B'",
+        ),
+        ("llama3_debugmodel_seq1f1b", ["--parallelism.pipeline-parallel-degree", "1"], 2, "and no pipeline: 0.3 would"),
+        (
+            "llama3_debugmodel_seq1f1b",
+            ["--parallelism.context-parallel-load-balancer", "ptrr"],
+            4,
+            "context_parallel_load_balancer = 'ptrr' with the sequence schedule Seq1F1B",
+        ),
+        ("qwen3_debugmodel_moe_seq1f1b", [], 4, "context_parallel_degree = 2 with qwen3_seq and the sequence"),
+        ("deepseek_v3_debugmodel_seq1f1b", [], 4, "MoE layers under CP are not checked exact"),
+        ("gpt_oss_debugmodel_seq1f1b", [], 4, "MoE layers under CP are not checked exact"),
+    ],
+    ids=["torch-schedule", "no-pipeline", "ptrr", "qwen3-moe", "deepseek-v3", "gpt-oss"],
+)
+def test_the_job_check_refuses_context_parallelism_it_does_not_run_in_one_line(config, args, world, match):
+    from torchtitan_seq.titan.v03.job_check import check_job
+
+    with pytest.raises(ValueError, match=match) as e:
+        check_job(parse_job("--config", config, *CP2, *args), world)
+    assert "\n" not in str(e.value)
 
 
 def test_the_planners_config_function_builds_the_plan():
@@ -133,7 +207,7 @@ def test_the_8b_jobs_pass_the_check_on_8_processes_and_build_an_8b_model(name):
 
     from torchtitan_seq.titan.v03.job_check import check_job
 
-    config = _parse("--config", name)
+    config = parse_job("--config", name)
     check_job(config, 8)
     model_config = config.model_spec.model
     model_config.update_from_config(config=config)
@@ -158,7 +232,7 @@ def test_the_job_check_decides_cuda_precision_as_0_3_casts(monkeypatch, device, 
 
     args = ["--parallelism.pipeline-parallel-schedule", schedule, "--parallelism.pipeline-parallel-degree", str(pp)]
     args += ["--parallelism.data-parallel-shard-degree", str(shard), "--training.mixed-precision-param", param_dtype]
-    config = _parse("--config", "llama3_debugmodel_seq1f1b", *args)
+    config = parse_job("--config", "llama3_debugmodel_seq1f1b", *args)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
     fails = device == "cuda" and schedule == "Seq1F1B" and pp > 1 and param_dtype not in ("bfloat16", "float16")
     if not fails:

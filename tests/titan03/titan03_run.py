@@ -10,8 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# 0.3's console line per logged step, e.g. "step:  1  loss:  8.14182  grad_norm: ..."
-_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+)")
+# 0.3's console line per logged step, e.g. "step:  1  loss:  8.14182  grad_norm: ...", not its validator's
+# ("validate step:  1  loss:  7.9609 ...")
+_STEP = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*([-\d.]+)")
 
 
 @dataclass
@@ -84,3 +85,14 @@ def losses_from_one_seed(
         assert len(run.losses) == steps, run.output[-4000:]
         losses[name] = run.losses
     return losses
+
+
+def parse_job(*args: str):
+    """The 0.3 job of ``--module torchtitan_seq.recipes args``, the shipped datasets registered (as
+    ``torchtitan_seq.train`` does before its check)."""
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_seq.titan.v03.registration import register
+
+    register()
+    return ConfigManager().parse_args(["--module", "torchtitan_seq.recipes", *args])

@@ -44,6 +44,7 @@ GPT_OSS_FSDP = ("--parallelism.pipeline_parallel_degree", "1", "--parallelism.da
 REFUSALS: list[tuple[tuple[str, ...], str]] = [
     # (overrides of the shipped config, on 2 CPU processes; what the one-line refusal says)
     (("--model.name", "llama3_ft"), "cannot run model.name = 'llama3_ft': it has no chunk-aware attention"),
+    (("--sequence_pipeline.kv_context", "latent"), "which model.name = 'llama3_seq' does not compute"),
     (("--compile.enable", "--sequence_pipeline.split_backward"), "split_backward = true cannot run with compile"),
     (("--model.name", "gpt_oss"), "model.name = 'gpt_oss' needs FSDP (parallelism.data_parallel_shard_degree = 1)"),
     (
@@ -77,6 +78,10 @@ REFUSALS: list[tuple[tuple[str, ...], str]] = [
     (
         ("--validation.enable", "--validation.seq_len", "2048", "--validation.local_batch_size", "3"),
         "validation.local_batch_size = 3",
+    ),
+    (
+        ("--validation.enable", "--validation.seq_len", "2048", "--parallelism.pipeline_parallel_schedule", "BSIPipe"),
+        "validation.enable = true with the sequence schedule BSIPipe",
     ),
     (("--parallelism.data_parallel_shard_degree", "2"), "do not fit 2 processes"),
     (("--sequence_pipeline.activation_memory_freq", "-1"), "activation_memory_freq = -1 is negative"),
@@ -214,3 +219,11 @@ def test_torch_schedules_refuse_cp_on_block_causal_flavors(monkeypatch):
     overrides = ("--parallelism.pipeline_parallel_schedule", "1F1B", "--model.flavor", "debugmodel_flex_attn")
     with pytest.raises(ValueError, match="torchtitan's CP shards flex attention's block masks"):
         _check(*CP2, *overrides, "--parallelism.data_parallel_shard_degree", "2", world=8)
+
+
+def test_latent_kv_context_needs_mla():
+    """kv_context = 'latent' keeps MLA's latent: DeepSeek-V3 passes, a model without MLA is refused in one line."""
+    latent = ("--sequence_pipeline.kv_context", "latent")
+    _check("--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *latent)
+    with pytest.raises(ValueError, match="sequence_pipeline.kv_context = 'latent' .* model.name = 'llama3_seq'"):
+        _check(*latent)

@@ -8,7 +8,9 @@ setting at fault and the fix, and imports no torchtitan.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ import torch
 from torchtitan_seq.runtime.torch_internals import ASYNC_COLLECTIVE_REPAIRABLE
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, TORCH_SCHEDULES, ScheduleShape
 from torchtitan_seq.titan import pipeline_core
+from torchtitan_seq.titan.flavors import model_shape
 
 __all__ = [
     "FAMILY_GAPS",
@@ -26,8 +29,13 @@ __all__ = [
     "check_unit_precision",
     "check_compile",
     "check_split_backward_ac",
+    "check_memory_budget",
+    "check_validation",
     "check_instrumentation",
     "check_shape",
+    "check_kv_context",
+    "check_attention_backend",
+    "check_dataset",
 ]
 
 
@@ -200,6 +208,59 @@ def check_split_backward_ac(op_level_sac: bool, *, split_backward: bool, setting
         )
 
 
+def check_memory_budget(memory_budget: bool, compile_model: bool, *, setting: str, others: str) -> None:
+    """Refuse memory-budget activation checkpointing without torch.compile of the model.
+
+    The budget is a setting of compile's partitioner, which decides what each compiled block recomputes:
+    eager blocks would run without it.
+
+    Args:
+        memory_budget: whether the job checkpoints by a memory budget.
+        compile_model: ``compile.enable`` with the model among its components.
+        setting: how the torchtitan version's config names memory-budget AC, for the message.
+        others: how it names the other modes, for the message.
+
+    Raises:
+        ValueError: a memory budget without compiled blocks.
+    """
+    if memory_budget and not compile_model:
+        raise ValueError(
+            f"{setting} needs torch.compile of the model: set compile.enable = true with 'model' in "
+            f"compile.components, or use {others}"
+        )
+
+
+def check_validation(validating: bool, *, setting: str, schedule: str, cp_degree: int) -> None:
+    """Refuse torchtitan's validator with a sequence schedule it cannot run.
+
+    The validator runs the schedule forward only (its ``eval``), on whole sequences: under context
+    parallelism it shards them (and the RoPE table) for its own CP, where a sequence schedule shards each
+    unit itself; BSIPipe's V turns hand each unit's gradient to the next chunk on the same rank, which
+    torch's runtime does in ``eval`` too, where there is none.
+
+    Args:
+        validating: whether the job validates.
+        setting: how the torchtitan version's config turns validation on, for the message.
+        schedule: the sequence schedule's name.
+        cp_degree: the context-parallel degree.
+
+    Raises:
+        ValueError: validation under CP, or with BSIPipe.
+    """
+    if validating and cp_degree > 1:
+        raise ValueError(
+            f"parallelism.context_parallel_degree = {cp_degree} with the sequence schedule {schedule} cannot run "
+            f"with {setting} yet: torchtitan's validator shards whole sequences (and the RoPE table) for its own "
+            "CP; turn validation off (or CP)"
+        )
+    if validating and schedule == "BSIPipe":
+        raise ValueError(
+            f"{setting} with the sequence schedule BSIPipe: its V turns hand each unit's gradient to the next chunk "
+            "on the same rank, which torch's runtime does when validating too, where there is none; turn validation "
+            "off or use another sequence schedule (e.g. Chimera)"
+        )
+
+
 def check_instrumentation(activation_memory_freq: int) -> None:
     """Refuse a negative ``sequence_pipeline.activation_memory_freq``.
 
@@ -242,3 +303,71 @@ def check_shape(sequence_pipeline: Any, parallelism: Any, training: Any, model_s
         par.pipeline_parallel_degree, shape.microbatches, len(shape.lengths), seq.split_backward, shape.stages_per_rank
     )
     cls.check_shape(lists, **cls.options_from_config(seq))
+
+
+def check_kv_context(kv_context: str, model_name: str, model_args: Any, latent: bool = True) -> None:
+    """Refuse a K/V context the model cannot keep: ``"latent"`` keeps multi-head latent attention's latent
+    (:mod:`torchtitan_seq.runtime.kv_latent`), which only an MLA model computes.
+
+    Args:
+        kv_context: the job's ``sequence_pipeline.kv_context``.
+        model_name: its ``model.name``.
+        model_args: the flavor's model args (or shape).
+        latent: whether the installed torchtitan's seam hands MLA's latent to the inner attention (0.2.2's
+            does; 0.3's not yet).
+
+    Raises:
+        ValueError: ``"latent"`` for a model without MLA, or under a seam without it.
+    """
+    if kv_context == "latent" and not latent:
+        raise ValueError(
+            "sequence_pipeline.kv_context = 'latent' is not under torchtitan 0.3 yet (its MLA seam hands no "
+            "latent to the unit attention): use 'reach' or 'full', or torchtitan 0.2.2"
+        )
+    if kv_context == "latent" and model_shape(model_args).mla is None:
+        raise ValueError(
+            f"sequence_pipeline.kv_context = 'latent' keeps multi-head latent attention's latent, which "
+            f"model.name = {model_name!r} does not compute: use 'reach' (or 'full'), or an MLA model (deepseek_v3)"
+        )
+
+
+def check_attention_backend(backend: str) -> None:
+    """``sequence_pipeline.attention_backend``: 'flash' is flash-attn 2, a CUDA library and an optional extra
+    (:func:`~torchtitan_seq.attention.kernels.select_kernel`)."""
+    if backend != "flash":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "sequence_pipeline.attention_backend = 'flash' needs a CUDA device (flash-attn has no CPU kernel): "
+            "use 'auto' or 'sdpa' on the CPU"
+        )
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError(
+            "sequence_pipeline.attention_backend = 'flash' but flash-attn is not installed: pip install "
+            "flash-attn, or use 'auto' or 'sdpa'"
+        )
+
+
+def check_dataset(setting: str, dataset: str, dataset_path: str | None, paths: dict[str, str], shipped: str) -> None:
+    """A dataset the job reads is registered and, offline (``HF_DATASETS_OFFLINE=1``, which
+    ``torchtitan_seq.train`` sets unless told otherwise), on this machine: a shipped one, or a
+    ``dataset_path`` that exists.
+
+    Args:
+        setting: the dataset's setting as the user writes it, e.g. ``training.dataset``; its section's
+            ``dataset_path`` is the fix named.
+        dataset: its value.
+        dataset_path: the section's ``dataset_path`` (None or empty: the registered path).
+        paths: torchtitan's registered datasets, name -> the path or Hub name read.
+        shipped: the shipped dataset the fix names.
+    """
+    if dataset not in paths:
+        raise ValueError(f"{setting} = {dataset!r} is unknown: use one of {', '.join(paths)}")
+    path = dataset_path or paths[dataset]
+    if os.environ.get("HF_DATASETS_OFFLINE") == "1" and not os.path.exists(path):
+        section = setting.rpartition(".")[0]
+        raise ValueError(
+            f"{setting} = {dataset!r} is read from the Hugging Face Hub ({path}), but jobs run offline "
+            f"(HF_DATASETS_OFFLINE=1): use a shipped dataset (e.g. {setting} = {shipped!r}) or set "
+            f"{section}.dataset_path to a local copy, or HF_DATASETS_OFFLINE=0 to stream it"
+        )

@@ -8,7 +8,6 @@ names the setting at fault and the fix. torch's own schedules get the checks tha
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 from torchtitan.config import JobConfig
@@ -16,15 +15,21 @@ from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.titan.data import DATASET_NAME, VALIDATION_DATASET_NAME
 from torchtitan_seq.titan.job_rules import (
+    check_attention_backend,
     check_compile,
+    check_dataset,
     check_degrees,
     check_family,
     check_instrumentation,
+    check_kv_context,
+    check_memory_budget,
     check_schedule_name,
     check_shape,
     check_split_backward_ac,
     check_unit_precision,
+    check_validation,
     check_weight_tying,
 )
 from torchtitan_seq.titan.v022.models.train_specs import ALIASES, FLEX_FAMILIES, SEQUENCE_FAMILIES
@@ -62,7 +67,7 @@ def check_job(job_config: JobConfig, world_size: int) -> None:
     _check_converters(job_config)
     if name in SEQUENCE_SCHEDULES:
         _check_sequence_model(job_config, spec)
-        _check_attention_backend(job_config)
+        check_attention_backend(job_config.sequence_pipeline.attention_backend)
         _check_cuda_precision(job_config, world_size)
         n_microbatches = _check_microbatches(job_config)
         _check_validation(job_config, n_microbatches)
@@ -107,12 +112,12 @@ def _check_compile(job_config: JobConfig) -> None:
         sequence=par.pipeline_parallel_schedule in SEQUENCE_SCHEDULES,
         tp_degree=par.tensor_parallel_degree,
     )
-    if ac.mode == "memory_budget" and not compile_model:
-        raise ValueError(
-            "activation_checkpoint.mode = 'memory_budget' needs torch.compile of the model: set "
-            "compile.enable = true with 'model' in compile.components, or use activation_checkpoint.mode "
-            "'full', 'selective' or 'none'"
-        )
+    check_memory_budget(
+        ac.mode == "memory_budget",
+        compile_model,
+        setting="activation_checkpoint.mode = 'memory_budget'",
+        others="activation_checkpoint.mode 'full', 'selective' or 'none'",
+    )
 
 
 def _check_converters(job_config: JobConfig) -> None:
@@ -139,22 +144,14 @@ def _check_converters(job_config: JobConfig) -> None:
 
 
 def _check_datasets(job_config: JobConfig) -> None:
-    """The datasets the job reads are registered and, offline (``HF_DATASETS_OFFLINE=1``, which
-    ``torchtitan_seq.train`` sets unless told otherwise), on this machine: the shipped ones, or a
-    ``dataset_path`` that exists."""
+    """The datasets the job reads (:func:`~torchtitan_seq.titan.job_rules.check_dataset`)."""
+    paths = {name: d.path for name, d in DATASETS.items()}
+    check_dataset(
+        "training.dataset", job_config.training.dataset, job_config.training.dataset_path, paths, DATASET_NAME
+    )
     val = job_config.validation
-    sections = [("training", job_config.training)] + ([("validation", val)] if val.enable else [])
-    for section, cfg in sections:
-        if cfg.dataset not in DATASETS:
-            raise ValueError(f"{section}.dataset = {cfg.dataset!r} is unknown: use one of {', '.join(DATASETS)}")
-        path = cfg.dataset_path or DATASETS[cfg.dataset].path
-        if os.environ.get("HF_DATASETS_OFFLINE") == "1" and not os.path.exists(path):
-            raise ValueError(
-                f"{section}.dataset = {cfg.dataset!r} is read from the Hugging Face Hub ({path}), but jobs run "
-                f"offline (HF_DATASETS_OFFLINE=1): use a shipped dataset (e.g. {section}.dataset = "
-                f"'{'seqpp_text' if section == 'training' else 'seqpp_text_validation'}') or set "
-                f"{section}.dataset_path to a local copy, or HF_DATASETS_OFFLINE=0 to stream it"
-            )
+    if val.enable:
+        check_dataset("validation.dataset", val.dataset, val.dataset_path, paths, VALIDATION_DATASET_NAME)
 
 
 def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
@@ -202,23 +199,6 @@ def _check_block_dtype(job_config: JobConfig, world_size: int) -> None:
             f"model.name = 'gpt_oss' needs FSDP (parallelism.data_parallel_shard_degree = {shard}): torchtitan "
             "0.2.2 holds its blocks in bfloat16 and its embeddings in float32, which only FSDP's mixed precision "
             "reconciles; set data_parallel_shard_degree to 2 or more"
-        )
-
-
-def _check_attention_backend(job_config: JobConfig) -> None:
-    """'flash' is flash-attn 2, a CUDA library and an optional extra
-    (:func:`~torchtitan_seq.attention.kernels.select_kernel`)."""
-    if job_config.sequence_pipeline.attention_backend != "flash":
-        return
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "sequence_pipeline.attention_backend = 'flash' needs a CUDA device (flash-attn has no CPU kernel): "
-            "use 'auto' or 'sdpa' on the CPU"
-        )
-    if importlib.util.find_spec("flash_attn") is None:
-        raise ValueError(
-            "sequence_pipeline.attention_backend = 'flash' but flash-attn is not installed: pip install "
-            "flash-attn, or use 'auto' or 'sdpa'"
         )
 
 
@@ -284,10 +264,13 @@ def _check_microbatches(job_config: JobConfig) -> int:
 
 
 def _check_validation(job_config: JobConfig, n_microbatches: int) -> None:
-    """Validation runs the training pipeline: the same sequence cut, whole microbatches."""
+    """Validation runs the training pipeline: the same sequence cut, whole microbatches; not every schedule
+    and not under CP (:func:`~torchtitan_seq.titan.job_rules.check_validation`)."""
     val, name = job_config.validation, job_config.parallelism.pipeline_parallel_schedule
     if not val.enable:
         return
+    cp_degree = job_config.parallelism.context_parallel_degree
+    check_validation(True, setting="validation.enable = true", schedule=name, cp_degree=cp_degree)
     if val.seq_len != job_config.training.seq_len:
         raise ValueError(
             f"validation.seq_len = {val.seq_len} differs from training.seq_len = {job_config.training.seq_len}, "
@@ -329,11 +312,6 @@ def _check_context_parallel(job_config: JobConfig) -> None:
     if par.context_parallel_degree == 1:
         return
     cp = f"parallelism.context_parallel_degree = {par.context_parallel_degree} with the sequence schedule {name}"
-    if job_config.validation.enable:
-        raise ValueError(
-            f"{cp} cannot run with validation.enable = true yet: torchtitan's validator shards whole sequences "
-            "(and the RoPE table) for its own CP; turn validation off (or CP)"
-        )
     if par.context_parallel_rotate_method != "allgather" or par.context_parallel_load_balancer != "headtail":
         raise ValueError(
             f"{cp} all-gathers each unit's K/V and gives each CP rank a chunk from each end of it: set "
@@ -368,6 +346,8 @@ def _check_torch_context_parallel(job_config: JobConfig, spec: TrainSpec) -> Non
 
 
 def _check_shape(job_config: JobConfig, spec: TrainSpec) -> None:
-    """The schedule runs the job's shape (:func:`~torchtitan_seq.titan.job_rules.check_shape`)."""
+    """The schedule runs the job's shape (:func:`~torchtitan_seq.titan.job_rules.check_shape`) and the model
+    has what its K/V context keeps (:func:`~torchtitan_seq.titan.job_rules.check_kv_context`)."""
     model_args = spec.model_args[job_config.model.flavor]
+    check_kv_context(job_config.sequence_pipeline.kv_context, job_config.model.name, model_args)
     check_shape(job_config.sequence_pipeline, job_config.parallelism, job_config.training, model_args)

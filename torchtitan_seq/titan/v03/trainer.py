@@ -6,6 +6,9 @@ the loss. The trainer binds ``sequence_pipeline`` and the model's shape to the p
 (0.3 hands a pipelining function no config section of its own), feeds the model sequence positions
 (RoPE at 0..L-1, as under 0.2.2, where 0.3's dataloaders emit per-document positions) and, for the
 block-causal flavors, the batch's document ids as ``attention_masks``, and every rank logs the loss.
+Under context parallelism a sequence schedule takes whole sequences and shards each unit itself: the
+trainer's data processing and its steps' SPMD context (``train_context``) run under the chunks' degrees
+(:func:`~.pipeline.chunk_parallel_dims`), without 0.3's CP of whole sequences.
 Its metrics processor (:mod:`.metrics`) reports what 0.2.2's does, instrumented as there: saved
 activations metered on the steps ``sequence_pipeline.activation_memory_freq`` picks, compute actions
 timed on logged steps only, and ``metrics.jsonl`` in the dump folder.
@@ -20,16 +23,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
 from torchtitan_seq.instrumentation.memory import ActivationMemory
 from torchtitan_seq.runtime.documents import document_ids
+from torchtitan_seq.schedules import SequenceSchedule
 from torchtitan_seq.titan.config import SequencePipeline
 from torchtitan_seq.titan.flavors import model_shape
 from torchtitan_seq.titan.trainer_steps import InstrumentedSteps
 from torchtitan_seq.titan.v03.job_check import check_job
 from torchtitan_seq.titan.v03.metrics import SeqMetricsProcessor
-from torchtitan_seq.titan.v03.pipeline import pipeline_sequence_llm
+from torchtitan_seq.titan.v03.pipeline import chunk_parallel_dims, pipeline_sequence_llm
+from torchtitan_seq.titan.v03.validate import SeqValidator
 
 __all__ = ["SeqTrainer"]
 
@@ -43,6 +49,8 @@ class SeqTrainer(InstrumentedSteps, Trainer):
         """How sequence schedules cut and run each microbatch (0.2.2's ``[sequence_pipeline]``)."""
         metrics: SeqMetricsProcessor.Config = field(default_factory=SeqMetricsProcessor.Config)
         """0.3's metrics section; its processor also reports the sequence pipeline (:mod:`.metrics`)."""
+        validator: SeqValidator.Config = field(default_factory=SeqValidator.Config)
+        """0.3's validator section; its validator hands the model what the trainer does (:mod:`.validate`)."""
 
     def __init__(self, config: Config) -> None:
         """Check the job, bind the pipelining function's settings, then build it as 0.3 does.
@@ -65,9 +73,20 @@ class SeqTrainer(InstrumentedSteps, Trainer):
             ),
         )
         super().__init__(config)
+        if self.sequence_context_parallel:
+            # 0.3's context with the chunks' SPMD mesh, which has no CP axis for attention to gather over
+            self.train_context = dist_utils.get_spmd_context(
+                parallel_dims=chunk_parallel_dims(self.parallel_dims),
+                spmd_typechecking=config.parallelism.spmd_backend == "spmd_types" and config.debug.spmd_typechecking,
+            )
         if isinstance(self.metrics_processor, SeqMetricsProcessor):
             self.metrics_processor.attach(config)
         self.attach_sequence_pipeline()
+
+    @property
+    def sequence_context_parallel(self) -> bool:
+        """Whether a sequence schedule runs context parallelism (its own, inside each unit)."""
+        return self.parallel_dims.cp_enabled and isinstance(getattr(self, "pp_schedule", None), SequenceSchedule)
 
     def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
         """0.3's forward and backward of a step, under the activation meter on the steps that meter.
@@ -88,7 +107,8 @@ class SeqTrainer(InstrumentedSteps, Trainer):
 
         Without ``positions`` the model reads RoPE at sequence positions, as under 0.2.2. For a
         block-causal flavor the batch's document ids are the ``attention_masks``, which every stage and
-        schedule splits.
+        schedule splits. Under a sequence schedule's context parallelism 0.3's processing runs under the
+        chunks' degrees (no CP): every CP rank gets whole sequences, of which it runs a share of each unit.
 
         Args:
             input_dict: the dataloader's tensors of a batch (a microbatch under pipeline parallelism),
@@ -100,7 +120,15 @@ class SeqTrainer(InstrumentedSteps, Trainer):
             arguments hold (B, L) document ids as ``attention_masks``.
         """
         input_dict = {k: v for k, v in input_dict.items() if k != "positions"}
-        inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
+        dims = self.parallel_dims
+        if self.sequence_context_parallel:  # 0.3's processing under the degrees the chunks see
+            self.parallel_dims = chunk_parallel_dims(dims)
+            # 0.3 counts the tokens a rank runs (adding them all below): a CP rank runs 1/c of every unit
+            self.ntokens_seen -= labels.numel() - labels.numel() // dims.cp
+        try:
+            inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
+        finally:
+            self.parallel_dims = dims
         if self.model_config.block_causal:
             extra["attention_masks"] = document_ids(inputs, self.tokenizer.eos_id)
         return inputs, labels, extra
