@@ -13,7 +13,9 @@ forward+backward time (CUDA events, median after warm-up) and peak memory of k u
 torchtitan's own Llama 3 on the whole sequence. Goal: under 5% at 32K. Eager only; (3) a real
 sequence-schedule step on the one device, two stages of one pipeline on one rank, against the whole-sequence loss and
 gradients (:mod:`gpu_pipeline`); (4) the trainer end to end under torchrun with one process,
-at 8K tokens (:mod:`gpu_train`). ``benchmarks/gpu_check.sh`` runs it with what the GPU
+at 8K tokens (:mod:`gpu_train`); (5) the K/V offload (``kv_offload``): one stage of attention layers in
+Seq1F1B's first-rank order at p = 8, bit for bit the same with offload as without, the K/V it holds, and the
+share of the copies the compute hides (:mod:`gpu_kv_offload`). ``benchmarks/gpu_check.sh`` runs it with what the GPU
 machine lacks installed from prepared wheels.
 
 Writes into ``--out``: ``gpu_check.json`` (every figure, versions, date; rewritten after
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gpu_kv_offload import FULL_OFFLOAD, TINY_OFFLOAD, check_kv_offload
 from gpu_pipeline import FULL_STEP, TINY_STEP, check_sequence_step
 from gpu_train import check_training
 
@@ -708,13 +711,17 @@ def main(argv: list[str] | None = None) -> int:
     results["sequence_step"] = _part(lambda: check_sequence_step(TINY_STEP if args.tiny else FULL_STEP, device))
     write()
     print(f"  {_summary(results['sequence_step'])}", flush=True)
+    print(f"K/V offload on one {device.type} device", flush=True)
+    results["kv_offload"] = _part(lambda: check_kv_offload(TINY_OFFLOAD if args.tiny else FULL_OFFLOAD, device))
+    write()
+    print(f"  {_summary(results['kv_offload'])}", flush=True)
     print("the trainer end to end (torchrun, one process)", flush=True)
     results["training"] = _part(lambda: check_training(args.tiny, device.type == "cuda"))
     write()
     print(f"  {_summary(results['training'])}", flush=True)
     print(f"wrote {args.out / 'gpu_check.json'} ({results['elapsed_s']:.0f} s)", flush=True)
     failed = [c for c in cases if c["status"] == "failed" or c["status"].startswith("error")]
-    failed += [part for part in ("sequence_step", "training") if results[part]["status"] != "ok"]
+    failed += [part for part in ("sequence_step", "kv_offload", "training") if results[part]["status"] != "ok"]
     return 1 if failed else 0
 
 
@@ -727,7 +734,8 @@ def _part(run: Callable[[], dict]) -> dict:
 
 
 def _summary(record: dict) -> str:
-    figures = {key: record[key] for key in ("units", "whole", "losses", "elapsed_s") if key in record}
+    keys = ("units", "whole", "losses", "exact", "kv_held_bytes", "step_ms", "overlap", "elapsed_s")
+    figures = {key: record[key] for key in keys if key in record}
     return f"{record['status']} {figures}"
 
 

@@ -83,6 +83,35 @@ def test_every_schedule_is_exact_for_each_flex_family(tmp_path):
         assert_exact(r)
 
 
+def test_mla_latent_context_is_exact(tmp_path):
+    """DeepSeek-V3 (and its queries' LoRA) keeping MLA's latent in the KV context (kv_context "latent"): each
+    unit expands its prefix's keys and values with wkv_b itself, on every schedule, k 2 to 4, split backward,
+    activation checkpointing (full and op-level), packed documents, FSDP and SGD steps between; the same
+    variants under "full" are exact too (test_every_schedule_is_exact_for_each_flex_family), so the two agree."""
+    latent = dict(family="deepseek_v3", kv_context="latent")
+    q_lora = dict(latent, family="deepseek_v3_q_lora")
+    variants = [
+        Variant(f"deepseek_v3-latent-{schedule}-k{k}", schedule, k=k, partition=("even", "compute")[k % 2], **latent)
+        for schedule in SCHEDULES
+        for k in (2, 4)
+    ]
+    variants += [
+        Variant("deepseek_v3-latent-k3-split-backward", k=3, partition="compute", split_backward=True, **latent),
+        Variant("deepseek_v3-latent-interleaved-split", "InterleavedSeq1F1B", k=2, split_backward=True, **latent),
+        Variant("deepseek_v3-latent-ac-full", k=3, partition="compute", ac="full", **latent),
+        Variant("deepseek_v3-latent-ac-op", k=3, ac="selective:op", **latent),
+        Variant("deepseek_v3-latent-documents", k=4, partition="compute", documents=True, **latent),
+        Variant("deepseek_v3-latent-bsipipe-documents", "BSIPipe", k=3, documents=True, **latent),
+        Variant("deepseek_v3_q_lora-latent-k3", k=3, partition="compute", **q_lora),
+        Variant("deepseek_v3_q_lora-latent-interleaved", "InterleavedSeq1F1B", k=2, optimizer_steps=2, **q_lora),
+    ]
+    for r in run_variants(variants, tmp_path):
+        assert_exact(r)
+    fsdp = Variant("deepseek_v3-latent-fsdp2", k=4, partition="compute", dp_shard=2, seq_len=64, **latent)
+    for r in run_variants([fsdp], tmp_path):
+        assert_exact(r, n_losses=2)
+
+
 # torchtitan 0.2.2's TP leaves each rank its share of DeepSeek-V3's router gradient (its scores multiply the
 # experts' partial outputs): refused by the job check
 TENSOR_PARALLEL = {(2, 1): (*FAMILIES, *FLEX_FAMILIES), (1, 2): (*FAMILIES, "llama4", "gpt_oss")}
@@ -136,8 +165,16 @@ def test_mutations_break_each_family(tmp_path):
 def test_mutations_break_each_flex_family(tmp_path):
     """gpt-oss's windows one key too narrow and its sinks merged into every kernel call (a unit's prefix
     call and its diagonal's: the top-left kernel's two), DeepSeek-V3's decoupled RoPE read at a unit's
-    own 0..L-1, Llama 4's attention chunks started over at each unit."""
+    own 0..L-1 and, under kv_context "latent", the gradient of its prefix's latent dropped, Llama 4's
+    attention chunks started over at each unit."""
     variants = [
+        Variant(
+            "deepseek_v3-latent_grad",
+            k=4,
+            family="deepseek_v3",
+            kv_context="latent",
+            mutation="latent_prefix_grad_dropped",
+        ),
         Variant("gpt_oss-window_off_by_one", k=4, family="gpt_oss", mutation="window_off_by_one"),
         Variant("gpt_oss-sink_per_call", k=4, family="gpt_oss", mutation="sink_per_call", kernels=("top_left",)),
         Variant("deepseek_v3-mla_rope", k=4, family="deepseek_v3", mutation="mla_rope_at_sequence_positions"),

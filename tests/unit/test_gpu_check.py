@@ -46,6 +46,7 @@ def test_dry_run_reports_every_figure(dry_run):
         "attention",
         "overhead",
         "sequence_step",
+        "kv_offload",
         "training",
         "elapsed_s",
     ):

@@ -145,7 +145,7 @@ def test_wrong_models_miss(monkeypatch):
         patch.setattr(mm.stage_bytes, "saved_per_token", no_log_softmax)
         assert _worst("none") > TOLERANCE
 
-    def one_microbatch(plan, weights, lengths, n, with_own=False):
+    def one_microbatch(plan, weights, lengths, n, with_own=False, offload=False):
         return [(max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0, 0.0) for rank in sorted(plan.order)]
 
     with monkeypatch.context() as patch:

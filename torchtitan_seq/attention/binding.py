@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_seq.attention.handles import BINDINGS, LayerBinding
 from torchtitan_seq.attention.kernels import AttentionKernel
+from torchtitan_seq.attention.latent import LatentSource, latent_unit_attention
 from torchtitan_seq.attention.unit_op import apply_unit_attention
 from torchtitan_seq.attention.whole_sequence import whole_sequence_attention
 from torchtitan_seq.runtime.kv_context import KVContext
@@ -46,6 +47,9 @@ class SequenceAttention(nn.Module):
         self.reach = reach
         self.ids: Tensor | None = None  # names the binding, on the host: see the module docstring
         self._binding: LayerBinding | None = None
+        self.latent: LatentSource | None = None
+        """An MLA layer's latent and up-projection, which a context of mode ``"latent"`` keeps and expands
+        (:mod:`~torchtitan_seq.attention.latent`); None: the layer's K/V are kept."""
 
     def bind(self, context: KVContext, kernel: AttentionKernel) -> None:
         """Bind the layer to ``context``: it then runs that context's units with ``kernel`` (see
@@ -100,11 +104,15 @@ class SequenceAttention(nn.Module):
                 sinks=sinks.to_local() if isinstance(sinks, DTensor) else sinks,
             )
             return DTensor.from_local(local, q.device_mesh, q.placements, run_check=False)
+        latent = self.latent.take() if self.latent is not None else None  # taken every call: held by none
         if self.ids is None:
             return whole_sequence_attention(q, k, v, documents, scale, is_causal, enable_gqa, self.reach, sinks)
         if not is_causal:
             raise ValueError("SequenceAttention runs units of causal attention only")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        context = self._binding.context
+        if latent is not None and context.mode == "latent" and context.unit is not None:
+            return latent_unit_attention(q, k, v, latent, self.latent, self._binding, scale)
         compiled = torch.compiler.is_compiling()
         if compiled or dispatch_mode_active():  # the custom op: see UnitAttention
             return torch.ops.torchtitan_seq.unit_attention(q, k, v, self.ids, scale, compiled, sinks)[0]

@@ -257,7 +257,9 @@ def attention_backward(
     ``out`` and ``lse``; the gradient of earlier keys goes to the slab."""
     offset, slab = keys.offset, keys.slab
     length = keys.own[0].shape[2]  # the unit's keys (under CP more than its queries here)
-    whole = len(causal) == 1 and causal[0].whole
+    # One causal call over every query and every own key writes dq, dk and dv whole (own keys may reach before
+    # the queries: a unit's expanded prefix, :mod:`.latent`, whose prefix calls then add into them).
+    whole = len(causal) == 1 and causal[0].whole and causal[0].keys.stop - max(causal[0].keys.start, offset) == length
     if not whole:
         dq = torch.empty_like(q)
         # As many queries as own keys (no CP): the causal calls cover each own key once, and write its

@@ -25,7 +25,7 @@ from torchtitan_seq.runtime.kv_context import KVContext, Phase, Unit
 from torchtitan_seq.runtime.kv_slab import KVSlab, Stored
 from torchtitan_seq.runtime.reach import Reach
 
-__all__ = ["UnitAttention", "apply_unit_attention"]
+__all__ = ["UnitAttention", "apply_unit_attention", "unit_calls"]
 
 
 def _own_keys(
@@ -58,7 +58,7 @@ def _one_call(kernel: AttentionKernel, slab: KVSlab, unit: Unit) -> bool:
     return kernel.bottom_right and not slab.descending and slab.holds(unit.offset + unit.length)
 
 
-def _unit_calls(context: KVContext, one_call: bool, reach: Reach) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
+def unit_calls(context: KVContext, one_call: bool, reach: Reach) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
     """The kernel calls of the running unit (:func:`.calls.kernel_calls`; ``one_call``: :func:`_one_call`'s)
     for layers of ``reach``, built by the first of its attention layers to ask and kept by the context for
     the others while the unit runs (each layer asking costs the host a few calls; packed documents' calls
@@ -89,7 +89,7 @@ def _unit_attention(
         return *whole_sequence_forward(kernel, q, k, v, None, scale, reach, sinks), None
     unit = context.unit
     own, slab, stored = _own_keys(context, binding, phase, k, v)
-    causal, prefix = _unit_calls(context, _one_call(kernel, slab, unit), reach)
+    causal, prefix = unit_calls(context, _one_call(kernel, slab, unit), reach)
     keys = Keys(own, unit.offset, slab)
     return *attention_forward(kernel, q, keys, causal, prefix, scale, sinks), stored
 
@@ -113,7 +113,7 @@ def _unit_attention_backward(
         return *whole_sequence_backward(kernel, dout, q, k, v, out, lse, None, scale, reach), dsinks
     unit = context.unit
     slab = context.recorded(binding.layer_id)
-    causal, prefix = _unit_calls(context, _one_call(kernel, slab, unit), reach)
+    causal, prefix = unit_calls(context, _one_call(kernel, slab, unit), reach)
     keys = Keys((k, v), unit.offset, slab)
     return *attention_backward(kernel, dout, q, keys, out, lse, causal, prefix, scale), dsinks
 

@@ -35,6 +35,10 @@ simulate every combination at full size:
   compute over c GPUs of the same replica and adds K/V collectives, while data
   parallelism over them would run other sequences: a CP plan only enters the table
   where its twin without CP does not fit (long sequences, tight memory);
+- a sequence schedule that fits only with the K/V context offloaded to host memory
+  (``kv_offload``, :mod:`torchtitan_seq.runtime.kv_offload`) is proposed with it where ``--kv-offload``
+  allows: its floor and need are those with offload, and its step is simulated with the copies on each
+  rank's host link (``--host-link-gbps``, :mod:`torchtitan_seq.simulate.offload`);
 - a step is simulated at N' = min(N, 2p) and 2N' microbatches and extended
   linearly to N (at N alone where N <= 4p): past the warm-up each further
   microbatch adds the same time (within 1%, tested), on the compute-only lists (``torch_lowering=False``:

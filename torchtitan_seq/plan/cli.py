@@ -25,6 +25,7 @@ from torchtitan_seq.plan.record import Plan
 from torchtitan_seq.plan.search import plan
 from torchtitan_seq.runtime.shape import LENGTH_MULTIPLE
 from torchtitan_seq.simulate.flavors import model_flavor
+from torchtitan_seq.simulate.network import Link
 
 
 def plan_table(plans: list[Plan]) -> str:
@@ -32,7 +33,8 @@ def plan_table(plans: list[Plan]) -> str:
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans, 1):
         rows.append(
-            f"| {i} | {p.schedule} | {p.pp} | {p.tp} | {p.cp} | {p.dp_shard} | {p.num_subsequences} | {p.partition} | "
+            f"| {i} | {p.schedule}{' +kv_offload' if p.kv_offload else ''} | {p.pp} | {p.tp} | {p.cp} | {p.dp_shard} | "
+            f"{p.num_subsequences} | {p.partition} | "
             f"{p.stages_per_rank} | {p.activation_checkpoint} | {p.tokens_per_s:,.0f} | {p.peak_memory_gib:.1f} | "
             f"{p.bubble_ratio:.3f} | {'yes' if p.fits else 'no'} |"
         )
@@ -95,6 +97,18 @@ def command_line() -> argparse.ArgumentParser:
         help="sequence_pipeline.kv_context: what layers of a sliding window or attention chunks keep of earlier "
         "units, only what later units read or every position (default %(default)s)",
     )
+    parser.add_argument(
+        "--kv-offload",
+        action="store_true",
+        help="propose sequence_pipeline.kv_offload where a configuration fits only with it (the K/V context "
+        "copied to host memory while unread), its copies timed over --host-link-gbps",
+    )
+    parser.add_argument(
+        "--host-link-gbps",
+        type=float,
+        default=Cluster.host_link.bandwidth / 1e9,
+        help="GB/s per GPU and direction between a GPU and host memory (default %(default)g: PCIe 5.0 x16)",
+    )
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default %(default)s)")
     parser.add_argument(
         "--processes",
@@ -114,9 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    job = Job(flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple, a.cp, a.kv_context)
+    job = Job(flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple, a.cp, a.kv_context, a.kv_offload)
     cluster = Cluster(
-        a.gpus, a.gpu_memory_gib, a.gpus_per_node, a.tflops * 1e12, unit_overhead_s=a.unit_overhead_ms / 1e3
+        a.gpus,
+        a.gpu_memory_gib,
+        a.gpus_per_node,
+        a.tflops * 1e12,
+        unit_overhead_s=a.unit_overhead_ms / 1e3,
+        host_link=Link(a.host_link_gbps * 1e9, Cluster.host_link.latency),
     )
     try:
         plans = plan(job, cluster, a.top, a.processes)

@@ -46,6 +46,8 @@ class Cluster:
     """What the memory model sizes (RMSNorm saves more on the CPU)."""
     unit_overhead_s: float = H200_UNIT_OVERHEAD_S
     """Fixed seconds per unit (forward + backward) and layer on top of the cost model's FLOPs."""
+    host_link: Link = Link(50e9, 1e-5)
+    """PCIe 5.0 x16-class, per GPU and direction: what ``kv_offload``'s copies to host memory cross."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class Job:
     kv_context: KVContextMode = "reach"
     """``sequence_pipeline.kv_context``: exact either way, ``"reach"`` holds less K/V of layers of bounded
     reach (a sliding window, attention chunks)."""
+    kv_offload: bool = False
+    """Whether the planner may propose ``sequence_pipeline.kv_offload`` (exact either way) for a sequence
+    schedule that fits only with it, its copies timed over ``Cluster.host_link`` (``--kv-offload``)."""
 
     def shape(self, choice: ScheduleChoice, tp: int, cp: int = 1) -> JobShape:
         """The cut and microbatches of ``choice`` at TP ``tp`` and CP ``cp``, as the runtime derives them."""

@@ -12,14 +12,16 @@ from torchtitan_seq.plan.bounds import Candidate
 from torchtitan_seq.plan.choices import RECOMPUTE, ScheduleChoice
 from torchtitan_seq.plan.costs import Costs, step_network, tp_seconds
 from torchtitan_seq.plan.job import Cluster, Job
-from torchtitan_seq.plan.memory_check import memory
+from torchtitan_seq.plan.memory_check import may_offload, memory, memory_config
 from torchtitan_seq.plan.record import Plan
+from torchtitan_seq.runtime.model_counts import kv_values
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
 from torchtitan_seq.simulate.build import SimConfig, build
 from torchtitan_seq.simulate.costs import seconds_per_time_unit, subsequence_lengths
 from torchtitan_seq.simulate.engine import simulate
 from torchtitan_seq.simulate.flavors import flavor_shape
-from torchtitan_seq.simulate.memory import ACMode, gib
+from torchtitan_seq.simulate.memory import ACMode, dtype_bytes, gib
+from torchtitan_seq.simulate.offload import offload_delays
 from torchtitan_seq.titan.flavors import ModelShape
 
 
@@ -41,9 +43,11 @@ def simulated_step(
     cluster: Cluster,
     costs: Costs,
     cp: int = 1,
+    offload: bool = False,
 ) -> Step:
     """A step's time, simulated at N' = min(N, 2p) and 2N' microbatches and extended to N
-    (each microbatch past the warm-up adds the same time); at N alone where N <= 4p."""
+    (each microbatch past the warm-up adds the same time); at N alone where N <= 4p. ``offload``: with
+    ``kv_offload``'s copies over the cluster's host link (:func:`~torchtitan_seq.simulate.offload.offload_delays`)."""
     network = step_network(cluster, costs, tp, cp, dp)
     config = SimConfig(
         choice.schedule,
@@ -62,13 +66,16 @@ def simulated_step(
     )
     config = replace(config, cost=costs.cost_for(choice, pp, subsequence_lengths(config)))
     unit = seconds_per_time_unit(config)
+    position = offload_position_bytes(job, cluster, choice, pp, tp, ac, cp) if offload else 0.0
 
     def run(n: int) -> tuple[float, float]:
         result = simulate(replace(config, microbatches=n))
         if result.deadlock:
             raise ValueError(result.deadlock.describe())
         busy = max(busy_and_end(ivs)[0] for ivs in result.timeline.values())
-        return result.makespan * unit, busy * unit
+        link = cluster.host_link
+        delay = max(offload_delays(result, position / link.bandwidth / unit, link.latency / unit)) if offload else 0.0
+        return (result.makespan + delay) * unit, busy * unit
 
     small = min(microbatches, 2 * pp)
     if small == microbatches:
@@ -80,6 +87,20 @@ def simulated_step(
         slope = 0.0 if twice == microbatches else (longer - run(small)[0]) / (twice - small)
         makespan, busy = longer + slope * (microbatches - twice), busy_longer * microbatches / twice
     return Step(makespan, 1 - busy / makespan)
+
+
+def offload_position_bytes(
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int
+) -> float:
+    """Bytes of K/V one position of a stage's arena holds over the stage's layers (each rank's share)."""
+    config = memory_config(job, cluster, choice, pp, tp, ac, cp)
+    stages = pp * choice.stages_per_rank // choice.parameter_copies
+    return (
+        kv_values(config.model_args)
+        / tp
+        * dtype_bytes(config.activation_dtype, "compute_dtype")
+        * (config.model_args.n_layers / stages)
+    )
 
 
 @cache
@@ -116,26 +137,39 @@ def evaluate(
         cp: the CP degree; the data-parallel degree is what the GPUs leave.
 
     Returns:
-        The configuration's plan, ``fits`` saying whether its peak fits ``cluster.gpu_memory_gib``.
+        The configuration's plan, ``fits`` saying whether its peak fits ``cluster.gpu_memory_gib`` (with
+        ``kv_offload`` where the job allows it and it does not fit without).
     """
     args = flavor_shape(job.flavor)
     costs = Costs.load(job, cluster, args)
     dp = cluster.gpus // (pp * tp * cp)
-    peak = gib(memory(job, cluster, choice, pp, tp, ac, cp).total)
+    peak, offload = gib(memory(job, cluster, choice, pp, tp, ac, cp).total), False
+    if peak > cluster.gpu_memory_gib and may_offload(job, choice):  # as the search, offload only what needs it
+        peak, offload = gib(memory(job, cluster, choice, pp, tp, ac, cp, offload=True).total), True
     c = Candidate(choice, pp, tp, dp, ac, math.inf, cp)
-    return measure_candidate(c, job, cluster, costs, args, peak, peak <= cluster.gpu_memory_gib)
+    return measure_candidate(c, job, cluster, costs, args, peak, peak <= cluster.gpu_memory_gib, offload)
 
 
 def measure_candidate(
-    c: Candidate, job: Job, cluster: Cluster, costs: Costs, args: ModelShape, peak_gib: float, fits: bool
+    c: Candidate,
+    job: Job,
+    cluster: Cluster,
+    costs: Costs,
+    args: ModelShape,
+    peak_gib: float,
+    fits: bool,
+    offload: bool = False,
 ) -> Plan:
+    """Candidate ``c``'s plan, its step simulated (``offload``: with ``kv_offload``'s copies)."""
     n = job.local_batch_size
-    step = simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs, c.cp)
+    step = simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs, c.cp, offload)
     seconds = step.seconds + n * tp_seconds(args, job.seq_len / c.cp, c.pp, c.tp, RECOMPUTE[c.ac], cluster)
-    return plan_of(c, job, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits)
+    return plan_of(c, job, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits, offload)
 
 
-def plan_of(c: Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubble_ratio: float, fits: bool) -> Plan:
+def plan_of(
+    c: Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubble_ratio: float, fits: bool, offload: bool = False
+) -> Plan:
     """The plan of candidate ``c`` with what the models predict for it."""
     choice = c.choice
     return Plan(
@@ -155,4 +189,5 @@ def plan_of(c: Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubble
         job.length_multiple,
         c.cp,
         job.kv_context,
+        offload,
     )

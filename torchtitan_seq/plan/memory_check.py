@@ -9,11 +9,12 @@ from dataclasses import dataclass, replace
 from torchtitan_seq.plan.bounds import Candidate, cut_lengths
 from torchtitan_seq.plan.choices import ScheduleChoice
 from torchtitan_seq.plan.job import Cluster, Job
+from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.simulate.memory import ACMode, MemoryConfig, MemoryEstimate, gib, memory_floor, predict_memory
 
 
 def memory_config(
-    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int, offload: bool = False
 ) -> MemoryConfig:
     return MemoryConfig(
         job.flavor,
@@ -24,14 +25,21 @@ def memory_config(
         activation_checkpoint=ac,
         device=cluster.device,
         kv_context=job.kv_context,
+        kv_offload=offload,
     )
 
 
+def may_offload(job: Job, choice: ScheduleChoice) -> bool:
+    """Whether the search may propose ``kv_offload`` for ``choice`` (a sequence schedule of more than one unit)."""
+    return job.kv_offload and choice.schedule in SEQUENCE_SCHEDULES and choice.num_subsequences > 1
+
+
 def memory(
-    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int = 1
+    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int = 1, offload: bool = False
 ) -> MemoryEstimate:
-    """The memory model's estimate for ``choice`` on a (pp, tp, cp, rest data-parallel) split."""
-    return predict_memory(memory_config(job, cluster, choice, pp, tp, ac, cp))
+    """The memory model's estimate for ``choice`` on a (pp, tp, cp, rest data-parallel) split (``offload``:
+    with ``kv_offload``)."""
+    return predict_memory(memory_config(job, cluster, choice, pp, tp, ac, cp, offload))
 
 
 Group = tuple[ScheduleChoice, int, int]
@@ -58,7 +66,11 @@ class MemoryCheck:
     (:meth:`closest`). Every need is first weighed against the memory model's floor
     (:func:`~torchtitan_seq.simulate.memory.memory_floor`), which most candidates exceed by far,
     and the estimate taken only where the floor fits; a group's lightest is estimated only once a
-    candidate of it fits (what the first visit would have met is worked out in :meth:`closest`)."""
+    candidate of it fits (what the first visit would have met is worked out in :meth:`closest`).
+
+    Where the job lets it (:func:`may_offload`), floors and needs are those with ``kv_offload``, the least; a
+    candidate that fits is then estimated without it, and needs it (:meth:`offloads`) only where that does
+    not fit."""
 
     def __init__(self, job: Job, cluster: Cluster, by_pp: dict[int, list[tuple[int, int, int]]]) -> None:
         self.job, self.cluster, self.by_pp = job, cluster, by_pp
@@ -66,9 +78,15 @@ class MemoryCheck:
         """Misses in the order met; a group's lightest at the group's first candidate."""
         self.lightest: dict[Group, tuple[Candidate, float | None]] = {}
         """Per group met, its lightest and its need: None until estimated, inf where its floor is over."""
+        self._offloading: set[Candidate] = set()
 
-    def _config(self, c: Candidate) -> MemoryConfig:
-        return memory_config(self.job, self.cluster, c.choice, c.pp, c.tp, c.ac, c.cp)
+    def _config(self, c: Candidate, offload: bool | None = None) -> MemoryConfig:
+        offload = may_offload(self.job, c.choice) if offload is None else offload
+        return memory_config(self.job, self.cluster, c.choice, c.pp, c.tp, c.ac, c.cp, offload)
+
+    def offloads(self, c: Candidate) -> bool:
+        """Whether ``c``, found to fit by :meth:`need` in this process, fits only with ``kv_offload``."""
+        return c in self._offloading
 
     def _estimate(self, c: Candidate) -> float:
         return gib(predict_memory(self._config(c)).total)
@@ -101,7 +119,13 @@ class MemoryCheck:
             return None
         if light_need is None:
             light_need = self._lightest_need(group)
-        return need if light_need <= budget else None
+        if light_need > budget:
+            return None
+        if may_offload(self.job, c.choice):
+            if (plain := gib(predict_memory(self._config(c, offload=False)).total)) <= budget:
+                return plain
+            self._offloading.add(c)
+        return need
 
     def _lightest_need(self, group: Group) -> float:
         light, need = self.lightest[group]
@@ -112,7 +136,8 @@ class MemoryCheck:
 
     def closest(self) -> list[tuple[float, Candidate]]:
         """The three configurations met closest to fitting, with their needs (ties: the first met first):
-        misses in ascending order of need or floor, estimated while one may still beat the third."""
+        misses in ascending order of need or floor, estimated while one may still beat the third (with
+        ``kv_offload`` where :func:`may_offload`)."""
         budget, best = self.cluster.gpu_memory_gib, []
         for low, i in sorted((miss.gib, i) for i, miss in enumerate(self.met)):
             if len(best) == 3 and low > best[-1][0]:

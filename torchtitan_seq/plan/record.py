@@ -44,6 +44,8 @@ class Plan:
     """``context_parallel_degree`` (sequence schedules only)."""
     kv_context: KVContextMode = "reach"
     """``sequence_pipeline.kv_context`` (sequence schedules only; set where not the default)."""
+    kv_offload: bool = False
+    """``sequence_pipeline.kv_offload``: proposed where the configuration fits only with it."""
 
     def overrides(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
         """The configuration as ``./run_train.sh`` arguments (a ``family:flavor`` with its torchtitan model name)."""
@@ -67,7 +69,9 @@ class Plan:
             args["sequence_pipeline.length_multiple"] = self.length_multiple
             if self.kv_context != "reach":
                 args["sequence_pipeline.kv_context"] = self.kv_context
-        return " ".join(f"--{k} {v}" for k, v in args.items())
+            if self.kv_offload:
+                args["sequence_pipeline.kv_offload"] = True  # a flag, as torchtitan's command line takes it
+        return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in args.items())
 
     def config_function(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
         """The configuration as a torchtitan 0.3 config function: the shipped job of ``flavor``'s size
@@ -89,23 +93,24 @@ class Plan:
             f"    config.model_spec = {spec}({spec_args}, pipeline_sequence_llm)",
         ]
         for arg in self.overrides(flavor, seq_len, local_batch_size).split(" --"):
-            key, value = arg.removeprefix("--").split(" ")
+            key, _, value = arg.removeprefix("--").partition(" ")
             section, name = key.split(".")
             if section == "model":
                 continue
             if section == "activation_checkpoint":
                 lines.append(f"    config.activation_checkpoint = {_AC_03[value]}")
             else:
-                lines.append(f"    config.{key} = {value if value.isdigit() else json.dumps(value)}")
+                python = "True" if not value else value if value.isdigit() else json.dumps(value)  # "": a flag
+                lines.append(f"    config.{key} = {python}")
         return "\n".join([*lines, "    return config"])
 
     def toml(self, flavor: str, seq_len: int, local_batch_size: int) -> str:
         """The configuration as a torchtitan TOML snippet."""
         sections: dict[str, dict[str, object]] = {}
         for arg in self.overrides(flavor, seq_len, local_batch_size).split(" --"):
-            key, value = arg.removeprefix("--").split(" ")
+            key, _, value = arg.removeprefix("--").partition(" ")
             section, name = key.split(".")
-            sections.setdefault(section, {})[name] = value if not value.isdigit() else int(value)
+            sections.setdefault(section, {})[name] = True if not value else int(value) if value.isdigit() else value
         return "\n\n".join(
             f"[{section}]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in fields.items())
             for section, fields in sections.items()

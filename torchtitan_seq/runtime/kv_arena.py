@@ -121,6 +121,10 @@ class KVArenas:
         self._placed.clear()
         self._buffers.clear()
 
+    def buffers_of(self, arena: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per layer, the K and V of ``arena`` allocated now: (layer id, K, V)."""
+        return [(layer, *pair) for (layer, a), pair in self._buffers.items() if a == arena]
+
     def tensors(self) -> list[torch.Tensor]:
         """The K and V of every arena allocated now."""
         return [t for pair in self._buffers.values() for t in pair]

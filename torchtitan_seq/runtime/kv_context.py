@@ -35,6 +35,13 @@ start, the two growing toward each other (:mod:`torchtitan_seq.runtime.kv_arena`
 about the K/V of the units in flight rather than room for whole microbatches; a write into
 positions the other microbatch still reads is refused. :meth:`KVContext.clear` ends a step.
 
+MLA's latent (``mode = "latent"``, :mod:`torchtitan_seq.runtime.kv_latent`): an MLA layer keeps each earlier
+unit's compressed latent and RoPE key instead of its K/V (:attr:`KVContext.latents`), from which a unit
+expands its prefix's keys and values itself; its slabs go with the microbatch's K/V slabs.
+
+Offload (:attr:`KVContext.offload`, :mod:`torchtitan_seq.runtime.kv_offload`): an arena no pass of the stage
+reads for a while goes to host memory and comes back before the pass that reads it, as each pass starts.
+
 Packed documents (:attr:`KVContext.documents`): a unit reads only the keys of the document
 continuing into it (one range of positions, one view in either order); the K/V of documents
 that ended stay in the slab until it goes.
@@ -64,8 +71,10 @@ import torch
 from torchtitan_seq.runtime.context_parallel import ContextShard
 from torchtitan_seq.runtime.documents import Documents
 from torchtitan_seq.runtime.kv_arena import KVArenas
-from torchtitan_seq.runtime.kv_placement import ArenaPlan, Pass
-from torchtitan_seq.runtime.kv_reach import ReachRows, ReachSlab
+from torchtitan_seq.runtime.kv_latent import LatentSlabs
+from torchtitan_seq.runtime.kv_offload import KVOffload
+from torchtitan_seq.runtime.kv_placement import Pass
+from torchtitan_seq.runtime.kv_reach import ReachSlab, reach_rows
 from torchtitan_seq.runtime.kv_slab import KVSlab, Stored
 from torchtitan_seq.runtime.reach import FULL, KVContextMode, Reach
 
@@ -146,11 +155,11 @@ class KVContext:
         self, lengths: list[int] | None = None, shard: ContextShard | None = None, mode: KVContextMode = "reach"
     ) -> None:
         self.shard = shard or ContextShard()
-        self.mode = mode
-        """What a layer of bounded reach keeps (:data:`~torchtitan_seq.runtime.reach.KVContextMode`): under
-        ``"reach"``, told the lengths and without CP, a :class:`~torchtitan_seq.runtime.kv_reach.ReachSlab`
-        (only what later units read); else a full slab."""
         """This rank's share of every unit under context parallelism (the whole unit without)."""
+        self.mode = mode
+        """What a layer keeps (:data:`~torchtitan_seq.runtime.reach.KVContextMode`): under ``"reach"``, told
+        the lengths and without CP, a layer of bounded reach a :class:`~.kv_reach.ReachSlab` (only what later
+        units read); under ``"latent"`` an MLA layer its latent (:mod:`.kv_latent`); else a full slab."""
         self.unit: Unit | None = None
         """The unit being run, forward (:meth:`running`) or backward (:meth:`backward`), or None."""
         self.documents: list[Documents] | None = None
@@ -163,7 +172,8 @@ class KVContext:
         self._backwards: dict[int, int] = {}  # microbatch -> units whose backward has ended
         self.arenas = KVArenas(lengths)
         """Where the microbatches' slabs lie, and the guard against overwriting keys in use."""
-        self._rows: dict[Reach, ReachRows] = {}  # per reach, where its slabs lay positions out
+        self.latents = LatentSlabs(lengths)  # under mode "latent", the MLA layers' (:mod:`.kv_latent`)
+        self.offload: KVOffload | None = None  # what takes the arenas to host memory and back, as passes start
         self.meter: KVMeter | None = None
         """Sampled as each unit starts and as a microbatch's last backward ends, while set (a metered step)."""
 
@@ -175,13 +185,7 @@ class KVContext:
 
     @lengths.setter
     def lengths(self, lengths: list[int] | None) -> None:
-        self.arenas.lengths = lengths
-        self._rows.clear()
-
-    @property
-    def action_plan(self) -> ArenaPlan | None:
-        """The placement of every microbatch, once planned."""
-        return self.arenas.plan
+        self.arenas.lengths = self.latents.lengths = lengths
 
     def expect(self, passes: list[Pass]) -> None:
         """The order in which the stage runs its units' passes each step (see
@@ -208,6 +212,8 @@ class KVContext:
         """Run ``unit``, forward or ``backward``; one unit at a time."""
         if self.unit is not None:
             raise RuntimeError(f"KVContext: {unit} started while {self.unit} is running")
+        if self.offload is not None:
+            self.offload.before(not backward, unit.microbatch, unit.index)
         self.unit, self._backward = unit, backward
         try:
             yield
@@ -246,6 +252,7 @@ class KVContext:
         if self.meter is not None:
             self.meter.sample()
         self._slabs.pop(m, None)
+        self.latents.release(m)
         del self._backwards[m]
         self.arenas.release(m)
 
@@ -303,12 +310,8 @@ class KVContext:
         self, layer_id: int, m: int, k: torch.Tensor, v: torch.Tensor, with_own: bool, reach: Reach
     ) -> KVSlab | ReachSlab:
         """Microbatch ``m``'s slab for ``layer_id``: of its reach (see :meth:`append`), else in an arena."""
-        lengths = self.lengths
-        if self.mode == "reach" and reach.bounded and lengths is not None and not with_own:
-            rows = self._rows.get(reach)
-            if rows is None:
-                rows = self._rows[reach] = ReachRows(lengths, reach)
-            return ReachSlab(rows, k, v)
+        if self.mode != "full" and reach.bounded and self.lengths is not None and not with_own:
+            return ReachSlab(reach_rows(tuple(self.lengths), reach), k, v)
         return self.arenas.place(layer_id, m, k, v, with_own)
 
     def clear(self) -> None:
@@ -316,13 +319,14 @@ class KVContext:
         self.unit, self._backward = None, False
         self.per_unit.clear()
         self._slabs.clear()
+        self.latents.clear()
         self._backwards.clear()
         self.arenas.clear()
 
     def held_storages(self) -> dict[int, int]:
         """The storages of the K/V the context keeps alive (its arenas and slabs): data_ptr -> bytes."""
         slabs = [t for layers in self._slabs.values() for s in layers.values() for t in (s.k, s.v)]
-        arenas = self.arenas.tensors()
+        arenas = self.arenas.tensors() + self.latents.tensors()
         return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in slabs + arenas}
 
     def held_bytes(self) -> int:
@@ -330,5 +334,5 @@ class KVContext:
         return sum(self.held_storages().values())
 
     def __len__(self) -> int:
-        """Number of microbatches whose K/V the context still holds."""
-        return len(self._slabs)
+        """Number of microbatches whose K/V (or latents) the context still holds."""
+        return len(self._slabs) + len(self.latents)

@@ -16,6 +16,7 @@ backward adds what was sent its positions, as with a full slab; positions no uni
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from torchtitan_seq.runtime.kv_slab import EVERY, new_keys
 from torchtitan_seq.runtime.reach import Reach
 
-__all__ = ["ReachRows", "ReachSlab"]
+__all__ = ["ReachRows", "ReachSlab", "reach_rows"]
 
 
 class ReachRows:
@@ -67,6 +68,13 @@ class ReachRows:
     def within(self, start: int, stop: int) -> list[tuple[int, int]]:
         """The held positions of [start, stop), as ranges [a, b) each in one run."""
         return [(max(a, start), min(b, stop)) for a, b in self.runs if a < stop and b > start]
+
+
+@functools.lru_cache(maxsize=256)
+def reach_rows(lengths: tuple[int, ...], reach: Reach) -> ReachRows:
+    """The :class:`ReachRows` of a microbatch of units of ``lengths`` under ``reach``: made once, read by every
+    microbatch's and layer's slab of that reach."""
+    return ReachRows(lengths, reach)
 
 
 class ReachSlab:

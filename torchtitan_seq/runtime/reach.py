@@ -19,10 +19,12 @@ from typing import Literal
 
 __all__ = ["FULL", "KVContextMode", "Reach"]
 
-KVContextMode = Literal["reach", "full"]
+KVContextMode = Literal["reach", "full", "latent"]
 """What a layer's K/V context keeps of earlier units: ``"reach"``, only the positions later units can
 still read (a window's last positions, the current attention chunk; every position for full attention);
-``"full"``, every earlier position (the ``[sequence_pipeline] kv_context`` setting)."""
+``"full"``, every earlier position; ``"latent"``, an MLA layer's compressed latent and RoPE key of every
+earlier position instead of its keys and values (:mod:`~torchtitan_seq.runtime.kv_latent`), other layers
+as ``"reach"`` (the ``[sequence_pipeline] kv_context`` setting)."""
 
 
 @dataclass(frozen=True)

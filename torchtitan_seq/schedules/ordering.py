@@ -87,16 +87,19 @@ def validate_unit_order(order: dict[int, list[Action | None]], num_subsequences:
                 raise ScheduleOrderError(broken.format(where))
 
 
-def stage_passes(actions: list[Action | None] | tuple, stage: int, k: int) -> tuple[list[int], list[Pass]]:
+def stage_passes(
+    actions: list[Action | None] | tuple, stage: int, k: int, kinds: tuple[ComputationType, ...] = (F, B, W)
+) -> tuple[list[int], list[Pass]]:
     """The passes of ``stage`` among a rank's compute ``actions`` in order, as the KV context places
     slabs by them (:data:`~torchtitan_seq.runtime.kv_placement.Pass`): each unit's forward, and the pass its
-    backward ends with, B or W (the first stage's W runs the whole backward where torch defers it).
+    backward ends with, B or W (the first stage's W runs the whole backward where torch defers it); with
+    ``kinds`` (F, I, B, W) every pass the stage announces, as its K/V offload follows them.
     Returns each pass's position in ``actions`` and the passes."""
     where: list[int] = []
     passes: list[Pass] = []
     for i, action in enumerate(actions):
         for a in compute_leaves(action) if action is not None else ():
-            if a.stage_index == stage and a.computation_type in (F, B, W):
+            if a.stage_index == stage and a.computation_type in kinds:
                 where.append(i)
                 passes.append((a.computation_type == F, *divmod(a.microbatch_index, k)))
     return where, passes

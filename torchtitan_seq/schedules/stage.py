@@ -16,6 +16,7 @@ from torchtitan_seq.attention.kernels import AttentionKernel, select_kernel
 from torchtitan_seq.instrumentation.timeline import RECORDER
 from torchtitan_seq.runtime.context_parallel import ContextShard
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.kv_offload import KVOffload
 from torchtitan_seq.runtime.reach import KVContextMode
 from torchtitan_seq.runtime.torch_internals import UnitStageBase, detach_tensors, keep_async_collective_input_grads
 from torchtitan_seq.schedules.ordering import B, F, I, W, stage_passes
@@ -40,6 +41,8 @@ class SequencePipelineStage(UnitStageBase):
         context_shard: this rank's share of every unit under context parallelism
             (:mod:`torchtitan_seq.runtime.context_parallel`); None: the whole unit.
         kv_context: what the K/V context keeps of earlier units (:data:`~torchtitan_seq.runtime.reach.KVContextMode`).
+        kv_offload: whether the K/V context takes arenas no pass reads for a while to host memory
+            (:mod:`~torchtitan_seq.runtime.kv_offload`).
         **kwargs: the other arguments of ``PipelineStage`` (``group``, ``dw_builder``, ...).
     """
 
@@ -55,6 +58,7 @@ class SequencePipelineStage(UnitStageBase):
         chain_length: int | None = None,
         context_shard: ContextShard | None = None,
         kv_context: KVContextMode = "reach",
+        kv_offload: bool = False,
         **kwargs: Any,
     ) -> None:
         self.chain_length = chain_length or num_stages
@@ -64,6 +68,8 @@ class SequencePipelineStage(UnitStageBase):
             raise ValueError(f"subsequence lengths must be positive, got {lengths}")
         self.lengths = list(lengths)
         self.kv_context = KVContext(self.lengths, context_shard, kv_context)
+        if kv_offload:
+            self.kv_context.offload = KVOffload(self.kv_context.arenas)
         self.keep_outputs = False
         """Whether a last stage keeps each unit's output for the step's return value (the schedule sets it)."""
         self.unit_outputs: dict[int, Any] = {}
@@ -96,6 +102,8 @@ class SequencePipelineStage(UnitStageBase):
     def expect(self, actions: list) -> None:
         """Tell the KV context the order of this stage's passes among its rank's compute ``actions``."""
         self.kv_context.expect(stage_passes(actions, self.stage_index, len(self.lengths))[1])
+        if self.kv_context.offload is not None:
+            self.kv_context.offload.expect(stage_passes(actions, self.stage_index, len(self.lengths), (F, I, B, W))[1])
 
     def unit_length(self, unit_id: int) -> int:
         return self.lengths[unit_id % len(self.lengths)]

@@ -9,6 +9,8 @@
 * :mod:`.memory`: bytes per rank (parameters, gradients, optimizer, activations, KV context,
   workspace, receive buffers) by arithmetic on the built lists: :func:`~.memory.predict_memory`
   (imported from the submodule, not re-exported here: it looks flavors up in torchtitan);
+* :mod:`.offload`: the K/V offload's copies on each rank's host link and the passes they delay
+  (:func:`~.offload.offload_delays`, on a simulated step);
 * :mod:`.regenerate`: the committed ``schedules/`` folder; :mod:`.cli`: the command line.
 
 The writers (SVG, Chrome trace, CSV) are :mod:`torchtitan_seq.instrumentation.render`'s, shared with the

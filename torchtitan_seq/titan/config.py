@@ -45,7 +45,16 @@ class SequencePipeline:
     kv_context: KVContextMode = "reach"
     """What each layer's K/V context keeps of earlier subsequences: 'reach' (only the positions a later
     subsequence can still read: a sliding window's last positions, the current attention chunk; every
-    position for full attention) or 'full' (every earlier position, whatever the layer reads)."""
+    position for full attention), 'full' (every earlier position, whatever the layer reads) or 'latent'
+    (MLA models, DeepSeek-V3: each earlier position's compressed latent and RoPE key, kv_lora_rank +
+    qk_rope_head_dim values a token and layer, expanded into keys and values by each subsequence)."""
+
+    kv_offload: bool = False
+    """Copy the K/V context of microbatches that no pass of the stage reads for a while (between a
+    microbatch's last forward and first backward, mostly) to host memory and back before the pass that reads
+    it, overlapped with compute (on CUDA a side stream and pinned host memory; on a CPU device the copies run
+    as issued): less device memory for the K/V of long sequences, at the cost of host-link copies
+    (:mod:`torchtitan_seq.runtime.kv_offload`; the planner proposes it where it makes a sequence fit)."""
 
     bidirectional_placement: Placement = "paired"
     """BSIPipe and Chimera only: 'paired' puts each mirrored pair of pipeline positions

@@ -187,7 +187,7 @@ def build_sequence_schedule(
     Each chunk is parallelised by ``parallelize`` and wrapped in a
     :class:`~torchtitan_seq.schedules.stage.SequencePipelineStage` that cuts each microbatch as
     ``shape`` says and attends with the kernel ``sequence_pipeline.attention_backend`` selects, its K/V
-    context keeping what ``sequence_pipeline.kv_context`` says.
+    context keeping what ``sequence_pipeline.kv_context`` says (offloaded to host memory with ``kv_offload``).
 
     Args:
         name: the sequence schedule's name.
@@ -223,6 +223,7 @@ def build_sequence_schedule(
                 chain_length=chain_length,
                 context_shard=shard,
                 kv_context=cfg.kv_context,
+                kv_offload=cfg.kv_offload,
                 group=pp_group,
             )
         )

@@ -36,9 +36,11 @@ class ActionPlan:
     """:func:`pass_events` per (rank, k), filled as :meth:`events_of` is asked for them."""
     merged: dict[int, tuple[Events, np.ndarray]] = field(default_factory=dict, compare=False, repr=False)
     """Per k, every rank's events end to end, and where each rank's begin (see :meth:`merged_events`)."""
-    arenas: dict[tuple[tuple[int, ...], bool], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
-    """Per subsequence lengths and ``with_own``, :func:`slab_arena_events` of every rank end to end (see
-    :meth:`merged_arenas`)."""
+    arenas: dict[tuple[tuple[int, ...], bool, bool], np.ndarray] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """Per subsequence lengths, ``with_own`` and ``offload``, :func:`slab_arena_events` of every rank end to end
+    (see :meth:`merged_arenas`)."""
     passes: dict[tuple[int, int], list[tuple[list[int], tuple[Pass, ...]]]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -114,20 +116,32 @@ class ActionPlan:
         found once: every cut of the sequence with k units walks the same passes."""
         if (rank, k) not in self.passes:
             actions = self.order[rank]
-            found = (stage_passes(actions, stage, k) for stage in {a.stage_index for a in actions})
+            found = (stage_passes(actions, stage, k) for stage in self.stages_of(rank))
             self.passes[rank, k] = [(where, tuple(passes)) for where, passes in found]
         return self.passes[rank, k]
 
-    def merged_arenas(self, lengths: tuple[int, ...], with_own: bool) -> np.ndarray:
-        """Every rank's :func:`slab_arena_events` end to end, ranks ascending, as :meth:`merged_events`."""
-        if (lengths, with_own) not in self.arenas:
+    def touches_of(self, rank: int, k: int) -> list[tuple[list[int], tuple[Pass, ...]]]:
+        """Per stage of ``rank`` (as :meth:`passes_of`), every pass it announces (F, I, B, W) and where."""
+        found = (stage_passes(self.order[rank], stage, k, (F, I, B, W)) for stage in self.stages_of(rank))
+        return [(where, tuple(passes)) for where, passes in found]
+
+    def merged_arenas(self, lengths: tuple[int, ...], with_own: bool, offload: bool = False) -> np.ndarray:
+        """Every rank's :func:`slab_arena_events` end to end, ranks ascending, as :meth:`merged_events`;
+        ``offload``: with the arenas' spans off the device."""
+        if (lengths, with_own, offload) not in self.arenas:
             k = len(lengths)
             parts = [
-                slab_arena_events(len(self.order[r]), self.passes_of(r, k), lengths, with_own)
+                slab_arena_events(
+                    len(self.order[r]),
+                    self.passes_of(r, k),
+                    lengths,
+                    with_own,
+                    self.touches_of(r, k) if offload else None,
+                )
                 for r in sorted(self.order)
             ]
-            self.arenas[lengths, with_own] = np.concatenate(parts)
-        return self.arenas[lengths, with_own]
+            self.arenas[lengths, with_own, offload] = np.concatenate(parts)
+        return self.arenas[lengths, with_own, offload]
 
 
 @functools.lru_cache(maxsize=256)

@@ -71,7 +71,11 @@ class MemoryConfig:
     """dtype of the optimizer states."""
     kv_context: KVContextMode = "reach"
     """``sequence_pipeline.kv_context``: what a layer of bounded reach keeps of earlier units, only what
-    later units read (``"reach"``; not under CP) or every earlier position (``"full"``)."""
+    later units read (``"reach"``; not under CP) or every earlier position (``"full"``); ``"latent"``: an MLA
+    model's layers keep their latent (:mod:`.stage_bytes`)."""
+    kv_offload: bool = False
+    """``sequence_pipeline.kv_offload``: the KV context's arenas leave the device while no pass of their stage
+    reads them (:func:`~torchtitan_seq.runtime.kv_offload.offload_spans`)."""
 
     def __post_init__(self) -> None:
         # Whether the job cuts its sequences is the schedule's to say, not the caller's.
@@ -80,8 +84,8 @@ class MemoryConfig:
             dtype_bytes(getattr(self, name), name)
         if self.compute_dtype is not None:
             dtype_bytes(self.compute_dtype, "compute_dtype")
-        if self.kv_context not in ("reach", "full"):
-            raise ValueError(f"kv_context = {self.kv_context!r}: use 'reach' or 'full'")
+        if self.kv_context not in ("reach", "full", "latent"):
+            raise ValueError(f"kv_context = {self.kv_context!r}: use 'reach', 'full' or 'latent'")
         if self.activation_checkpoint not in ("none", "selective", "full"):
             raise ValueError(
                 f"activation_checkpoint = {self.activation_checkpoint!r}: the memory model knows "

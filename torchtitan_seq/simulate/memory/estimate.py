@@ -77,7 +77,7 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
     per_chunk = chain_bytes(args, c, a, chunks, tokens, is_sequence)
     weights = {s: per_chunk[s % plan.chain_length] for s in plan.stages}
     ranks = []
-    for r, (act, combined, held) in enumerate(memory_walks(plan, weights, tuple(lengths), n, c.cp > 1)):
+    for r, (act, combined, held) in enumerate(memory_walks(plan, weights, tuple(lengths), n, c.cp > 1, c.kv_offload)):
         ranks.append(
             RankMemory(
                 **state_bytes(args, c, plan, chunks, r),

@@ -32,8 +32,8 @@ def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
     reads the previous stage's output and, for unit j, the stage's K/V of units 0..j-1), and none
     has run backward on any (a backward needs the next stage's input gradient and, on a stage, the
     dK/dV of the units after it, so the last unit's backward on the deepest stage comes first).
-    Other microbatches in flight and the arenas' sharing are left out. Chunks of a kind whose layers of
-    bounded reach differ weigh each part as the lightest of them.
+    Other microbatches in flight and the arenas' sharing are left out (under ``kv_offload`` the slab too).
+    Chunks of a kind whose layers of bounded reach differ weigh each part as the lightest of them.
 
     ``walked``: the rank's activations are also at least what its units weigh where it holds the
     most of them (found once per schedule shape, :meth:`ActionPlan.fullest`); this takes the schedule's
@@ -50,7 +50,9 @@ def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
     params = np.array([chunk_parameters(args, *chunk, c.tp) for chunk in layout.chunks])
     workspace = np.array([workspace_per_token(args, c, a, chunk, is_sequence) for chunk in layout.chunks])
     buffers = np.array([buffer_bytes_per_token(args, c, a, chunk) for chunk in layout.chunks]) * received
-    microbatch = np.array([sum(w.saved) + w.held + w.slab + w.constant + w.reach for w in weights])
+    # Under kv_offload a microbatch's slab may be on the host while its units are held on other stages.
+    slab = 0.0 if c.kv_offload else 1.0
+    microbatch = np.array([sum(w.saved) + slab * (w.held + w.slab) + w.constant + w.reach for w in weights])
 
     base = (
         layout.count @ params * (rates.parameters + rates.gradients)

@@ -27,6 +27,12 @@ units' attention saves their own K/V (2 Hkv hd a / t a token and layer of units 
 per-unit bytes, where the layer is not recomputed), and its gradient holds R tokens. Under ``"full"``
 such a layer keeps the whole slab as a layer of full attention does.
 
+**MLA's latent** (``kv_context = "latent"``, :mod:`torchtitan_seq.runtime.kv_latent`): an MLA model's layers
+keep, outside the arenas, the latent and RoPE key of the keys later units read, S - L_{k-1} tokens at
+(kv_lora_rank + qk_rope_head_dim) a bytes each, from the microbatch's first forward to its last backward
+(the context alone keeps it, as a bounded layer's slab), and a gradient alike; their units' attention saves
+their own K/V (back in their per-unit bytes).
+
 **Context parallelism** (the shape's ``cp`` = c, :mod:`torchtitan_seq.runtime.context_parallel`): a rank
 computes 1/c of every unit's tokens, so every per-token figure (activations, workspace, receive
 buffers) counts b L_j / c tokens, but its slab holds the whole sequence's K/V, S tokens (the last
@@ -96,11 +102,15 @@ def bytes_of_stage(
     if not is_sequence:  # torch's schedules: K/V are the unit's own, no context
         return StageBytes([n * per_token for n in tokens], constant=table)
     per_layer = kv_values(args) / c.tp * a  # K and V, a token and layer
-    reaching = bounded if c.kv_context == "reach" and c.cp == 1 else 0.0  # layers whose slab holds their reach
-    kv = per_layer * (layers - reaching)  # K and V, a token, of the layers whose slab holds every key
+    reaching = bounded if c.kv_context != "full" and c.cp == 1 else 0.0  # layers whose slab holds their reach
+    mla = getattr(args, "mla", None)
+    latent = layers - reaching if c.kv_context == "latent" and mla is not None else 0.0  # layers keeping latents
+    kv = per_layer * (layers - reaching - latent)  # K and V, a token, of the layers whose slab holds every key
     slab = slab_tokens(tokens, c.cp) * kv
     held = reach_positions(tuple(c.shape.lengths), args.reach) * c.microbatch_size if reaching else 0
     reach = held * per_layer * reaching
+    if latent:
+        reach += slab_tokens(tokens, c.cp) * (mla.kv_lora_rank + mla.qk_rope_head_dim) * a * latent
     saved_kv = kv * (1 - recomputed)  # in the per-token bytes: where the slab holds them, its views
     own = [n / c.cp * (per_token - saved_kv) for n in tokens]  # K/V in the slab: units 0..k-2, all under CP
     return StageBytes(

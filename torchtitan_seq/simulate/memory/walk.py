@@ -11,16 +11,22 @@ from torchtitan_seq.simulate.memory.stage_bytes import StageBytes
 
 
 def memory_walks(
-    plan: ActionPlan, weights: dict[int, StageBytes], lengths: tuple[int, ...], n: int, with_own: bool = False
+    plan: ActionPlan,
+    weights: dict[int, StageBytes],
+    lengths: tuple[int, ...],
+    n: int,
+    with_own: bool = False,
+    offload: bool = False,
 ) -> list[tuple[float, float, float]]:
     """Per rank, (peak of saved activations, peak of activations + KV context, peak of the K/V its KV
     contexts hold) over its actions (bookkeeping in :func:`pass_events` and :func:`slab_arena_events`, built
-    once per plan and lengths; all ranks in one pass); ``with_own``: slabs hold the last unit's K/V too (CP).
+    once per plan and lengths; all ranks in one pass); ``with_own``: slabs hold the last unit's K/V too (CP);
+    ``offload``: arenas leave the device while no pass reads them (``kv_offload``).
     The K/V held are the arenas and the slabs of bounded reach, not their gradients, as
     :class:`~torchtitan_seq.instrumentation.kv_memory.KVMemory` measures them between a rank's actions."""
     k = len(lengths)
     e, starts = plan.merged_events(k)
-    arenas = plan.merged_arenas(lengths, with_own)
+    arenas = plan.merged_arenas(lengths, with_own, offload)
     stages = np.array(list(weights))
     saved = np.zeros((stages.max() + 1, k))
     slab, held, grad, constant, reach = (np.zeros(stages.max() + 1) for _ in range(5))

@@ -14,6 +14,8 @@ initialisation, TP plans and checkpoints the family's own, and changes three thi
   recomputation under activation checkpointing reads the ids it was called with);
 - while a pipeline stage runs a unit at offset s, the model reads RoPE at positions [s, s+L) (a CP
   rank at its share's, :class:`~torchtitan_seq.runtime.rope.UnitPositions`);
+- an MLA layer's inner attention reads its latent and up-projection (``kv_context = "latent"``:
+  :func:`~torchtitan_seq.titan.v022.models.family_adapters.mla_latent`);
 - a family whose blocks pick their attention's mask from a dict and whose attention merges learned
   sinks (gpt-oss) gets the call as a :class:`~torchtitan_seq.titan.v022.models.family_adapters.LayerCall`
   and merges its sinks once, inside the inner attention.
@@ -40,6 +42,7 @@ from torchtitan_seq.runtime.rope import UnitPositions
 from torchtitan_seq.titan.v022.models.family_adapters import (
     LayerCall,
     layer_reach,
+    mla_latent,
     positions_like,
     sink_attention_class,
     stage_forward,
@@ -156,6 +159,7 @@ class _SequenceModel(nn.Module):
             attention_class = sink_attention_class if self._layer_calls else sequence_attention_class
             attention.__class__ = attention_class(type(attention))
             attention.inner_attention = DocumentAttention(int(layer_id), layer_reach(layer, model_args))
+            attention.inner_attention.latent = mla_latent(attention)
 
     def get_attention_masks(self, input_batch: Tensor, tokenizer: Any, extra_inputs: Any = None) -> Tensor | None:
         """A packed batch's document ids, which block-causal flavors attend by in place of a mask.
