@@ -181,11 +181,13 @@ def test_the_metrics_record_tensorboard_and_timeline_as_under_0_2_2(mesh_runs):
 
 
 @pytest.mark.slow
-def test_compiled_seq1f1b_logs_the_losses_of_eager_1f1b(seed, tmp_path):
-    """torch.compile of each block, per chunk (0.3's parallelize_fn), on the pipeline alone; float32
+@pytest.mark.parametrize("ac", [(), ("activation-checkpoint:memory-budget",)], ids=["no-ac", "memory-budget"])
+def test_compiled_seq1f1b_logs_the_losses_of_eager_1f1b(seed, ac, tmp_path):
+    """torch.compile of each block, per chunk (0.3's parallelize_fn), on the pipeline alone, without AC and
+    with memory-budget AC (a compile pass: the partitioner recomputes what the budget leaves out); float32
     parameters, so that compiled and eager kernels differ by round-off only."""
     fp32 = ("--training.mixed-precision-param", "float32")
-    compiled = _from_seed(seed, *fp32, "--compile.enable", dump_folder=tmp_path / "seq", ngpu=2, check=True)
+    compiled = _from_seed(seed, *fp32, "--compile.enable", *ac, dump_folder=tmp_path / "seq", ngpu=2, check=True)
     ref = _from_seed(
         seed, *fp32, "--parallelism.pipeline-parallel-schedule", "1F1B", dump_folder=tmp_path / "ref", ngpu=2
     )
