@@ -4,7 +4,7 @@ torchtitan's LLM families (Llama 3, Qwen3, DeepSeek-V3, Llama 4, gpt-oss) share 
 blocks, each with an ``attention`` module that projects the queries, keys and values (QK-norm, MLA, RoPE
 and the family's own head dims included) and hands them, (B, heads, L, head_dim), to its
 ``inner_attention`` module. :func:`sequence_model_class` keeps all of that, the parameters, FQNs,
-initialisation, TP plans and checkpoints the family's own, and changes three things:
+initialisation, TP plans and checkpoints the family's own, and changes these things:
 
 - every layer's inner attention is a :class:`DocumentAttention` (a
   :class:`~torchtitan_seq.attention.SequenceAttention`) within the layer's reach (a sliding window,
@@ -18,7 +18,9 @@ initialisation, TP plans and checkpoints the family's own, and changes three thi
   :func:`~torchtitan_seq.titan.v022.models.family_adapters.mla_latent`);
 - a family whose blocks pick their attention's mask from a dict and whose attention merges learned
   sinks (gpt-oss) gets the call as a :class:`~torchtitan_seq.titan.v022.models.family_adapters.LayerCall`
-  and merges its sinks once, inside the inner attention.
+  and merges its sinks once, inside the inner attention;
+- a router's gate bias (gpt-oss's) starts at zero, as torchtitan 0.3 initialises it: 0.2.2's router
+  initialises its gate's weight only, leaving the bias whatever memory it was given (NaN at times).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 from torchtitan.tools.utils import has_cuda_capability
 
 from torchtitan_seq.attention import SequenceAttention
@@ -160,6 +163,19 @@ class _SequenceModel(nn.Module):
             attention.__class__ = attention_class(type(attention))
             attention.inner_attention = DocumentAttention(int(layer_id), layer_reach(layer, model_args))
             attention.inner_attention.latent = mla_latent(attention)
+
+    def init_weights(self, *args: Any, **kwargs: Any) -> None:
+        """The family's initialisation, then every router's gate bias zeroed (see the module docstring).
+
+        Args:
+            *args: the family's ``init_weights`` arguments (``buffer_device``).
+            **kwargs: likewise.
+        """
+        super().init_weights(*args, **kwargs)
+        for module in self.modules():
+            if isinstance(module, TokenChoiceTopKRouter) and module.gate.bias is not None:
+                with torch.no_grad():
+                    module.gate.bias.zero_()
 
     def get_attention_masks(self, input_batch: Tensor, tokenizer: Any, extra_inputs: Any = None) -> Tensor | None:
         """A packed batch's document ids, which block-causal flavors attend by in place of a mask.
