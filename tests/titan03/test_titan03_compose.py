@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 
 import pytest
-from titan03_run import Run, run_train
 
+from titan03_run import Run, run_train
 from torchtitan_seq.instrumentation import timeline
 from torchtitan_seq.titan.version import TITAN_03
 

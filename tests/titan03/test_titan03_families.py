@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from titan03_run import parse_job
 
 from harness import Variant, assert_exact, run_variants
+from titan03_run import parse_job
 from torchtitan_seq.titan.version import TITAN_03
 
 pytestmark = pytest.mark.skipif(not TITAN_03, reason="torchtitan 0.3's families need torchtitan 0.3")

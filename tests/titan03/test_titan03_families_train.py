@@ -11,8 +11,8 @@ sequence's: the losses agree within :data:`RECIPES`' tolerance over the few step
 from __future__ import annotations
 
 import pytest
-from titan03_run import losses_from_one_seed
 
+from titan03_run import losses_from_one_seed
 from torchtitan_seq.titan.version import TITAN_03
 
 pytestmark = pytest.mark.skipif(not TITAN_03, reason="runs ./run_train.sh with torchtitan 0.3")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from titan03_run import parse_job
 
+from titan03_run import parse_job
 from torchtitan_seq.titan.version import TITAN_03
 
 pytestmark = pytest.mark.skipif(not TITAN_03, reason="torchtitan 0.3's config functions need torchtitan 0.3")

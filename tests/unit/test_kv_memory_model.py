@@ -15,18 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kv_stages import stage_kv_peaks
 from torchtitan_seq.attention import SequenceAttention
-from torchtitan_seq.attention.kernels import select_kernel
 from torchtitan_seq.attention.latent import expand
-from torchtitan_seq.instrumentation.kv_memory import KVMemory
-from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.kv_context import KVContext
 from torchtitan_seq.runtime.reach import FULL, Reach
 from torchtitan_seq.runtime.shape import JobShape
-from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
-from torchtitan_seq.schedules.ordering import stage_passes
 from torchtitan_seq.simulate import memory as mm
 from torchtitan_seq.simulate.flavors import flavor_shape
-from torchtitan_seq.titan.flavors import chunk_split
 
 PP, N, K, SEQ_LEN = 2, 4, 4, 1024
 TOLERANCE = 0.05
@@ -64,32 +60,15 @@ def _measured(model: str, mode: str) -> list[int]:
     args, lengths = flavor_shape(model), _shape(model).lengths
     heads = args.n_kv_heads or args.n_heads
     width = args.head_dim or args.dim // args.n_heads
-    kernel = select_kernel(torch.device("cpu"))
-    offsets = [sum(lengths[:j]) for j in range(K)]
-    order = SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(PP, N, K))
-    first = 0
-    peaks = []
-    for rank, (layers, _, _) in enumerate(chunk_split(args.n_layers, PP)):
-        context = KVContext(list(lengths), mode=mode)
-        stage = [SequenceAttention(i, MODELS[model](i)) for i in range(first, first + layers)]
-        first += layers
-        for attention in stage:
-            attention.bind(context, kernel)
-        context.expect(stage_passes(order[rank], rank, K)[1])
-        memory, outs = KVMemory([context]), {}
-        with memory.track():
-            for forward, m, j in stage_passes(order[rank], rank, K)[1]:
-                unit = Unit(m, j, offsets[j], lengths[j], K)
-                if forward:
-                    with context.running(unit):
-                        qkv = [torch.randn(1, heads, lengths[j], width, requires_grad=True) for _ in range(3)]
-                        outs[m, j] = [attention(*qkv) for attention in stage]
-                else:
-                    with context.backward(unit):
-                        sum(out.sum() for out in outs.pop((m, j))).backward()
-        assert len(context) == 0
-        peaks.append(memory.peak)
-    return peaks
+
+    def forward(stage: list[SequenceAttention], length: int) -> list[torch.Tensor]:
+        qkv = [torch.randn(1, heads, length, width, requires_grad=True) for _ in range(3)]
+        return [attention(*qkv) for attention in stage]
+
+    return stage_kv_peaks(
+        args.n_layers, lengths, PP, N, lambda: KVContext(list(lengths), mode=mode),
+        lambda i: SequenceAttention(i, MODELS[model](i)), forward,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["reach", "full"])
@@ -142,38 +121,24 @@ def _measured_mla(mode: str) -> list[int]:
     MLA layers (queries, keys and values of its widths, expanded from a latent) run unit by unit."""
     args, lengths = flavor_shape(DEEPSEEK), _shape(DEEPSEEK).lengths
     mla, heads = args.mla, args.n_heads
-    kernel = select_kernel(torch.device("cpu"))
-    offsets = [sum(lengths[:j]) for j in range(K)]
-    order = SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(PP, N, K))
-    first, peaks = 0, []
-    for rank, (layers, _, _) in enumerate(chunk_split(args.n_layers, PP)):
-        context = KVContext(list(lengths), mode=mode)
-        stage = [SequenceAttention(i) for i in range(first, first + layers)]
-        first += layers
+
+    def layer(i: int) -> SequenceAttention:
+        attention = SequenceAttention(i)
+        attention.latent = _Latent(mla, heads)
+        return attention
+
+    def forward(stage: list[SequenceAttention], length: int) -> list[torch.Tensor]:
+        outs = []
         for attention in stage:
-            attention.bind(context, kernel)
-            attention.latent = _Latent(mla, heads)
-        context.expect(stage_passes(order[rank], rank, K)[1])
-        memory, outs = KVMemory([context]), {}
-        with memory.track():
-            for forward, m, j in stage_passes(order[rank], rank, K)[1]:
-                unit = Unit(m, j, offsets[j], lengths[j], K)
-                if not forward:
-                    with context.backward(unit):
-                        sum(out.sum() for out in outs.pop((m, j))).backward()
-                    continue
-                with context.running(unit):
-                    outs[m, j] = []
-                    for attention in stage:
-                        latent = torch.randn(1, lengths[j], mla.kv_lora_rank, requires_grad=True)
-                        rope = torch.randn(1, lengths[j], mla.qk_rope_head_dim, requires_grad=True)
-                        k, v = expand(latent, rope, attention.latent.up, mla.qk_nope_head_dim, heads)
-                        q = torch.randn(1, heads, lengths[j], mla.qk_head_dim, requires_grad=True)
-                        attention.latent.latent = latent
-                        outs[m, j].append(attention(q, k, v))
-        assert len(context) == 0
-        peaks.append(memory.peak)
-    return peaks
+            latent = torch.randn(1, length, mla.kv_lora_rank, requires_grad=True)
+            rope = torch.randn(1, length, mla.qk_rope_head_dim, requires_grad=True)
+            k, v = expand(latent, rope, attention.latent.up, mla.qk_nope_head_dim, heads)
+            q = torch.randn(1, heads, length, mla.qk_head_dim, requires_grad=True)
+            attention.latent.latent = latent
+            outs.append(attention(q, k, v))
+        return outs
+
+    return stage_kv_peaks(args.n_layers, lengths, PP, N, lambda: KVContext(list(lengths), mode=mode), layer, forward)
 
 
 @pytest.mark.slow  # DeepSeek-V3's 16 heads of 192 over 1024 tokens, unit by unit on both ranks: over a minute

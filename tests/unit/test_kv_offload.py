@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from kv_stages import stage_kv_peaks
 from torchtitan_seq.attention import SequenceAttention
 from torchtitan_seq.attention.kernels import select_kernel
 from torchtitan_seq.instrumentation.kv_memory import KVMemory
@@ -22,7 +23,6 @@ from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
 from torchtitan_seq.schedules.ordering import B, F, I, W, stage_passes
 from torchtitan_seq.simulate import memory as mm
 from torchtitan_seq.simulate.flavors import flavor_shape
-from torchtitan_seq.titan.flavors import chunk_split
 
 SHAPES = [
     (name, p, n, k, split)
@@ -288,31 +288,17 @@ def _measured_kv(offload: bool, p: int, n: int, k: int, seq_len: int) -> list[in
     args = flavor_shape("debugmodel")
     lengths = JobShape.of_model(args, seq_len, k, "compute", microbatches=n).lengths
     heads, width = args.n_kv_heads or args.n_heads, args.dim // args.n_heads
-    order = SEQUENCE_SCHEDULES["Seq1F1B"].compute_order(ScheduleShape(p, n, k))
-    peaks, first = [], 0
-    for rank, (count, _, _) in enumerate(chunk_split(args.n_layers, p)):
-        context = KVContext(list(lengths))
-        context.offload = KVOffload(context.arenas) if offload else None
-        layers = [SequenceAttention(i) for i in range(first, first + count)]
-        first += count
-        for layer in layers:
-            layer.bind(context, select_kernel(torch.device("cpu")))
-        context.expect(stage_passes(order[rank], rank, k)[1])
-        if offload:
-            context.offload.expect(stage_passes(order[rank], rank, k, (F, I, B, W))[1])
-        memory, outs = KVMemory([context]), {}
-        with memory.track():
-            for forward, m, j in stage_passes(order[rank], rank, k, (F, I, B, W))[1]:
-                unit = Unit(m, j, sum(lengths[:j]), lengths[j], k)
-                if forward:
-                    with context.running(unit):
-                        qkv = [torch.randn(1, heads, lengths[j], width, requires_grad=True) for _ in range(3)]
-                        outs[m, j] = [layer(*qkv) for layer in layers]
-                else:
-                    with context.backward(unit):
-                        sum(out.sum() for out in outs.pop((m, j))).backward()
-        peaks.append(memory.peak)
-    return peaks
+
+    def context() -> KVContext:
+        ctx = KVContext(list(lengths))
+        ctx.offload = KVOffload(ctx.arenas) if offload else None
+        return ctx
+
+    def forward(layers: list[SequenceAttention], length: int) -> list[torch.Tensor]:
+        qkv = [torch.randn(1, heads, length, width, requires_grad=True) for _ in range(3)]
+        return [layer(*qkv) for layer in layers]
+
+    return stage_kv_peaks(args.n_layers, lengths, p, n, context, SequenceAttention, forward, (F, I, B, W))
 
 
 def test_predicted_device_kv_under_offload_is_the_measured():
