@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchtitan_seq.titan import cpu_compat
 
@@ -29,6 +30,15 @@ def pytest_report_header() -> str:
     if TITAN_03:
         return "torchtitan 0.3: tests/titan03/ only (tests/unit, exactness and e2e need torchtitan 0.2.2)"
     return "torchtitan 0.2.2: tests/titan03/ skip (they need torchtitan 0.3)"
+
+
+@pytest.fixture
+def one_thread():
+    """Small kernels in this process: one thread runs them about ten times faster on a shared CPU than many."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

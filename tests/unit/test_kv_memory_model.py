@@ -28,6 +28,9 @@ PP, N, K, SEQ_LEN = 2, 4, 4, 1024
 TOLERANCE = 0.05
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # small kernels: see conftest.py
+
+
 def _gpt_oss(layer: int) -> Reach:
     """torchtitan's gpt-oss: a sliding window on the even layers."""
     return Reach(window=128) if layer % 2 == 0 else FULL
@@ -40,15 +43,6 @@ def _llama4_irope(layer: int) -> Reach:
 
 
 MODELS = {"gpt_oss:debugmodel": _gpt_oss, "llama4:debugmodel_irope": _llama4_irope, "debugmodel": lambda layer: FULL}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small kernels: one thread each runs them ten times faster on a shared CPU than many."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _shape(model: str) -> JobShape:

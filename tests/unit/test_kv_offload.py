@@ -24,6 +24,8 @@ from torchtitan_seq.schedules.ordering import B, F, I, W, stage_passes
 from torchtitan_seq.simulate import memory as mm
 from torchtitan_seq.simulate.flavors import flavor_shape
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # small kernels: see conftest.py
+
 SHAPES = [
     (name, p, n, k, split)
     for name in SEQUENCE_SCHEDULES
@@ -85,14 +87,6 @@ def test_a_longer_gap_is_asked_for():
 
 P, N, K, HEADS, WIDTH = 4, 8, 4, 2, 8
 LENGTHS = [8, 6, 6, 4]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run(offload: bool, schedule: str = "Seq1F1B", copies: Any = None, steps: int = 1):
