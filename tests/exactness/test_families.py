@@ -126,7 +126,7 @@ def test_fsdp_and_tp_are_exact_for_each_family(dp_shard, tp, tmp_path):
             partition=part,
             dp_shard=dp_shard,
             tp=tp,
-            seq_len=64,
+            seq_len=32,
             family=family,
         )
         for family in TENSOR_PARALLEL[dp_shard, tp]
