@@ -9,8 +9,9 @@ MoE layers). Each built from 0.3's own configs behind torchtitan_seq's one seam
 (:func:`~torchtitan_seq.titan.v03.model.sequence_model_config`), parallelised by the family's own
 ``parallelize_fn``, against the whole-sequence reference (:mod:`harness`: the family's own attention
 modules with dense attention): loss, every parameter's gradient and the tokens each MoE layer counted per
-expert. The variants run in two process groups (2 ranks, then 4), as ``tests/exactness/test_families.py``
-runs 0.2.2's.
+expert. DeepSeek-V3 also with ``kv_context = "latent"`` (MLA's latent kept, its prefix expanded per unit),
+and its mutation. The variants run in two process groups (2 ranks, then 4), as
+``tests/exactness/test_families.py`` runs 0.2.2's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 import pytest
 
-from harness import Variant, assert_exact, run_variants
+from harness import Variant, assert_breaks_exactness, assert_exact, run_variants
 from titan03_run import parse_job
 from torchtitan_seq.titan.version import TITAN_03
 
@@ -57,9 +58,37 @@ def _two_ranks() -> list[Variant]:
     variants += [
         Variant(f"{family}-full-ac-k3", k=3, partition="compute", ac="full", family=family) for family in NEW_FAMILIES
     ]
-    return variants + [
+    variants += [
         Variant(f"{family}-documents-k4", k=4, partition="compute", documents=True, family=family)
         for family in ("qwen3", *NEW_FAMILIES)
+    ]
+    return variants + _latent()
+
+
+LATENT = dict(family="deepseek_v3", kv_context="latent")
+
+
+def _latent() -> list[Variant]:
+    """DeepSeek-V3 keeping MLA's latent in its K/V context: every schedule (k 2 and 4, the cut alternating),
+    split backward, full AC, packed documents; and its mutation, the prefix's latent gradient dropped."""
+    variants = [
+        Variant(
+            f"deepseek_v3-latent-{s}-k{k}",
+            s,
+            k=k,
+            partition=("even", "compute")[i % 2],
+            optimizer_steps=steps,
+            **LATENT,
+        )
+        for i, (s, k, steps) in enumerate(
+            [("Seq1F1B", 4, 0), ("TeraPipe", 2, 0), ("InterleavedSeq1F1B", 2, 0), ("BSIPipe", 2, 2), ("Chimera", 4, 2)]
+        )
+    ]
+    return variants + [
+        Variant("deepseek_v3-latent-k3-split-backward", k=3, partition="compute", split_backward=True, **LATENT),
+        Variant("deepseek_v3-latent-ac-full-k3", k=3, ac="full", **LATENT),
+        Variant("deepseek_v3-latent-documents-k4", k=4, partition="compute", documents=True, **LATENT),
+        Variant("mutation-latent_prefix_grad_dropped", k=4, mutation="latent_prefix_grad_dropped", **LATENT),
     ]
 
 
@@ -67,8 +96,12 @@ FOUR_RANKS = [
     Variant(f"{family}-pp2-{name}-k4", k=4, partition="compute", seq_len=64, family=family, **degrees)
     for family in (*FAMILIES, *NEW_FAMILIES)
     for name, degrees in (("fsdp2", {"dp_shard": 2}), ("tp2", {"tp": 2}))
+] + [
+    Variant(f"deepseek_v3-latent-pp2-{name}-k4", k=4, partition="compute", seq_len=64, **LATENT, **degrees)
+    for name, degrees in (("fsdp2", {"dp_shard": 2}), ("tp2", {"tp": 2}))
 ]
 TWO_RANKS = _two_ranks()
+MUTATED = [v.name for v in TWO_RANKS if v.mutation]
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +115,18 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [v.name for v in TWO_RANKS + FOUR_RANKS])
+@pytest.mark.parametrize("name", [v.name for v in TWO_RANKS + FOUR_RANKS if not v.mutation])
 def test_each_family_is_exact_against_the_whole_sequence(results, name):
     r = results[name]
     # FSDP and TP: one loss per microbatch on the last stage, as torch's schedules
     assert_exact(r, n_losses=2 if name in {v.name for v in FOUR_RANKS} else None)
     print(f"{name}: loss {r['loss_rel']:.2g}, gradients {r['grad_rel']:.2g} (worst {r['worst_param']})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MUTATED)
+def test_each_mutation_misses_the_reference(results, name):
+    assert_breaks_exactness(results[name])
 
 
 @pytest.mark.parametrize("family,layers", [("qwen3_moe", 4), ("deepseek_v3", 3), ("gpt_oss", 4)])

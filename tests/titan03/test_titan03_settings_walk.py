@@ -44,6 +44,13 @@ SEQUENCE_PIPELINE = {
     "split_backward": ("--sequence-pipeline.split-backward",),
     "attention_backend=flash": ("--sequence-pipeline.attention-backend", "flash"),
     "kv_context=full+gpt_oss": (*GPT_OSS, "--sequence-pipeline.kv-context", "full"),  # sliding windows
+    "kv_context=latent": ("--sequence-pipeline.kv-context", "latent"),  # Llama 3 has no MLA
+    "kv_context=latent+deepseek_v3": (
+        "--config",
+        "deepseek_v3_debugmodel_seq1f1b",
+        "--sequence-pipeline.kv-context",
+        "latent",
+    ),
     "kv_offload": ("--sequence-pipeline.kv-offload",),
     "kv_offload+InterleavedSeq1F1B": (  # arenas go to host memory between a chunk's units
         "--sequence-pipeline.kv-offload",

@@ -305,7 +305,7 @@ def check_shape(sequence_pipeline: Any, parallelism: Any, training: Any, model_s
     cls.check_shape(lists, **cls.options_from_config(seq))
 
 
-def check_kv_context(kv_context: str, model_name: str, model_args: Any, latent: bool = True) -> None:
+def check_kv_context(kv_context: str, model_name: str, model_args: Any) -> None:
     """Refuse a K/V context the model cannot keep: ``"latent"`` keeps multi-head latent attention's latent
     (:mod:`torchtitan_seq.runtime.kv_latent`), which only an MLA model computes.
 
@@ -313,17 +313,10 @@ def check_kv_context(kv_context: str, model_name: str, model_args: Any, latent: 
         kv_context: the job's ``sequence_pipeline.kv_context``.
         model_name: its ``model.name``.
         model_args: the flavor's model args (or shape).
-        latent: whether the installed torchtitan's seam hands MLA's latent to the inner attention (0.2.2's
-            does; 0.3's not yet).
 
     Raises:
-        ValueError: ``"latent"`` for a model without MLA, or under a seam without it.
+        ValueError: ``"latent"`` for a model without MLA.
     """
-    if kv_context == "latent" and not latent:
-        raise ValueError(
-            "sequence_pipeline.kv_context = 'latent' is not under torchtitan 0.3 yet (its MLA seam hands no "
-            "latent to the unit attention): use 'reach' or 'full', or torchtitan 0.2.2"
-        )
     if kv_context == "latent" and model_shape(model_args).mla is None:
         raise ValueError(
             f"sequence_pipeline.kv_context = 'latent' keeps multi-head latent attention's latent, which "

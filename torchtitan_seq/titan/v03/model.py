@@ -42,6 +42,7 @@ from torchtitan_seq.attention import SequenceAttention
 from torchtitan_seq.runtime.kv_context import KVContext
 from torchtitan_seq.runtime.reach import FULL, Reach
 from torchtitan_seq.runtime.rope import UnitPositions
+from torchtitan_seq.titan.mla_latent import mla_latent
 
 __all__ = [
     "SeqInnerAttention",
@@ -150,6 +151,8 @@ class _SequenceDecoder(Decoder):
         super().__init__(config)
         self.kv_context: KVContext | None = None
         self._positions = UnitPositions()
+        for layer in self.layers.values():  # an MLA layer's latent, read under kv_context = "latent"
+            layer.attention.inner_attention.latent = mla_latent(layer.attention)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: torch.Tensor | None = None

@@ -7,8 +7,7 @@ The families put their queries, keys and values where the seam expects them (the
 - DeepSeek-V3 (MLA): queries and keys of ``qk_nope_head_dim + qk_rope_head_dim``, values of
   ``v_head_dim``, every head its own keys; its decoupled RoPE part reads ``positions`` as Llama 3 does,
   so the generic seam runs it. Under ``kv_context = "latent"`` its inner attention also reads the call's
-  normed latent (kv_norm's output, which :func:`mla_latent` has kv_norm hand over) and wkv_b
-  (:class:`MLALatent`).
+  normed latent and wkv_b (:mod:`torchtitan_seq.titan.mla_latent`, as under torchtitan 0.3).
 - Llama 4: a flex flavor's RoPE layers (irope: every ``every_n_layers_nope``-th layer is NoPE) attend
   within attention chunks of ``fixed_attn_block_size`` (torchtitan's ``"rope"`` mask), its NoPE
   layers and every layer of an SDPA flavor causally (:func:`layer_reach`).
@@ -24,7 +23,6 @@ The families put their queries, keys and values where the seam expects them (the
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -33,15 +31,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from torchtitan_seq.runtime.reach import FULL, Reach
 
-__all__ = [
-    "LayerCall",
-    "MLALatent",
-    "layer_reach",
-    "mla_latent",
-    "positions_like",
-    "sink_attention_class",
-    "stage_forward",
-]
+__all__ = ["LayerCall", "layer_reach", "positions_like", "sink_attention_class", "stage_forward"]
 
 
 def layer_reach(block: nn.Module, model_args: Any) -> Reach:
@@ -137,57 +127,3 @@ def stage_forward(model: nn.Module, tokens: Tensor, attention_masks: dict[str, L
         h = layer(h, model.rope_cache, attention_masks)
     h = model.norm(h) if model.norm is not None else h
     return model.output(h) if model.output is not None else h
-
-
-class _RecordingNorm(nn.Module):
-    """Mixed before MLA's kv_norm class: keeps its output (the call's normed latent) for the layer's inner
-    attention to take (:meth:`MLALatent.take`)."""
-
-    recorded: Tensor | None
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.recorded = super().forward(x)
-        return self.recorded
-
-
-@functools.cache
-def _recording_norm_class(norm_cls: type[nn.Module]) -> type[nn.Module]:
-    """``norm_cls`` keeping its output (one subclass per class)."""
-    return type(norm_cls.__name__, (_RecordingNorm, norm_cls), {})
-
-
-@dataclass(eq=False)
-class MLALatent:
-    """A torchtitan 0.2.2 DeepSeek-V3 attention layer as its inner attention reads it under ``kv_context =
-    "latent"`` (a :class:`~torchtitan_seq.attention.latent.LatentSource`): the call's normed latent, kept by
-    its kv_norm, and its up-projection wkv_b."""
-
-    norm: nn.Module
-    up: nn.Module
-    nope_dim: int
-
-    def take(self) -> Tensor | None:
-        """The call's normed latent (B, L, kv_lora_rank), handed over once."""
-        latent, self.norm.recorded = self.norm.recorded, None
-        return latent
-
-    def weight(self) -> Tensor:
-        """wkv_b's weight (n_heads (qk_nope_head_dim + v_head_dim), kv_lora_rank)."""
-        return self.up.weight
-
-
-def mla_latent(attention: nn.Module) -> MLALatent | None:
-    """An MLA layer's latent for its inner attention: its kv_norm made to keep each call's output.
-
-    Args:
-        attention: a block's attention module.
-
-    Returns:
-        DeepSeek-V3's: its :class:`MLALatent`; None for attention without a latent.
-    """
-    if not hasattr(attention, "wkv_b"):
-        return None
-    norm = attention.kv_norm
-    norm.__class__ = _recording_norm_class(type(norm))
-    norm.recorded = None
-    return MLALatent(norm, attention.wkv_b, attention.qk_nope_head_dim)

@@ -15,7 +15,7 @@ initialisation, TP plans and checkpoints the family's own, and changes these thi
 - while a pipeline stage runs a unit at offset s, the model reads RoPE at positions [s, s+L) (a CP
   rank at its share's, :class:`~torchtitan_seq.runtime.rope.UnitPositions`);
 - an MLA layer's inner attention reads its latent and up-projection (``kv_context = "latent"``:
-  :func:`~torchtitan_seq.titan.v022.models.family_adapters.mla_latent`);
+  :func:`~torchtitan_seq.titan.mla_latent.mla_latent`);
 - a family whose blocks pick their attention's mask from a dict and whose attention merges learned
   sinks (gpt-oss) gets the call as a :class:`~torchtitan_seq.titan.v022.models.family_adapters.LayerCall`
   and merges its sinks once, inside the inner attention;
@@ -42,10 +42,10 @@ from torchtitan_seq.runtime.documents import document_ids
 from torchtitan_seq.runtime.kv_context import KVContext
 from torchtitan_seq.runtime.reach import FULL, Reach
 from torchtitan_seq.runtime.rope import UnitPositions
+from torchtitan_seq.titan.mla_latent import mla_latent
 from torchtitan_seq.titan.v022.models.family_adapters import (
     LayerCall,
     layer_reach,
-    mla_latent,
     positions_like,
     sink_attention_class,
     stage_forward,
