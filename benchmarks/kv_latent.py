@@ -31,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchtitan_seq.attention import bind_kv_context
 from torchtitan_seq.attention.kernels import select_kernel
 from torchtitan_seq.instrumentation.kv_memory import KVMemory
+from torchtitan_seq.plan.flops import latent_flops
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
 from torchtitan_seq.runtime.shape import JobShape
 from torchtitan_seq.titan import cpu_compat
@@ -101,9 +102,7 @@ def measure(mode: str, seq_len: int, k: int, repeats: int) -> dict:
         start = time.perf_counter()
         _step(model, context, tokens, lengths)
         times.append(time.perf_counter() - start)
-    mla = model_shape(args).mla
-    prefixes = sum(sum(lengths[:j]) for j in range(k))
-    expansion = 4 * 2 * prefixes * mla.kv_lora_rank * args.n_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    expansion = latent_flops(model_shape(args).mla, args.n_heads, lengths, 0.0)  # the planner's cost of it
     return {
         "peak_kv_bytes": memory.peak,
         "flops": flops.get_total_flops(),

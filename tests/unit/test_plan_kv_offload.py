@@ -61,7 +61,7 @@ def test_the_memory_check_offloads_only_what_fits_only_with_it():
     ]:
         check = MemoryCheck(job, Cluster(GPUS, budget), {PP: [(1, 1, GPUS // PP)]})
         assert check.need(c) == (pytest.approx(need) if need is not None else None)
-        assert check.offloads(c) == offloads
+        assert check.option(c).offload == offloads
 
 
 def test_the_planner_proposes_offload_where_a_configuration_fits_only_with_it(monkeypatch, capsys):

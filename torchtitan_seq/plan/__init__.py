@@ -39,6 +39,9 @@ simulate every combination at full size:
   (``kv_offload``, :mod:`torchtitan_seq.runtime.kv_offload`) is proposed with it where ``--kv-offload``
   allows: its floor and need are those with offload, and its step is simulated with the copies on each
   rank's host link (``--host-link-gbps``, :mod:`torchtitan_seq.simulate.offload`);
+- an MLA model's sequence schedule that fits only keeping MLA's latent (``kv_context = "latent"``) is
+  proposed with it unless ``--no-latent``: its need is the memory model's with the latent, and its step
+  priced with the prefix expansion's FLOPs (:func:`~torchtitan_seq.plan.flops.latent_flops`);
 - a step is simulated at N' = min(N, 2p) and 2N' microbatches and extended
   linearly to N (at N alone where N <= 4p): past the warm-up each further
   microbatch adds the same time (within 1%, tested), on the compute-only lists (``torch_lowering=False``:

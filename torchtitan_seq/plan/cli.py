@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from torchtitan_seq.plan.job import Cluster, Job
@@ -32,8 +32,9 @@ def plan_table(plans: list[Plan]) -> str:
     head = "| # | schedule | pp | tp | cp | dp_shard | k | partition | v | AC | tokens/s | peak GiB | bubble | fits |"
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans, 1):
+        kv = (" +kv_offload" if p.kv_offload else "") + (" +latent" if p.kv_context == "latent" else "")
         rows.append(
-            f"| {i} | {p.schedule}{' +kv_offload' if p.kv_offload else ''} | {p.pp} | {p.tp} | {p.cp} | {p.dp_shard} | "
+            f"| {i} | {p.schedule}{kv} | {p.pp} | {p.tp} | {p.cp} | {p.dp_shard} | "
             f"{p.num_subsequences} | {p.partition} | "
             f"{p.stages_per_rank} | {p.activation_checkpoint} | {p.tokens_per_s:,.0f} | {p.peak_memory_gib:.1f} | "
             f"{p.bubble_ratio:.3f} | {'yes' if p.fits else 'no'} |"
@@ -92,11 +93,12 @@ def command_line() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kv-context",
-        choices=("reach", "full"),
+        choices=("reach", "full", "latent"),
         default="reach",
-        help="sequence_pipeline.kv_context: what layers of a sliding window or attention chunks keep of earlier "
-        "units, only what later units read or every position (default %(default)s)",
+        help="sequence_pipeline.kv_context: what windowed or chunked layers keep of earlier units, what later "
+        "units read or all; 'latent': MLA's latent, proposed where it alone fits (default %(default)s)",
     )
+    parser.add_argument("--no-latent", action="store_true", help="never propose kv_context = 'latent'")
     parser.add_argument(
         "--kv-offload",
         action="store_true",
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    job = Job(flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple, a.cp, a.kv_context, a.kv_offload)
+    job = Job(flavor, a.seq_len, a.local_batch_size, a.tp, costs, a.length_multiple, a.cp, a.kv_context)
+    job = replace(job, kv_offload=a.kv_offload, latent=not a.no_latent)
     cluster = Cluster(
         a.gpus,
         a.gpu_memory_gib,

@@ -4,7 +4,10 @@ of calibration files are made of."""
 
 from __future__ import annotations
 
+import itertools
+
 from torchtitan_seq.plan.choices import ScheduleChoice
+from torchtitan_seq.runtime.layer_shapes import MLAShape
 from torchtitan_seq.runtime.partition import UnitCost
 
 
@@ -16,6 +19,15 @@ def unit_flops(cost: UnitCost, lengths: list[int], recompute: float) -> list[tup
         (cost.forward(n, p), recompute * cost.forward(n, p) + cost.backward_input(n, p) + cost.backward_weight(n, p))
         for n, p in zip(lengths, prefixes)
     ]
+
+
+def latent_flops(mla: MLAShape, heads: int, lengths: list[int], recompute: float) -> float:
+    """Cost-model FLOPs of MLA's prefix expansion under ``kv_context = "latent"`` for one microbatch on one
+    layer (:mod:`torchtitan_seq.attention.latent`): unit j at offset s_j expands its s_j prefix positions with
+    wkv_b, 2 s_j r H (nope + v), in its forward, in each recomputation (``recompute`` forwards) and again in
+    its backward, whose input- and weight-gradient products cost as much each."""
+    per_key = 2 * mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return (4 + recompute) * per_key * sum(itertools.accumulate(lengths[:-1]))
 
 
 def step_flops(units: list[tuple[float, float]], n_layers: int, pp: int) -> float:

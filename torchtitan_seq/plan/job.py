@@ -74,6 +74,10 @@ class Job:
     kv_offload: bool = False
     """Whether the planner may propose ``sequence_pipeline.kv_offload`` (exact either way) for a sequence
     schedule that fits only with it, its copies timed over ``Cluster.host_link`` (``--kv-offload``)."""
+    latent: bool = True
+    """Whether the planner may propose ``sequence_pipeline.kv_context = "latent"`` (exact either way) for an MLA
+    model under ``kv_context = "reach"`` where a configuration fits only with it, its step priced with the
+    prefix expansion's FLOPs (``--no-latent``: never)."""
 
     def shape(self, choice: ScheduleChoice, tp: int, cp: int = 1) -> JobShape:
         """The cut and microbatches of ``choice`` at TP ``tp`` and CP ``cp``, as the runtime derives them."""

@@ -11,8 +11,9 @@ from torchtitan_seq.instrumentation.render import busy_and_end
 from torchtitan_seq.plan.bounds import Candidate
 from torchtitan_seq.plan.choices import RECOMPUTE, ScheduleChoice
 from torchtitan_seq.plan.costs import Costs, step_network, tp_seconds
+from torchtitan_seq.plan.flops import latent_flops
 from torchtitan_seq.plan.job import Cluster, Job
-from torchtitan_seq.plan.memory_check import may_offload, memory, memory_config
+from torchtitan_seq.plan.memory_check import KVOption, kv_options, memory, memory_config
 from torchtitan_seq.plan.record import Plan
 from torchtitan_seq.runtime.model_counts import kv_values
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
@@ -44,10 +45,12 @@ def simulated_step(
     costs: Costs,
     cp: int = 1,
     offload: bool = False,
+    latent: bool = False,
 ) -> Step:
     """A step's time, simulated at N' = min(N, 2p) and 2N' microbatches and extended to N
     (each microbatch past the warm-up adds the same time); at N alone where N <= 4p. ``offload``: with
-    ``kv_offload``'s copies over the cluster's host link (:func:`~torchtitan_seq.simulate.offload.offload_delays`)."""
+    ``kv_offload``'s copies over the cluster's host link (:func:`~torchtitan_seq.simulate.offload.offload_delays`);
+    ``latent``: with MLA's prefix expansion on each rank's layers (:func:`latent_seconds`)."""
     network = step_network(cluster, costs, tp, cp, dp)
     config = SimConfig(
         choice.schedule,
@@ -86,7 +89,21 @@ def simulated_step(
         # Where 2N' is N the line ends where it starts, whatever its slope: N' is not simulated.
         slope = 0.0 if twice == microbatches else (longer - run(small)[0]) / (twice - small)
         makespan, busy = longer + slope * (microbatches - twice), busy_longer * microbatches / twice
+    if latent:
+        expansion = latent_seconds(job, costs, subsequence_lengths(config), pp, tp, RECOMPUTE[ac], microbatches)
+        makespan, busy = makespan + expansion, busy + expansion
     return Step(makespan, 1 - busy / makespan)
+
+
+def latent_seconds(
+    job: Job, costs: Costs, lengths: list[int], pp: int, tp: int, recompute: float, microbatches: int
+) -> float:
+    """Seconds a rank spends on MLA's prefix expansion under ``kv_context = "latent"`` in a step
+    (:func:`~torchtitan_seq.plan.flops.latent_flops` on its 1/pp of the layers, its 1/tp of the heads), at the
+    cost model's FLOP/s. Added to the step whole: the cut does not balance it, and it runs on every rank."""
+    args = flavor_shape(job.flavor)
+    per_layer = latent_flops(args.mla, args.n_heads, lengths, recompute) / tp
+    return microbatches * args.n_layers / pp * per_layer / costs.flops_per_gpu
 
 
 def offload_position_bytes(
@@ -137,17 +154,20 @@ def evaluate(
         cp: the CP degree; the data-parallel degree is what the GPUs leave.
 
     Returns:
-        The configuration's plan, ``fits`` saying whether its peak fits ``cluster.gpu_memory_gib`` (with
-        ``kv_offload`` where the job allows it and it does not fit without).
+        The configuration's plan, ``fits`` saying whether its peak fits ``cluster.gpu_memory_gib`` (under the
+        first K/V option of :func:`~torchtitan_seq.plan.memory_check.kv_options` with which it fits, else
+        the lightest).
     """
     args = flavor_shape(job.flavor)
     costs = Costs.load(job, cluster, args)
     dp = cluster.gpus // (pp * tp * cp)
-    peak, offload = gib(memory(job, cluster, choice, pp, tp, ac, cp).total), False
-    if peak > cluster.gpu_memory_gib and may_offload(job, choice):  # as the search, offload only what needs it
-        peak, offload = gib(memory(job, cluster, choice, pp, tp, ac, cp, offload=True).total), True
+    # as the search: the first K/V option that fits, else the lightest
+    for option in kv_options(job, choice, cp):
+        peak = gib(memory(job, cluster, choice, pp, tp, ac, cp, option).total)
+        if peak <= cluster.gpu_memory_gib:
+            break
     c = Candidate(choice, pp, tp, dp, ac, math.inf, cp)
-    return measure_candidate(c, job, cluster, costs, args, peak, peak <= cluster.gpu_memory_gib, offload)
+    return measure_candidate(c, job, cluster, costs, args, peak, peak <= cluster.gpu_memory_gib, option)
 
 
 def measure_candidate(
@@ -158,19 +178,29 @@ def measure_candidate(
     args: ModelShape,
     peak_gib: float,
     fits: bool,
-    offload: bool = False,
+    option: KVOption | None = None,
 ) -> Plan:
-    """Candidate ``c``'s plan, its step simulated (``offload``: with ``kv_offload``'s copies)."""
+    """Candidate ``c``'s plan, its step simulated under the K/V settings ``option`` (None: the job's)."""
+    option = option or KVOption(job.kv_context)
     n = job.local_batch_size
-    step = simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs, c.cp, offload)
+    latent = option.kv_context == "latent"
+    step = simulated_step(c.choice, c.pp, c.tp, c.dp, c.ac, n, job, cluster, costs, c.cp, option.offload, latent)
     seconds = step.seconds + n * tp_seconds(args, job.seq_len / c.cp, c.pp, c.tp, RECOMPUTE[c.ac], cluster)
-    return plan_of(c, job, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits, offload)
+    return plan_of(c, job, c.dp * n * job.seq_len / seconds, peak_gib, step.bubble_ratio, fits, option)
 
 
 def plan_of(
-    c: Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubble_ratio: float, fits: bool, offload: bool = False
+    c: Candidate,
+    job: Job,
+    tokens_per_s: float,
+    peak_gib: float,
+    bubble_ratio: float,
+    fits: bool,
+    option: KVOption | None = None,
 ) -> Plan:
-    """The plan of candidate ``c`` with what the models predict for it."""
+    """The plan of candidate ``c`` with what the models predict for it, under the K/V settings ``option``
+    (None: the job's)."""
+    option = option or KVOption(job.kv_context)
     choice = c.choice
     return Plan(
         choice.schedule,
@@ -188,6 +218,6 @@ def plan_of(
         tuple(job.shape(choice, c.tp, c.cp).lengths),
         job.length_multiple,
         c.cp,
-        job.kv_context,
-        offload,
+        option.kv_context,
+        option.offload,
     )

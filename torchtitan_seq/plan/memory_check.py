@@ -9,13 +9,34 @@ from dataclasses import dataclass, replace
 from torchtitan_seq.plan.bounds import Candidate, cut_lengths
 from torchtitan_seq.plan.choices import ScheduleChoice
 from torchtitan_seq.plan.job import Cluster, Job
+from torchtitan_seq.runtime.reach import KVContextMode
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
+from torchtitan_seq.simulate.flavors import flavor_shape
 from torchtitan_seq.simulate.memory import ACMode, MemoryConfig, MemoryEstimate, gib, memory_floor, predict_memory
 
 
+@dataclass(frozen=True)
+class KVOption:
+    """What a configuration's K/V context keeps (``sequence_pipeline.kv_context``) and whether it goes to host
+    memory while unread (``kv_offload``)."""
+
+    kv_context: KVContextMode
+    offload: bool = False
+
+
 def memory_config(
-    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int, offload: bool = False
+    job: Job,
+    cluster: Cluster,
+    choice: ScheduleChoice,
+    pp: int,
+    tp: int,
+    ac: ACMode,
+    cp: int,
+    offload: bool = False,
+    kv_context: KVContextMode | None = None,
 ) -> MemoryConfig:
+    """The memory model's config of ``choice`` on a (pp, tp, cp, rest data-parallel) split, with ``kv_offload``
+    if ``offload``, its K/V context ``kv_context`` (None: the job's)."""
     return MemoryConfig(
         job.flavor,
         job.shape(choice, tp, cp),
@@ -24,7 +45,7 @@ def memory_config(
         dp_shard=cluster.gpus // (pp * tp * cp),
         activation_checkpoint=ac,
         device=cluster.device,
-        kv_context=job.kv_context,
+        kv_context=kv_context or job.kv_context,
         kv_offload=offload,
     )
 
@@ -34,12 +55,46 @@ def may_offload(job: Job, choice: ScheduleChoice) -> bool:
     return job.kv_offload and choice.schedule in SEQUENCE_SCHEDULES and choice.num_subsequences > 1
 
 
+def may_keep_latent(job: Job, choice: ScheduleChoice, cp: int) -> bool:
+    """Whether the search may propose ``kv_context = "latent"`` for ``choice``: an MLA model under the default
+    ``"reach"`` (which keeps an MLA layer's whole K/V) where the job lets it, a sequence schedule of more than one
+    unit, without CP."""
+    return (
+        job.latent
+        and job.kv_context == "reach"
+        and flavor_shape(job.flavor).mla is not None
+        and choice.schedule in SEQUENCE_SCHEDULES
+        and choice.num_subsequences > 1
+        and cp == 1
+    )
+
+
+def kv_options(job: Job, choice: ScheduleChoice, cp: int) -> list[KVOption]:
+    """The K/V settings the search may propose for ``choice``, in the order it prefers them, the least memory
+    last: the job's own; ``kv_offload`` (:func:`may_offload`: the user asked for it, its copies overlap
+    compute); MLA's latent (:func:`may_keep_latent`: its prefix expansion costs FLOPs); both."""
+    options = [KVOption(job.kv_context)]
+    if may_offload(job, choice):
+        options.append(KVOption(job.kv_context, True))
+    if may_keep_latent(job, choice, cp):
+        options += [KVOption("latent", o.offload) for o in options]
+    return options
+
+
 def memory(
-    job: Job, cluster: Cluster, choice: ScheduleChoice, pp: int, tp: int, ac: ACMode, cp: int = 1, offload: bool = False
+    job: Job,
+    cluster: Cluster,
+    choice: ScheduleChoice,
+    pp: int,
+    tp: int,
+    ac: ACMode,
+    cp: int = 1,
+    option: KVOption | None = None,
 ) -> MemoryEstimate:
-    """The memory model's estimate for ``choice`` on a (pp, tp, cp, rest data-parallel) split (``offload``:
-    with ``kv_offload``)."""
-    return predict_memory(memory_config(job, cluster, choice, pp, tp, ac, cp, offload))
+    """The memory model's estimate for ``choice`` on a (pp, tp, cp, rest data-parallel) split, under ``option``
+    (None: the job's K/V settings, without offload)."""
+    option = option or KVOption(job.kv_context)
+    return predict_memory(memory_config(job, cluster, choice, pp, tp, ac, cp, option.offload, option.kv_context))
 
 
 Group = tuple[ScheduleChoice, int, int]
@@ -68,9 +123,9 @@ class MemoryCheck:
     and the estimate taken only where the floor fits; a group's lightest is estimated only once a
     candidate of it fits (what the first visit would have met is worked out in :meth:`closest`).
 
-    Where the job lets it (:func:`may_offload`), floors and needs are those with ``kv_offload``, the least; a
-    candidate that fits is then estimated without it, and needs it (:meth:`offloads`) only where that does
-    not fit."""
+    Floors and needs are those of the candidate's lightest K/V option (:func:`kv_options`: with ``kv_offload``
+    where the job lets it, MLA's latent where it may); a candidate that fits is then estimated under the
+    options the search prefers, in order, and proposed with the first that fits (:meth:`option`)."""
 
     def __init__(self, job: Job, cluster: Cluster, by_pp: dict[int, list[tuple[int, int, int]]]) -> None:
         self.job, self.cluster, self.by_pp = job, cluster, by_pp
@@ -78,15 +133,17 @@ class MemoryCheck:
         """Misses in the order met; a group's lightest at the group's first candidate."""
         self.lightest: dict[Group, tuple[Candidate, float | None]] = {}
         """Per group met, its lightest and its need: None until estimated, inf where its floor is over."""
-        self._offloading: set[Candidate] = set()
+        self._options: dict[Candidate, KVOption] = {}
 
-    def _config(self, c: Candidate, offload: bool | None = None) -> MemoryConfig:
-        offload = may_offload(self.job, c.choice) if offload is None else offload
-        return memory_config(self.job, self.cluster, c.choice, c.pp, c.tp, c.ac, c.cp, offload)
+    def _config(self, c: Candidate, option: KVOption | None = None) -> MemoryConfig:
+        option = option or kv_options(self.job, c.choice, c.cp)[-1]
+        return memory_config(
+            self.job, self.cluster, c.choice, c.pp, c.tp, c.ac, c.cp, option.offload, option.kv_context
+        )
 
-    def offloads(self, c: Candidate) -> bool:
-        """Whether ``c``, found to fit by :meth:`need` in this process, fits only with ``kv_offload``."""
-        return c in self._offloading
+    def option(self, c: Candidate) -> KVOption:
+        """The K/V settings with which ``c``, found to fit by :meth:`need` in this process, is proposed."""
+        return self._options.get(c) or KVOption(self.job.kv_context)
 
     def _estimate(self, c: Candidate) -> float:
         return gib(predict_memory(self._config(c)).total)
@@ -121,10 +178,12 @@ class MemoryCheck:
             light_need = self._lightest_need(group)
         if light_need > budget:
             return None
-        if may_offload(self.job, c.choice):
-            if (plain := gib(predict_memory(self._config(c, offload=False)).total)) <= budget:
-                return plain
-            self._offloading.add(c)
+        *preferred, lightest = kv_options(self.job, c.choice, c.cp)
+        for option in preferred:
+            if (lighter := gib(predict_memory(self._config(c, option)).total)) <= budget:
+                self._options[c] = option
+                return lighter
+        self._options[c] = lightest
         return need
 
     def _lightest_need(self, group: Group) -> float:
@@ -137,7 +196,7 @@ class MemoryCheck:
     def closest(self) -> list[tuple[float, Candidate]]:
         """The three configurations met closest to fitting, with their needs (ties: the first met first):
         misses in ascending order of need or floor, estimated while one may still beat the third (with
-        ``kv_offload`` where :func:`may_offload`)."""
+        the lightest K/V option, :func:`kv_options`)."""
         budget, best = self.cluster.gpu_memory_gib, []
         for low, i in sorted((miss.gib, i) for i, miss in enumerate(self.met)):
             if len(best) == 3 and low > best[-1][0]:

@@ -14,7 +14,7 @@ from torchtitan_seq.plan.costs import Costs
 from torchtitan_seq.plan.job import Cluster, Job
 from torchtitan_seq.plan.lookahead import Lookahead, available_processes
 from torchtitan_seq.plan.measure import measure_candidate, plan_of, schedule_runs
-from torchtitan_seq.plan.memory_check import MemoryCheck, may_offload
+from torchtitan_seq.plan.memory_check import MemoryCheck, kv_options
 from torchtitan_seq.plan.record import Plan
 from torchtitan_seq.plan.shares import answers_ahead, shares
 from torchtitan_seq.plan.twins import Kept, no_heavier
@@ -91,7 +91,7 @@ def search_plans(job: Job, cluster: Cluster, top: int, processes: int) -> list[P
         c = candidates[i]
         if not schedule_runs(c.choice, c.pp, job.local_batch_size, args.n_layers) or (need := check.need(c)) is None:
             return None
-        return measure_candidate(c, job, cluster, costs, args, need, True, check.offloads(c))
+        return measure_candidate(c, job, cluster, costs, args, need, True, check.option(c))
 
     with Lookahead.start(shares(candidates, processes), answers_ahead(candidates, visit), processes) as ahead:
         for i, c in enumerate(candidates):
@@ -115,5 +115,7 @@ def search_plans(job: Job, cluster: Cluster, top: int, processes: int) -> list[P
             f"k {c.choice.num_subsequences}, activation "
             f"checkpointing {c.ac}) needs {need:.1f} GiB per GPU"
         )
-    over = [plan_of(c, job, math.nan, need, math.nan, False, may_offload(job, c.choice)) for need, c in closest]
+    over = [
+        plan_of(c, job, math.nan, need, math.nan, False, kv_options(job, c.choice, c.cp)[-1]) for need, c in closest
+    ]
     return [plan for plan, _, _ in fitting[:top]] + over
