@@ -45,6 +45,13 @@ SEQUENCE_PIPELINE = {
     "attention_backend=flash": ("--sequence-pipeline.attention-backend", "flash"),
     "kv_context=full+gpt_oss": (*GPT_OSS, "--sequence-pipeline.kv-context", "full"),  # sliding windows
     "kv_context=latent": ("--sequence-pipeline.kv-context", "latent"),  # Llama 3 has no MLA
+    "kv_context=latent+deepseek_v3+compile": (  # refused: the latent's expansion is not compiled yet
+        "--config",
+        "deepseek_v3_debugmodel_seq1f1b",
+        "--sequence-pipeline.kv-context",
+        "latent",
+        *COMPILE,
+    ),
     "kv_context=latent+deepseek_v3": (
         "--config",
         "deepseek_v3_debugmodel_seq1f1b",
@@ -206,6 +213,7 @@ REFUSED = {
     "module=llama3+Seq1F1B": "which has no sequence_pipeline section",
     "dataset=c4": "dataloader.dataset = 'c4'",
     "validator+c4": "validator.dataloader.dataset = 'c4_validation'",
+    "kv_context=latent+deepseek_v3+compile": "sequence_pipeline.kv_context = 'latent' with compile.enable (model)",
 }
 
 

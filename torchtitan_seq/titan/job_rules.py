@@ -305,7 +305,7 @@ def check_shape(sequence_pipeline: Any, parallelism: Any, training: Any, model_s
     cls.check_shape(lists, **cls.options_from_config(seq))
 
 
-def check_kv_context(kv_context: str, model_name: str, model_args: Any) -> None:
+def check_kv_context(kv_context: str, model_name: str, model_args: Any, compiled: bool = False) -> None:
     """Refuse a K/V context the model cannot keep: ``"latent"`` keeps multi-head latent attention's latent
     (:mod:`torchtitan_seq.runtime.kv_latent`), which only an MLA model computes.
 
@@ -313,10 +313,17 @@ def check_kv_context(kv_context: str, model_name: str, model_args: Any) -> None:
         kv_context: the job's ``sequence_pipeline.kv_context``.
         model_name: its ``model.name``.
         model_args: the flavor's model args (or shape).
+        compiled: whether the job compiles the model's blocks.
 
     Raises:
-        ValueError: ``"latent"`` for a model without MLA.
+        ValueError: ``"latent"`` for a model without MLA, or compiled (the latent's autograd functions write
+            the context from inside the block, which torch.compile's graphs do not run as written).
     """
+    if kv_context == "latent" and compiled:
+        raise ValueError(
+            "sequence_pipeline.kv_context = 'latent' with compile.enable (model): the latent's prefix expansion "
+            "runs outside torch.compile's graphs, not yet inside them; use 'reach', or turn compile off"
+        )
     if kv_context == "latent" and model_shape(model_args).mla is None:
         raise ValueError(
             f"sequence_pipeline.kv_context = 'latent' keeps multi-head latent attention's latent, which "

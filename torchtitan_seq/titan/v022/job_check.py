@@ -349,5 +349,6 @@ def _check_shape(job_config: JobConfig, spec: TrainSpec) -> None:
     """The schedule runs the job's shape (:func:`~torchtitan_seq.titan.job_rules.check_shape`) and the model
     has what its K/V context keeps (:func:`~torchtitan_seq.titan.job_rules.check_kv_context`)."""
     model_args = spec.model_args[job_config.model.flavor]
-    check_kv_context(job_config.sequence_pipeline.kv_context, job_config.model.name, model_args)
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    check_kv_context(job_config.sequence_pipeline.kv_context, job_config.model.name, model_args, compiled)
     check_shape(job_config.sequence_pipeline, job_config.parallelism, job_config.training, model_args)

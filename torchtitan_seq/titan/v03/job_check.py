@@ -184,5 +184,5 @@ def _check_sequence_job(config: Any) -> None:
             f"loss {type(config.loss).__qualname__} with the sequence schedule {name}: units run the whole "
             "output layer, use CrossEntropyLoss.Config (as torchtitan_seq.recipes do)"
         )
-    job_rules.check_kv_context(seq.kv_context, config.model_spec.name, config.model_spec.model)
+    job_rules.check_kv_context(seq.kv_context, config.model_spec.name, config.model_spec.model, compile_model)
     job_rules.check_shape(seq, par, config.training, model_shape(config.model_spec.model))
