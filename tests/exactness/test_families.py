@@ -102,6 +102,7 @@ def test_mla_latent_context_is_exact(tmp_path):
         Variant("deepseek_v3-latent-ac-op", k=3, ac="selective:op", **latent),
         Variant("deepseek_v3-latent-documents", k=4, partition="compute", documents=True, **latent),
         Variant("deepseek_v3-latent-bsipipe-documents", "BSIPipe", k=3, documents=True, **latent),
+        Variant("deepseek_v3-latent-kv-offload", k=4, kv_offload=True, **latent),  # the arenas offloaded beside it
         Variant("deepseek_v3_q_lora-latent-k3", k=3, partition="compute", **q_lora),
         Variant("deepseek_v3_q_lora-latent-interleaved", "InterleavedSeq1F1B", k=2, optimizer_steps=2, **q_lora),
     ]
