@@ -149,3 +149,27 @@ def test_mla_latent_holds_under_a_third_of_full_and_is_predicted():
     ratios = [latent / full for latent, full in zip(measured["latent"], measured["full"])]
     print(f"peak K/V bytes, full {measured['full']}, latent {measured['latent']}: ratios {ratios}")
     assert max(ratios) <= LATENT_RATIO, ratios
+
+
+def test_a_windowed_layers_kv_does_not_grow_with_the_sequence():
+    """gpt-oss's windowed layers (a window of 128) under Seq1F1B at k = 8, measured: under "reach" each rank's
+    contexts hold the same bytes at 4096 tokens as at 2048 ((k - 1) x 127 positions a microbatch), under "full"
+    twice as many."""
+    heads, width, k = 8, 64, 8  # gpt-oss-120B's K/V heads
+
+    def peaks(seq_len: int, mode: str) -> list[int]:
+        lengths = [seq_len // k] * k
+
+        def forward(stage: list[SequenceAttention], length: int) -> list[torch.Tensor]:
+            qkv = [torch.randn(1, heads, length, width, requires_grad=True) for _ in range(3)]
+            return [attention(*qkv) for attention in stage]
+
+        return stage_kv_peaks(
+            4, lengths, PP, 2, lambda: KVContext(lengths, mode=mode), lambda i: SequenceAttention(i, Reach(window=128)),
+            forward,
+        )  # fmt: skip
+
+    reach = {seq_len: peaks(seq_len, "reach") for seq_len in (2048, 4096)}
+    assert reach[2048] == reach[4096], reach
+    full = {seq_len: peaks(seq_len, "full") for seq_len in (2048, 4096)}
+    assert all(f4 == 2 * f2 and r < f2 for f2, f4, r in zip(full[2048], full[4096], reach[2048])), (full, reach)
