@@ -36,7 +36,7 @@ from torchtitan_seq.plan import CHOICES
 from torchtitan_seq.plan.bounds import cut_lengths
 from torchtitan_seq.plan.choices import TP_DEGREES, ScheduleChoice
 from torchtitan_seq.plan.job import Cluster, Job
-from torchtitan_seq.plan.memory_check import may_offload, memory_config
+from torchtitan_seq.plan.memory_check import KVOption, may_offload, memory_config
 from torchtitan_seq.runtime.reach import KVContextMode
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES
 from torchtitan_seq.simulate.flavors import flavor_shape
@@ -90,7 +90,7 @@ def fitting(
         job = Job(model, seq_len, pp, kv_context=mode, kv_offload=offload)
         if cut_lengths(job, choice, tp) is None:
             continue
-        config = memory_config(job, cluster, choice, pp, tp, "full", 1, may_offload(job, choice))
+        config = memory_config(job, cluster, choice, pp, tp, "full", 1, KVOption(mode, may_offload(job, choice)))
         if gib(memory_floor(config)) <= budget and gib(predict_memory(config).total) <= budget:
             yield choice, pp, tp
 

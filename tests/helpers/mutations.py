@@ -545,8 +545,8 @@ def _planner_memory_at_simulated_microbatches() -> list:
 
     config = memory_check.memory_config
 
-    def simulated(job, cluster, choice, pp, tp, ac, cp, offload=False, kv_context=None):
-        out = config(job, cluster, choice, pp, tp, ac, cp, offload, kv_context)
+    def simulated(job, cluster, choice, pp, tp, ac, cp, option=None):
+        out = config(job, cluster, choice, pp, tp, ac, cp, option)
         microbatches = min(out.shape.microbatches, 2 * pp)
         return dataclasses.replace(out, shape=dataclasses.replace(out.shape, microbatches=microbatches))
 

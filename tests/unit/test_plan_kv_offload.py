@@ -17,7 +17,7 @@ from torchtitan_seq.plan.choices import ScheduleChoice
 from torchtitan_seq.plan.cli import main
 from torchtitan_seq.plan.job import Cluster, Job
 from torchtitan_seq.plan.measure import schedule_runs
-from torchtitan_seq.plan.memory_check import MemoryCheck, memory_config
+from torchtitan_seq.plan.memory_check import KVOption, MemoryCheck, memory_config
 from torchtitan_seq.plan.search import plan
 from torchtitan_seq.simulate.build import SimConfig
 from torchtitan_seq.simulate.engine import simulate
@@ -32,7 +32,8 @@ PP, GPUS = 4, 8
 
 
 def _need(offload: bool) -> float:
-    return gib(predict_memory(memory_config(JOB, Cluster(GPUS, 80), CHOICE, PP, 1, "full", 1, offload)).total)
+    option = KVOption(JOB.kv_context, offload)
+    return gib(predict_memory(memory_config(JOB, Cluster(GPUS, 80), CHOICE, PP, 1, "full", 1, option)).total)
 
 
 @pytest.mark.parametrize(

@@ -190,17 +190,9 @@ def measure_candidate(
 
 
 def plan_of(
-    c: Candidate,
-    job: Job,
-    tokens_per_s: float,
-    peak_gib: float,
-    bubble_ratio: float,
-    fits: bool,
-    option: KVOption | None = None,
+    c: Candidate, job: Job, tokens_per_s: float, peak_gib: float, bubble_ratio: float, fits: bool, option: KVOption
 ) -> Plan:
-    """The plan of candidate ``c`` with what the models predict for it, under the K/V settings ``option``
-    (None: the job's)."""
-    option = option or KVOption(job.kv_context)
+    """The plan of candidate ``c`` with what the models predict for it, under the K/V settings ``option``."""
     choice = c.choice
     return Plan(
         choice.schedule,

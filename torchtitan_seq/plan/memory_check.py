@@ -32,11 +32,11 @@ def memory_config(
     tp: int,
     ac: ACMode,
     cp: int,
-    offload: bool = False,
-    kv_context: KVContextMode | None = None,
+    option: KVOption | None = None,
 ) -> MemoryConfig:
-    """The memory model's config of ``choice`` on a (pp, tp, cp, rest data-parallel) split, with ``kv_offload``
-    if ``offload``, its K/V context ``kv_context`` (None: the job's)."""
+    """The memory model's config of ``choice`` on a (pp, tp, cp, rest data-parallel) split, under the K/V
+    settings ``option`` (None: the job's, without offload)."""
+    option = option or KVOption(job.kv_context)
     return MemoryConfig(
         job.flavor,
         job.shape(choice, tp, cp),
@@ -45,8 +45,8 @@ def memory_config(
         dp_shard=cluster.gpus // (pp * tp * cp),
         activation_checkpoint=ac,
         device=cluster.device,
-        kv_context=kv_context or job.kv_context,
-        kv_offload=offload,
+        kv_context=option.kv_context,
+        kv_offload=option.offload,
     )
 
 
@@ -93,8 +93,7 @@ def memory(
 ) -> MemoryEstimate:
     """The memory model's estimate for ``choice`` on a (pp, tp, cp, rest data-parallel) split, under ``option``
     (None: the job's K/V settings, without offload)."""
-    option = option or KVOption(job.kv_context)
-    return predict_memory(memory_config(job, cluster, choice, pp, tp, ac, cp, option.offload, option.kv_context))
+    return predict_memory(memory_config(job, cluster, choice, pp, tp, ac, cp, option))
 
 
 Group = tuple[ScheduleChoice, int, int]
@@ -137,9 +136,7 @@ class MemoryCheck:
 
     def _config(self, c: Candidate, option: KVOption | None = None) -> MemoryConfig:
         option = option or kv_options(self.job, c.choice, c.cp)[-1]
-        return memory_config(
-            self.job, self.cluster, c.choice, c.pp, c.tp, c.ac, c.cp, option.offload, option.kv_context
-        )
+        return memory_config(self.job, self.cluster, c.choice, c.pp, c.tp, c.ac, c.cp, option)
 
     def option(self, c: Candidate) -> KVOption:
         """The K/V settings with which ``c``, found to fit by :meth:`need` in this process, is proposed."""

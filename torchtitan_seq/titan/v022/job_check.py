@@ -101,11 +101,16 @@ def _check_weight_tying(job_config: JobConfig, spec: TrainSpec) -> None:
     check_weight_tying(model.name, model.flavor, tied, job_config.parallelism.pipeline_parallel_degree)
 
 
+def _compiles_model(job_config: JobConfig) -> bool:
+    """Whether the job compiles the model's blocks (``compile.enable`` with ``"model"`` among the components)."""
+    return job_config.compile.enable and "model" in job_config.compile.components
+
+
 def _check_compile(job_config: JobConfig) -> None:
     """torchtitan's memory-budget AC is a compile pass; compiled blocks run no split backward
     (:func:`~torchtitan_seq.titan.job_rules.check_compile`)."""
     par, ac = job_config.parallelism, job_config.activation_checkpoint
-    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    compile_model = _compiles_model(job_config)
     check_compile(
         compile_model,
         split_backward=job_config.sequence_pipeline.split_backward,
@@ -133,7 +138,7 @@ def _check_converters(job_config: JobConfig) -> None:
         )
     if torch.cuda.is_available():
         return
-    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    compiled = _compiles_model(job_config)
     for name in converters:
         emulated = name == "quantize.linear.float8" and job_config.quantize.linear.float8.emulate and not compiled
         if not emulated:
@@ -178,7 +183,7 @@ def _check_sequence_model(job_config: JobConfig, spec: TrainSpec) -> None:
             f"{job} cannot run with parallelism.context_parallel_degree = {par.context_parallel_degree} yet: not "
             "checked exact (torchtitan 0.2.2 trains gpt-oss and flex flavors without CP); turn CP off"
         )
-    if job_config.compile.enable and "model" in job_config.compile.components:
+    if _compiles_model(job_config):
         raise ValueError(f"{job} cannot run with compile.enable = true yet: not checked exact; turn compile off")
 
 
@@ -349,6 +354,6 @@ def _check_shape(job_config: JobConfig, spec: TrainSpec) -> None:
     """The schedule runs the job's shape (:func:`~torchtitan_seq.titan.job_rules.check_shape`) and the model
     has what its K/V context keeps (:func:`~torchtitan_seq.titan.job_rules.check_kv_context`)."""
     model_args = spec.model_args[job_config.model.flavor]
-    compiled = job_config.compile.enable and "model" in job_config.compile.components
-    check_kv_context(job_config.sequence_pipeline.kv_context, job_config.model.name, model_args, compiled)
+    kv_context = job_config.sequence_pipeline.kv_context
+    check_kv_context(kv_context, job_config.model.name, model_args, _compiles_model(job_config))
     check_shape(job_config.sequence_pipeline, job_config.parallelism, job_config.training, model_args)
