@@ -622,7 +622,25 @@ def _job_check_float32_units_on_cuda() -> list:
     return [mock.patch.object(job_check, "check_unit_precision", float32_too)]
 
 
+def _reach_views_kept() -> list:
+    """A bounded layer's slab of views keeps every unit's views until the microbatch ends (each unit's own
+    K/V, which autograd frees with its backward, outlive it)."""
+    from torchtitan_seq.runtime import kv_reach
+
+    return [mock.patch.object(kv_reach.ReachViews, "add_sent", kv_reach.ReachSlab.add_sent)]
+
+
+def _reach_views_under_checkpointing() -> list:
+    """A bounded layer's slab is views of the units' K/V under checkpointing too (which does not keep them:
+    the views would, uncounted)."""
+    from torchtitan_seq.runtime import kv_context
+
+    return [mock.patch.object(kv_context, "top_saved_tensors_hooks", lambda ignore_tracing: None)]
+
+
 PROPERTY_MUTATIONS: dict[str, Callable[[], list]] = {
+    "reach_views_kept": _reach_views_kept,
+    "reach_views_under_checkpointing": _reach_views_under_checkpointing,
     "guard_other_end_only": _guard_other_end_only,
     "guard_own_unit_left_out": _guard_own_unit_left_out,
     "shape_cp_tp_apart": _shape_cp_tp_apart,

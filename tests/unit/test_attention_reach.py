@@ -10,6 +10,7 @@ each head's sink as an extra logit column of value zero, and autograd for the gr
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -20,6 +21,7 @@ from torchtitan_seq.attention import SequenceAttention
 from torchtitan_seq.attention.kernels import select_kernel
 from torchtitan_seq.runtime.documents import Documents
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
+from torchtitan_seq.runtime.kv_reach import ReachViews
 from torchtitan_seq.runtime.reach import Reach
 
 KERNELS = {"top-left": lambda: select_kernel(torch.device("cpu")), "bottom-right": BottomRightCpuKernel}
@@ -250,14 +252,16 @@ def test_quick_units_with_a_reach_equal_dense_attention(window, chunk):
         assert error < TOL, (aligned, mode, error)
 
 
-def _held_bytes(seq_len: int, reach: Reach, mode: str) -> int:
-    """Bytes of K/V the context holds once every unit of a microbatch of 4 has run forward."""
+def _held_bytes(seq_len: int, reach: Reach, mode: str, hooked: bool = True) -> int:
+    """Bytes of K/V the context holds once every unit of a microbatch of 4 has run forward, under saved-tensor
+    hooks (as checkpointing runs a layer: a bounded layer's slab copies its reach) where ``hooked``."""
     lengths = [seq_len // 4] * 4
     q, k, v, *_ = _inputs(1, seq_len, D, False)
     context = KVContext(lengths, mode=mode)
     layer = SequenceAttention(0, reach)
     layer.bind(context, KERNELS["top-left"]())
-    with torch.no_grad():
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if hooked else contextlib.nullcontext()
+    with torch.no_grad(), hooks:
         for j, length in enumerate(lengths):
             part = slice(j * length, (j + 1) * length)
             with context.running(Unit(0, j, j * length, length, 4)):
@@ -267,14 +271,58 @@ def _held_bytes(seq_len: int, reach: Reach, mode: str) -> int:
 
 @pytest.mark.parametrize("window,chunk", [(5, None), (None, 6), (7, 20)])
 def test_a_bounded_layer_holds_its_reach_whatever_the_sequence_length(window, chunk):
-    """Held K/V of a windowed or chunked layer: at most three later units' reach under ``reach`` (a
-    window's the same at 64 and 256 tokens), the prefix of every later unit under ``full``; a layer of
-    full attention holds its prefix either way."""
+    """Held K/V of a windowed or chunked layer: copied, at most three later units' reach under ``reach`` (a
+    window's the same at 64 and 256 tokens); as views of the units' own K/V, none; the prefix of every later
+    unit under ``full``; a layer of full attention holds its prefix either way."""
     reach = Reach(window, chunk)
     per_position = 2 * HKV * D * 4  # K and V, float32
     if chunk is None:
         assert _held_bytes(64, reach, "reach") == _held_bytes(256, reach, "reach")
     bound = 3 * (min(window or chunk, chunk or window) - 1) * per_position  # three later units' reach
-    assert _held_bytes(256, reach, "reach") <= bound
+    assert 0 < _held_bytes(256, reach, "reach") <= bound
+    assert _held_bytes(256, reach, "reach", hooked=False) == 0
     assert _held_bytes(256, reach, "full") == 192 * per_position  # every unit's but the last one's
     assert _held_bytes(256, Reach(), "reach") == _held_bytes(256, Reach(), "full")
+
+
+@pytest.mark.parametrize("window,chunk", [(5, None), (9, None), (30, None), (None, 4), (None, 10), (6, 5)])
+def test_views_of_a_unit_go_once_every_unit_that_reads_them_has_run_backward(window, chunk):
+    """Over the grid's cuts, a bounded layer's slab of views (no saved-tensor hooks): once unit j's backward
+    ends it keeps views of units before j - 1 only (unit j - 1's are read by units j and later alone, and
+    autograd frees a unit's own K/V with its backward); what it keeps then is exactly what units before j
+    read, so no unit's views outlive their readers nor go before them."""
+    for lengths in CUTS:
+        s = sum(lengths)
+        q, k, v, sink, weight, _ = _inputs(1, s, D, False)
+        context = KVContext(lengths)
+        layer = SequenceAttention(0, Reach(window, chunk))
+        layer.bind(context, KERNELS["top-left"]())
+        units = [Unit(0, j, sum(lengths[:j]), n, len(lengths)) for j, n in enumerate(lengths)]
+        outs = {}
+        for u in units:
+            part = slice(u.offset, u.offset + u.length)
+            with context.running(u):
+                outs[u.index] = layer(q[:, :, part], k[:, :, part], v[:, :, part])
+        slab = context._slabs[0][0]
+        assert isinstance(slab, ReachViews)
+        for u in reversed(units):
+            with context.backward(u):
+                (outs.pop(u.index) * weight[:, :, u.offset : u.offset + u.length]).sum().backward()
+            read = {
+                p
+                for w in units[1 : u.index]
+                for a, b in slab.rows.within(*_prefix(w, window, chunk))
+                for p in range(a, b)
+            }
+            kept = {p for a, b, *_ in slab.pieces for p in range(a, b)}
+            owners = {next(w.index for w in units if w.offset <= a < w.offset + w.length) for a, *_ in slab.pieces}
+            assert all(i < u.index - 1 for i in owners), (lengths, u.index, owners)
+            assert read <= kept, (lengths, u.index)
+
+
+def _prefix(unit: Unit, window: int | None, chunk: int | None) -> tuple[int, int]:
+    """Positions [first, offset) of the prefix ``unit`` reads within a window and a chunk."""
+    first = 0 if chunk is None else unit.offset - unit.offset % chunk
+    if window is not None:
+        first = max(first, unit.offset - window + 1)
+    return first, unit.offset

@@ -14,7 +14,9 @@ from contextlib import ExitStack
 
 import pytest
 import test_arena_guard
+import test_attention_reach
 import test_job_check_table
+import test_kv_memory_model
 import test_memory_arenas
 import test_planner_brute_force
 import test_planner_exhaustive
@@ -25,6 +27,14 @@ from torchtitan_seq import plan as planner
 
 PROPERTIES: dict[str, tuple[Callable[..., None], list[tuple]]] = {
     # mutation: (property test, the argument sets it runs on, in order until one fails)
+    "reach_views_kept": (
+        test_attention_reach.test_views_of_a_unit_go_once_every_unit_that_reads_them_has_run_backward,
+        [(5, None), (None, 10)],
+    ),
+    "reach_views_under_checkpointing": (
+        test_kv_memory_model.test_predicted_kv_context_is_the_measured,
+        [("gpt_oss:debugmodel", "reach", "full")],
+    ),
     "guard_other_end_only": (
         test_arena_guard.test_the_guard_refuses_exactly_the_writes_that_overwrite_keys_in_flight,
         [(name,) for name in ("Seq1F1B", "InterleavedSeq1F1B", "BSIPipe", "Chimera")],

@@ -29,18 +29,19 @@ __all__ = ["UnitAttention", "apply_unit_attention", "unit_calls"]
 
 
 def _own_keys(
-    context: KVContext, binding: LayerBinding, phase: Phase, k: Tensor, v: Tensor
+    context: KVContext, binding: LayerBinding, phase: Phase, k: Tensor, v: Tensor, saves_given: bool
 ) -> tuple[tuple[Tensor, Tensor], KVSlab, Stored | None]:
     """The running unit's own K and V (B, Hkv, L, D) in position order, its microbatch's slab, and
     where the slab holds the unit's K/V (None: nowhere): FORWARD writes them into the slab (gathered
-    over the CP group, each rank's ``k``, ``v`` being its share); RECOMPUTE reads the slab its forward
-    wrote, where under CP the whole unit's K/V lie."""
+    over the CP group, each rank's ``k``, ``v`` being its share; ``saves_given``: the caller's autograd
+    saves ``k``, ``v`` as given where the slab does not hold them, :meth:`KVContext.append`); RECOMPUTE
+    reads the slab its forward wrote, where under CP the whole unit's K/V lie."""
     shard = context.shard
     if phase is Phase.FORWARD:
         cp = shard.size > 1  # other ranks' chunks of the unit read keys of the last unit too
         if cp:
             k, v = shard.gather(k), shard.gather(v)
-        slab, stored = context.append(binding.layer_id, k, v, with_own=cp, reach=binding.reach)
+        slab, stored = context.append(binding.layer_id, k, v, cp, binding.reach, saves_given and not cp)
         return (k, v), slab, stored
     stored = context.own(binding.layer_id)
     if shard.size > 1:
@@ -73,7 +74,7 @@ def unit_calls(context: KVContext, one_call: bool, reach: Reach) -> tuple[tuple[
 
 
 def _unit_attention(
-    binding: LayerBinding, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: Tensor | None
+    binding: LayerBinding, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: Tensor | None, saves_given: bool
 ) -> tuple[Tensor, Tensor, Stored | None]:
     """A bound layer's attention, in its KV context's phase: FORWARD, the unit's K/V (B, Hkv, L, D)
     written into its microbatch's slab first, its queries q (B, Hq, L, D) attend to the prefix and
@@ -81,6 +82,8 @@ def _unit_attention(
     outside a unit, causal attention over ``q``'s sequence. Under context parallelism q, k and v are
     the CP rank's share of the unit (L / c tokens), and the unit's K/V are gathered over the CP group.
     Keys and values are read within the layer's reach, and ``sinks`` (Hq,), where given, are merged once.
+    ``saves_given``: the caller saves ``k``, ``v`` for backward as they are where the slab does not hold them
+    (an eager autograd function; a compiled graph saves what its partition chooses).
     Returns out (B, Hq, L, Dv) and lse (B, Hq, L) float32 as the kernels lay them out, and where the
     slab holds the unit's K/V (None: nowhere, or outside a unit)."""
     context, kernel, reach = binding.context, binding.kernel, binding.reach
@@ -88,7 +91,7 @@ def _unit_attention(
     if phase is None:
         return *whole_sequence_forward(kernel, q, k, v, None, scale, reach, sinks), None
     unit = context.unit
-    own, slab, stored = _own_keys(context, binding, phase, k, v)
+    own, slab, stored = _own_keys(context, binding, phase, k, v, saves_given)
     causal, prefix = unit_calls(context, _one_call(kernel, slab, unit), reach)
     keys = Keys(own, unit.offset, slab)
     return *attention_forward(kernel, q, keys, causal, prefix, scale, sinks), stored
@@ -155,7 +158,7 @@ class UnitAttention(torch.autograd.Function):
     ) -> Tensor:
         # ctx as forward's first argument: with a separate setup_context, Function.apply binds every
         # call's arguments to forward's signature with inspect.signature
-        out, lse, stored = _unit_attention(binding, q, k, v, scale, sinks)
+        out, lse, stored = _unit_attention(binding, q, k, v, scale, sinks, True)
         ctx.binding, ctx.scale, ctx.shard = binding, scale, _cp_shard(binding.context)
         _save(ctx, q, k, v, sinks, stored, out, lse)
         return out
@@ -184,7 +187,7 @@ def _unit_attention_op(
 ) -> tuple[Tensor, Tensor]:
     """:func:`_unit_attention` of the layer ``ids`` names; ``compiled``: called from a compiled graph
     (see :func:`_save_unit`)."""
-    out, lse, _ = _unit_attention(binding_of(ids), q, k, v, scale, sinks)
+    out, lse, _ = _unit_attention(binding_of(ids), q, k, v, scale, sinks, not compiled)
     return heads_inner(out), lse_layout(lse)
 
 

@@ -74,9 +74,10 @@ from torchtitan_seq.runtime.kv_arena import KVArenas
 from torchtitan_seq.runtime.kv_latent import LatentSlabs
 from torchtitan_seq.runtime.kv_offload import KVOffload
 from torchtitan_seq.runtime.kv_placement import Pass
-from torchtitan_seq.runtime.kv_reach import ReachSlab, reach_rows
+from torchtitan_seq.runtime.kv_reach import ReachSlab, ReachViews, reach_rows
 from torchtitan_seq.runtime.kv_slab import KVSlab, Stored
 from torchtitan_seq.runtime.reach import FULL, KVContextMode, Reach
+from torchtitan_seq.runtime.torch_internals import top_saved_tensors_hooks
 
 __all__ = ["Unit", "Phase", "UnitCalls", "KVContext"]
 
@@ -276,14 +277,17 @@ class KVContext:
         return slab.stored(*slab.keys(unit.offset, unit.offset + unit.length))
 
     def append(
-        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False, reach: Reach = FULL
-    ) -> tuple[KVSlab | ReachSlab, Stored | None]:
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False, reach: Reach = FULL,
+        saves_given: bool = False,
+    ) -> tuple[KVSlab | ReachSlab, Stored | None]:  # fmt: skip
         """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
         unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
         kernel reads them apart from the prefix; under CP other ranks' queries read them as their
         prefix). The first unit places the slab: room for the keys later units read, the last unit's
         too if ``with_own``; for a layer of bounded ``reach`` under :attr:`mode` ``"reach"``, a slab of
-        only the positions later units read. Returns the slab, and the unit's K/V in it as :meth:`own`
+        only the positions later units read: views of the units' K/V where their attention saves ``k``, ``v``
+        as given (``saves_given``, and no saved-tensor hook such as checkpointing's is active), else a copy
+        (:mod:`~torchtitan_seq.runtime.kv_reach`). Returns the slab, and the unit's K/V in it as :meth:`own`
         gives them (None: not written whole)."""
         unit = self.unit
         if unit is None or self._backward:
@@ -297,7 +301,7 @@ class KVContext:
                 "subsequence order, each once"
             )
         if slab is None:
-            slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, v, with_own, reach)
+            slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, v, with_own, reach, saves_given)
         if isinstance(slab, ReachSlab):
             slab.write(unit.offset, k, v)
             return slab, None
@@ -307,11 +311,12 @@ class KVContext:
         return slab, None
 
     def _place(
-        self, layer_id: int, m: int, k: torch.Tensor, v: torch.Tensor, with_own: bool, reach: Reach
+        self, layer_id: int, m: int, k: torch.Tensor, v: torch.Tensor, with_own: bool, reach: Reach, saves_given: bool
     ) -> KVSlab | ReachSlab:
         """Microbatch ``m``'s slab for ``layer_id``: of its reach (see :meth:`append`), else in an arena."""
         if self.mode != "full" and reach.bounded and self.lengths is not None and not with_own:
-            return ReachSlab(reach_rows(tuple(self.lengths), reach), k, v)
+            kind = ReachViews if saves_given and top_saved_tensors_hooks(False) is None else ReachSlab
+            return kind(reach_rows(tuple(self.lengths), reach), k, v)
         return self.arenas.place(layer_id, m, k, v, with_own)
 
     def clear(self) -> None:

@@ -2,15 +2,23 @@
 
 A layer of a sliding window or of attention chunks (:class:`~torchtitan_seq.runtime.reach.Reach`) reads,
 for unit j at offset s_j, only the keys [first_j, s_j) of its prefix (first_j: s_j - window + 1, or the
-start of s_j's chunk). A :class:`ReachSlab` keeps exactly the union of those ranges over the microbatch's
-units, laid out in position order with the gaps left out (:class:`ReachRows`): fewer than k x window
-positions for a window, whatever the sequence's length. Each range lies in one run of the union, so a
-unit's prefix is still one view.
+start of s_j's chunk). The union of those ranges over the microbatch's units (:class:`ReachRows`) is what
+a slab of such a layer keeps: fewer than k x window positions for a window, whatever the sequence's
+length. The unit's own K/V are not in it: its attention saves them itself, as a layer's saved
+activations. Two kinds keep them:
 
-The unit's own K/V are not in it (bar the tail later units read): its attention saves them itself, as a
-layer's saved activations, so a slab never holds positions no later unit reads. The gradients later
-units send the keys they read are added into a gradient slab of the same rows, and each unit's own
-backward adds what was sent its positions, as with a full slab; positions no unit reads receive none.
+- :class:`ReachViews`, where the units' attention saves its own K/V as it was given them (eager, no
+  activation checkpointing): views of each unit's own K/V at the positions later units read, no copy.
+  Autograd keeps each unit's K/V until its backward, and every unit that reads them runs backward
+  before it, so the views hold no byte the units' saved activations do not; a unit's views go with
+  its backward.
+- :class:`ReachSlab`, where checkpointing (or a compiled graph) drops or re-makes what the attention
+  saved: a copy of those positions, laid out in position order with the gaps left out, kept until the
+  microbatch's last backward.
+
+The gradients later units send the keys they read are added into a gradient slab of the same rows,
+and each unit's own backward adds what was sent its positions, as with a full slab; positions no unit
+reads receive none.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import torch
 from torchtitan_seq.runtime.kv_slab import EVERY, new_keys
 from torchtitan_seq.runtime.reach import Reach
 
-__all__ = ["ReachRows", "ReachSlab", "reach_rows"]
+__all__ = ["ReachRows", "ReachSlab", "ReachViews", "reach_rows"]
 
 
 class ReachRows:
@@ -136,3 +144,59 @@ class ReachSlab:
             row = self.rows.row(a, b)
             dk.narrow(2, a - offset, b - a).add_(self.grad_k.narrow(2, row, b - a))
             dv.narrow(2, a - offset, b - a).add_(self.grad_v.narrow(2, row, b - a))
+
+
+class ReachViews(ReachSlab):
+    """K/V of one microbatch in one layer of bounded reach as views of its units' own K/V (the tensors their
+    attention saves for backward), at the positions later units read: no K/V of its own (its ``k`` and ``v``
+    are empty, the gradient slab's pattern); the interface of :class:`ReachSlab`, whose gradient slab it shares.
+
+    Args:
+        rows: the positions later units read.
+        k: a unit's keys (B, Hkv, L, Dqk), whose batch, heads, width and dtype its gradient slab takes.
+        v: a unit's values (B, Hkv, L, Dv), likewise.
+    """
+
+    def __init__(self, rows: ReachRows, k: torch.Tensor, v: torch.Tensor) -> None:
+        # empty, not a view of the unit's: a view, even of no position, would keep its storage alive
+        self.rows, self.k, self.v = (
+            rows,
+            k.new_empty(*k.shape[:2], 0, k.shape[3]),
+            v.new_empty(*v.shape[:2], 0, v.shape[3]),
+        )
+        self.filled = 0
+        self.grad_k: torch.Tensor | None = None
+        self.grad_v: torch.Tensor | None = None
+        self.pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        """(start, stop, K, V) of the positions [start, stop) of each unit that later units read, in order."""
+
+    def write(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep views of K/V (B, Hkv, L, D) of positions [offset, offset + L) where later units read them."""
+        for a, b in self.rows.within(offset, offset + k.shape[2]):
+            self.pieces.append((a, b, k.detach().narrow(2, a - offset, b - a), v.detach().narrow(2, a - offset, b - a)))
+        self.filled = offset + k.shape[2]
+
+    def keys(self, start: int, stop: int, rows: slice = EVERY) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, stop) of batch rows ``rows``, in position order: a view where they lie
+        in one unit (a window no longer than a unit), else a copy joining the units' (made for the call)."""
+        parts = [
+            (
+                k.narrow(2, max(a, start) - a, min(b, stop) - max(a, start)),
+                v.narrow(2, max(a, start) - a, min(b, stop) - max(a, start)),
+            )
+            for a, b, k, v in self.pieces
+            if a < stop and b > start
+        ]
+        if sum(p[0].shape[2] for p in parts) != stop - start:
+            raise RuntimeError(f"positions [{start}, {stop}) are not held by the layer's reach {self.rows.runs}")
+        k, v = (
+            parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2))
+        )
+        return (k, v) if rows == EVERY else (k[rows], v[rows])
+
+    def add_sent(self, dk: torch.Tensor, dv: torch.Tensor, offset: int) -> None:
+        """As :meth:`ReachSlab.add_sent`, the last the backward of the unit at ``offset`` does with the slab:
+        the views of it and of the unit before it go, as every unit that read them has run backward."""
+        super().add_sent(dk, dv, offset)
+        while self.pieces and self.pieces[-1][1] >= offset:
+            self.pieces.pop()

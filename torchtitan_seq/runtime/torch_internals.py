@@ -52,6 +52,7 @@ __all__ = [
     "keep_async_collective_input_grads",
     "ASYNC_COLLECTIVE_REPAIRABLE",
     "dispatch_mode_active",
+    "top_saved_tensors_hooks",
     "persistent_buffers",
     "C_FUNCTION_APPLY",
     "unwrap_if_dead",
@@ -93,6 +94,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "to keep it, which torch has no setting for (keep_async_collective_input_grads)",
     "torch._C": "_len_torch_dispatch_stack: whether a TorchDispatchMode (selective checkpointing's cache, fake "
     "tensors) sees the ops that run; torch has no public query, and unit attention runs as one op under one. "
+    "_autograd._top_saved_tensors_default_hooks: whether saved-tensor hooks are active (no public query). "
     "_FunctionBase.apply, _functorch.unwrap_if_dead, _are_functorch_transforms_active: Function.apply as torch "
     "2.15 runs it in C, before 2.15 (attention.function_apply)",
     "torch._utils": "_get_available_device_type, through which torchtitan 0.2.2 detects the device, falling back "
@@ -170,18 +172,14 @@ def keep_async_collective_input_grads() -> bool:
     """Give a compiled graph's input that is an AsyncCollectiveTensor requiring grad its gradient back;
     whether the repair is in place (False: a torch without the function it wraps).
 
-    Under tensor parallelism with sequence parallel, torchtitan's embedding (``RowwiseParallel``, output
-    ``Shard(1)``) reduce-scatters without waiting and hands the first compiled block an
-    AsyncCollectiveTensor that requires grad. torch 2.13 to 2.15 make a compiled graph's inputs fake in
-    ``torch._functorch._aot_autograd.frontend_utils.process_inputs``, which replaces such an input by
-    ``trigger_wait()``, the collective's plain result, without requires_grad: AOT autograd then
-    traces the input as constant, and the compiled backward returns None for it, so the embedding's
-    DTensor backward gets autograd's plain zeros (``'Tensor' object has no attribute '_local_tensor'``),
-    with torch's own schedules and without a pipeline alike. The repair marks the fakes of inputs that
-    required grad as requiring it again, as every other input's fake does (torch's own repair upstream:
-    "Preserve requires_grad when unwrapping ACT inputs in process_inputs"); on a torch whose fakes keep
-    it, nothing changes. Installed by every sequence pipeline stage and by ``torchtitan_seq.train``
-    (for torch's schedules too) before anything compiles; calling it again changes nothing.
+    Under TP with sequence parallel, torchtitan's embedding (``RowwiseParallel``, output ``Shard(1)``) hands
+    the first compiled block an AsyncCollectiveTensor that requires grad. torch 2.13 to 2.15's
+    ``process_inputs`` (``_aot_autograd.frontend_utils``) fakes it as ``trigger_wait()``'s plain result,
+    without requires_grad: the input is traced as constant, and the embedding's DTensor backward gets plain
+    zeros (``'Tensor' object has no attribute '_local_tensor'``), with torch's schedules too. The repair marks
+    those fakes as requiring grad again (torch's upstream repair: "Preserve requires_grad when unwrapping ACT
+    inputs in process_inputs"). Installed by every sequence pipeline stage and by ``torchtitan_seq.train``
+    before anything compiles; calling it again changes nothing.
     """
     process_inputs = getattr(torch._functorch.aot_autograd, "process_inputs", None)
     if process_inputs is None:
@@ -236,6 +234,8 @@ unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 """functorch's unwrapping of a dead wrapper, which the Python ``apply`` before 2.15 does to each argument."""
 functorch_transforms_active = torch._C._are_functorch_transforms_active
 """Whether a functorch transform (``torch.func.grad``, ...) is active: then torch's own ``apply`` runs."""
+top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+"""``(False)`` -> the innermost saved-tensor hooks (checkpointing's: saves packed, not kept), or None."""
 
 # SDPA's kernels that return the log-sum-exp, and their backwards' op packets (bound for unit attention in
 # torchtitan_seq.attention.sdpa_ops)

@@ -21,10 +21,12 @@ slab in it:
 
 **Layers of bounded reach** (a sliding window, attention chunks; :mod:`.reach`) under ``kv_context =
 "reach"`` and without CP: the slab holds only the positions later units read, R tokens
-(:func:`~.reach.reach_positions`: fewer than k x window), outside the arenas, from the microbatch's first
-forward to its last backward; no saved tensor views it, so the context alone keeps it in every mode. Its
-units' attention saves their own K/V (2 Hkv hd a / t a token and layer of units 0..k-2 back in their
-per-unit bytes, where the layer is not recomputed), and its gradient holds R tokens. Under ``"full"``
+(:func:`~.reach.reach_positions`: fewer than k x window). Its units' attention saves their own K/V
+(2 Hkv hd a / t a token and layer of units 0..k-2 back in their per-unit bytes, where the layer is not
+recomputed). Where the layer is not recomputed the slab is views of those saved K/V and adds nothing;
+where it is, a copy of R tokens outside the arenas, from the microbatch's first forward to its last
+backward, that the context alone keeps (:mod:`torchtitan_seq.runtime.kv_reach`; under torch.compile the
+copy is made in every mode, which this model does not see). Its gradient holds R tokens. Under ``"full"``
 such a layer keeps the whole slab as a layer of full attention does.
 
 **MLA's latent** (``kv_context = "latent"``, :mod:`torchtitan_seq.runtime.kv_latent`): an MLA model's layers
@@ -108,16 +110,16 @@ def bytes_of_stage(
     kv = per_layer * (layers - reaching - latent)  # K and V, a token, of the layers whose slab holds every key
     slab = slab_tokens(tokens, c.cp) * kv
     held = reach_positions(tuple(c.shape.lengths), args.reach) * c.microbatch_size if reaching else 0
-    reach = held * per_layer * reaching
-    if latent:
-        reach += slab_tokens(tokens, c.cp) * (mla.kv_lora_rank + mla.qk_rope_head_dim) * a * latent
+    rows = held * per_layer * reaching  # the bounded layers' slab rows: their gradient's
+    kept = slab_tokens(tokens, c.cp) * (mla.kv_lora_rank + mla.qk_rope_head_dim) * a * latent if latent else 0.0
+    reach = rows * recomputed + kept  # copied where the layer is recomputed, else views of saved K/V
     saved_kv = kv * (1 - recomputed)  # in the per-token bytes: where the slab holds them, its views
     own = [n / c.cp * (per_token - saved_kv) for n in tokens]  # K/V in the slab: units 0..k-2, all under CP
     return StageBytes(
         own[:-1] + [tokens[-1] * per_token if c.cp == 1 else own[-1]],
         slab * (1 - recomputed),
         slab * recomputed,
-        slab + reach,
+        slab + rows + kept,
         table,
         reach,
     )
