@@ -252,12 +252,14 @@ def test_quick_units_with_a_reach_equal_dense_attention(window, chunk):
         assert error < TOL, (aligned, mode, error)
 
 
-def _held_bytes(seq_len: int, reach: Reach, mode: str, hooked: bool = True) -> int:
+def _held_bytes(seq_len: int, reach: Reach, mode: str, hooked: bool = True, trains: bool = True) -> int:
     """Bytes of K/V the context holds once every unit of a microbatch of 4 has run forward, under saved-tensor
-    hooks (as checkpointing runs a layer: a bounded layer's slab copies its reach) where ``hooked``."""
+    hooks (as checkpointing runs a layer: a bounded layer's slab copies its reach) where ``hooked``, in ``eval``
+    (nothing saved: copies too) unless ``trains``."""
     lengths = [seq_len // 4] * 4
     q, k, v, *_ = _inputs(1, seq_len, D, False)
     context = KVContext(lengths, mode=mode)
+    context.trains = trains
     layer = SequenceAttention(0, reach)
     layer.bind(context, KERNELS["top-left"]())
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if hooked else contextlib.nullcontext()
@@ -272,8 +274,8 @@ def _held_bytes(seq_len: int, reach: Reach, mode: str, hooked: bool = True) -> i
 @pytest.mark.parametrize("window,chunk", [(5, None), (None, 6), (7, 20)])
 def test_a_bounded_layer_holds_its_reach_whatever_the_sequence_length(window, chunk):
     """Held K/V of a windowed or chunked layer: copied, at most three later units' reach under ``reach`` (a
-    window's the same at 64 and 256 tokens); as views of the units' own K/V, none; the prefix of every later
-    unit under ``full``; a layer of full attention holds its prefix either way."""
+    window's the same at 64 and 256 tokens), in eval too; as views of the units' own K/V, none; the prefix of
+    every later unit under ``full``; a layer of full attention holds its prefix either way."""
     reach = Reach(window, chunk)
     per_position = 2 * HKV * D * 4  # K and V, float32
     if chunk is None:
@@ -281,6 +283,7 @@ def test_a_bounded_layer_holds_its_reach_whatever_the_sequence_length(window, ch
     bound = 3 * (min(window or chunk, chunk or window) - 1) * per_position  # three later units' reach
     assert 0 < _held_bytes(256, reach, "reach") <= bound
     assert _held_bytes(256, reach, "reach", hooked=False) == 0
+    assert _held_bytes(256, reach, "reach", hooked=False, trains=False) == _held_bytes(256, reach, "reach")
     assert _held_bytes(256, reach, "full") == 192 * per_position  # every unit's but the last one's
     assert _held_bytes(256, Reach(), "reach") == _held_bytes(256, Reach(), "full")
 

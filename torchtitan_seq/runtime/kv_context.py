@@ -175,6 +175,8 @@ class KVContext:
         """Where the microbatches' slabs lie, and the guard against overwriting keys in use."""
         self.latents = LatentSlabs(lengths)  # under mode "latent", the MLA layers' (:mod:`.kv_latent`)
         self.offload: KVOffload | None = None  # what takes the arenas to host memory and back, as passes start
+        self.trains = True
+        """Whether the units' backwards follow their forwards (False in ``eval``: autograd saves nothing)."""
         self.meter: KVMeter | None = None
         """Sampled as each unit starts and as a microbatch's last backward ends, while set (a metered step)."""
 
@@ -280,15 +282,14 @@ class KVContext:
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, with_own: bool = False, reach: Reach = FULL,
         saves_given: bool = False,
     ) -> tuple[KVSlab | ReachSlab, Stored | None]:  # fmt: skip
-        """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab,
-        unless the unit is the last and not ``with_own`` (no later unit reads its keys, and its
-        kernel reads them apart from the prefix; under CP other ranks' queries read them as their
-        prefix). The first unit places the slab: room for the keys later units read, the last unit's
-        too if ``with_own``; for a layer of bounded ``reach`` under :attr:`mode` ``"reach"``, a slab of
-        only the positions later units read: views of the units' K/V where their attention saves ``k``, ``v``
-        as given (``saves_given``, and no saved-tensor hook such as checkpointing's is active), else a copy
-        (:mod:`~torchtitan_seq.runtime.kv_reach`). Returns the slab, and the unit's K/V in it as :meth:`own`
-        gives them (None: not written whole)."""
+        """Write the current unit's K/V (B, Hkv, L, D) for ``layer_id`` into its microbatch's slab, unless the
+        unit is the last and not ``with_own`` (no later unit reads its keys, and its kernel reads them apart
+        from the prefix; under CP other ranks' queries read them as their prefix). The first unit places the
+        slab: room for the keys later units read, the last unit's too if ``with_own``; for a layer of bounded
+        ``reach`` under :attr:`mode` ``"reach"``, only the positions later units read: views of the units' K/V
+        where their attention saves ``k``, ``v`` as given (``saves_given``, :attr:`trains`, no saved-tensor
+        hook such as checkpointing's), else a copy (:mod:`~torchtitan_seq.runtime.kv_reach`). Returns the
+        slab, and the unit's K/V in it as :meth:`own` gives them (None: not written whole)."""
         unit = self.unit
         if unit is None or self._backward:
             raise RuntimeError("KVContext.append called outside a unit's forward")
@@ -315,7 +316,7 @@ class KVContext:
     ) -> KVSlab | ReachSlab:
         """Microbatch ``m``'s slab for ``layer_id``: of its reach (see :meth:`append`), else in an arena."""
         if self.mode != "full" and reach.bounded and self.lengths is not None and not with_own:
-            kind = ReachViews if saves_given and top_saved_tensors_hooks(False) is None else ReachSlab
+            kind = ReachViews if saves_given and self.trains and top_saved_tensors_hooks(False) is None else ReachSlab
             return kind(reach_rows(tuple(self.lengths), reach), k, v)
         return self.arenas.place(layer_id, m, k, v, with_own)
 

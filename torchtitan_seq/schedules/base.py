@@ -214,7 +214,7 @@ class SequenceSchedule(UnitLossRuntime):
             self._split_units(attention_masks, "attention_masks")  # checks its shape
             documents = Documents.from_ids(attention_masks).split(mbs)  # one host read per step
         for stage in self.stages:
-            stage.has_backward = self.runs_backward
+            stage.has_backward = stage.kv_context.trains = self.runs_backward
             stage.clear_runtime_states()
             stage.kv_context.documents = documents
             stage.keep_outputs = return_outputs
