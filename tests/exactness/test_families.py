@@ -164,10 +164,10 @@ def test_mutations_break_each_family(tmp_path):
 
 
 def test_mutations_break_each_flex_family(tmp_path):
-    """gpt-oss's windows one key too narrow and its sinks merged into every kernel call (a unit's prefix
-    call and its diagonal's: the top-left kernel's two), DeepSeek-V3's decoupled RoPE read at a unit's
-    own 0..L-1 and, under kv_context "latent", the gradient of its prefix's latent dropped, Llama 4's
-    attention chunks started over at each unit."""
+    """gpt-oss's windows one key too narrow, its checkpointed windowed layers' copied slabs missing each unit's
+    last key, and its sinks merged into every kernel call (a unit's prefix call and its diagonal's: the top-left
+    kernel's two), DeepSeek-V3's decoupled RoPE read at a unit's own 0..L-1 and, under kv_context "latent", the
+    gradient of its prefix's latent dropped, Llama 4's attention chunks started over at each unit."""
     variants = [
         Variant(
             "deepseek_v3-latent_grad",
@@ -177,6 +177,7 @@ def test_mutations_break_each_flex_family(tmp_path):
             mutation="latent_prefix_grad_dropped",
         ),
         Variant("gpt_oss-window_off_by_one", k=4, family="gpt_oss", mutation="window_off_by_one"),
+        Variant("gpt_oss-copied-last-key", k=3, ac="full", family="gpt_oss", mutation="reach_copy_last_key_zeroed"),
         Variant("gpt_oss-sink_per_call", k=4, family="gpt_oss", mutation="sink_per_call", kernels=("top_left",)),
         Variant("deepseek_v3-mla_rope", k=4, family="deepseek_v3", mutation="mla_rope_at_sequence_positions"),
         Variant("llama4-chunk_boundary", k=4, family="llama4", mutation="chunk_boundary_at_unit_start"),

@@ -316,6 +316,21 @@ def _window_off_by_one(ctx: MutationContext) -> list:
     return _unit_reach(lambda reach, segments: reach if reach.window is None else Reach(window=reach.window - 1))
 
 
+def _reach_copy_last_key_zeroed(ctx: MutationContext) -> list:
+    """A bounded layer's copied slab (under checkpointing, in its arena) holds zeros for each unit's last key,
+    the one next to the unit's end that the next unit's window reads first."""
+    from torchtitan_seq.runtime import kv_reach
+
+    write = kv_reach.ReachSlab.write
+
+    def zeroed(self, offset, k, v):
+        k = k.detach().clone()
+        k[:, :, -1] = 0
+        write(self, offset, k, v)
+
+    return [mock.patch.object(kv_reach.ReachSlab, "write", zeroed)]
+
+
 def _chunk_boundary_at_unit_start(ctx: MutationContext) -> list:
     """Attention chunks (Llama 4's) start over at each unit's start, not at multiples of the chunk size."""
     from torchtitan_seq.runtime.reach import Reach
@@ -422,6 +437,7 @@ MUTATIONS: dict[str, Callable[[MutationContext], list]] = {
     "host_read_in_units": _host_read_in_units,
     "inference_counts_kept": _inference_counts_kept,
     "window_off_by_one": _window_off_by_one,
+    "reach_copy_last_key_zeroed": _reach_copy_last_key_zeroed,
     "chunk_boundary_at_unit_start": _chunk_boundary_at_unit_start,
     "sink_per_call": _sink_per_call,
     "mla_rope_at_sequence_positions": _mla_rope_at_sequence_positions,
@@ -439,15 +455,16 @@ def _guard_other_end_only() -> list:
     that still holds the same end (a stage running its units out of the announced order)."""
     from torchtitan_seq.runtime.kv_arena import KVArenas
 
-    def other_end_only(self, microbatch, index, offset, length, slab):
-        capacity, placed = self._placed.get(microbatch, (0, None))
+    def other_end_only(self, microbatch, index, offset, length, kind=None):
+        capacity, placed = self._placed.get((kind, microbatch), (0, None))
         if placed is None or placed.arena < 0:
             return
-        for m, (_, other) in self._placed.items():
-            if m == microbatch or other.arena != placed.arena or other.descending == placed.descending:
+        for (other_kind, m), (_, other) in self._placed.items():
+            same_end = other.descending == placed.descending
+            if other_kind is not kind or m == microbatch or other.arena != placed.arena or same_end:
                 continue
             live = self._live.get(m)
-            theirs = min(sum(self.lengths[: max(live) + 1]), slab.k.shape[2]) if live else 0
+            theirs = self.plans[kind][1][max(live)] if live else 0
             if offset + length + theirs > capacity:
                 raise RuntimeError(f"K/V arena {placed.arena}: would overwrite keys microbatch {m} still reads")
 
@@ -456,18 +473,18 @@ def _guard_other_end_only() -> list:
 
 def _guard_own_unit_left_out() -> list:
     """The guard counts the other microbatch's keys up to its last unit in flight, less that unit's own."""
-    import itertools
-
     from torchtitan_seq.runtime.kv_arena import KVArenas
 
     check_room = KVArenas.check_room
 
-    def short(self, *args):
-        lengths, self.lengths = self.lengths, [0, *itertools.islice(self.lengths, len(self.lengths) - 1)]
+    def short(self, microbatch, index, offset, length, kind=None):
+        plans = dict(self.plans)
+        plan, extents = self.plans[kind] if kind in self.plans else (None, ())
+        self.plans[kind] = plan, (0, *extents[:-1])
         try:
-            check_room(self, *args)
+            check_room(self, microbatch, index, offset, length, kind)
         finally:
-            self.lengths = lengths
+            self.plans = plans
 
     return [mock.patch.object(KVArenas, "check_room", short)]
 
@@ -638,7 +655,20 @@ def _reach_views_under_checkpointing() -> list:
     return [mock.patch.object(kv_context, "top_saved_tensors_hooks", lambda ignore_tracing: None)]
 
 
+def _reach_arenas_unshared() -> list:
+    """The runtime plans the copied slabs of a bounded reach in arenas that no two microbatches share."""
+    from torchtitan_seq.runtime import kv_arena
+    from torchtitan_seq.runtime.kv_placement import plan_arenas, slab_extents
+
+    def unshared(passes, lengths, size, alternate=True, extents=None):
+        full = extents is None or tuple(extents) == tuple(slab_extents(lengths, size))
+        return plan_arenas(passes, lengths, size, alternate and full, extents)
+
+    return [mock.patch.object(kv_arena, "plan_arenas", unshared)]
+
+
 PROPERTY_MUTATIONS: dict[str, Callable[[], list]] = {
+    "reach_arenas_unshared": _reach_arenas_unshared,
     "reach_views_kept": _reach_views_kept,
     "reach_views_under_checkpointing": _reach_views_under_checkpointing,
     "guard_other_end_only": _guard_other_end_only,

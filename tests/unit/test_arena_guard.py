@@ -22,6 +22,7 @@ import torch
 
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
 from torchtitan_seq.runtime.kv_placement import Pass, plan_arenas, slab_extents
+from torchtitan_seq.runtime.reach import FULL, Reach
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
 from torchtitan_seq.schedules.ordering import stage_passes
 
@@ -64,13 +65,28 @@ def _perturbed(passes: list[Pass], swaps: int, rng: random.Random) -> list[Pass]
     return out
 
 
-class _Replay:
-    """The arena cells, each with the (microbatch, position) whose key it holds, from the plan alone."""
+WINDOW = Reach(window=3)
+"""A bounded reach whose copied slabs lie in arenas of their own, planned and guarded by rows."""
 
-    def __init__(self, announced: list[Pass], lengths: list[int], with_own: bool) -> None:
-        self.size = sum(lengths) if with_own else sum(lengths[:-1])
-        self.extents = slab_extents(lengths, self.size)
-        self.plan = plan_arenas(announced, lengths, self.size)
+
+class _Replay:
+    """The arena cells, each with the (microbatch, position) whose key it holds, from the plan alone; under
+    a bounded ``reach`` positions are its rows (those of positions later units read, in order)."""
+
+    def __init__(self, announced: list[Pass], lengths: list[int], with_own: bool, reach: Reach | None) -> None:
+        ends = list(itertools.accumulate(lengths))
+        if reach is None:
+            self.size = sum(lengths) if with_own else sum(lengths[:-1])
+            self.extents = slab_extents(lengths, self.size)
+            self.rows = [(offset, end) for offset, end in zip([0, *ends], ends)]
+        else:  # a row per position some later unit reads: at most the window's last positions before it
+            read = sorted({p for end in ends[:-1] for p in range(max(0, end - reach.window + 1), end)})
+            self.size = len(read)
+            self.extents = [sum(p < end for p in read) for end in ends]
+            self.rows = [
+                (sum(p < offset for p in read), sum(p < end for p in read)) for offset, end in zip([0, *ends], ends)
+            ]
+        self.plan = plan_arenas(announced, lengths, self.size, extents=self.extents)
         self.cells: dict[tuple[int, int], tuple[int, int]] = {}
         self.live: dict[int, set[int]] = {}
 
@@ -95,12 +111,12 @@ class _Replay:
             self.cells[self._cell(m, position)] = (m, position)
 
 
-def _check_order(announced, run, lengths, with_own) -> int | None:
+def _check_order(announced, run, lengths, with_own, reach=None) -> int | None:
     """Replay ``run`` through a context told ``announced``; assert the guard refuses exactly the first
     write the brute force calls an overwrite. Returns the index of that pass, None if there is none."""
     k = len(lengths)
     offsets = [sum(lengths[:j]) for j in range(k)]
-    context, replay = KVContext(list(lengths)), _Replay(announced, list(lengths), with_own)
+    context, replay = KVContext(list(lengths)), _Replay(announced, list(lengths), with_own, reach)
     context.expect(announced)
     for t, (forward, m, j) in enumerate(run):
         unit = Unit(m, j, offsets[j], lengths[j], k)
@@ -109,12 +125,13 @@ def _check_order(announced, run, lengths, with_own) -> int | None:
                 pass
             replay.live[m].discard(j)
             continue
-        writes = j < k - 1 or with_own
-        expected = writes and replay.overwrites(m, offsets[j], offsets[j] + lengths[j])
+        first, stop = replay.rows[j]
+        writes = (j < k - 1 or with_own) and stop > first
+        expected = writes and replay.overwrites(m, first, stop)
         kv = torch.zeros(1, 1, lengths[j], 1)
         with context.running(unit):
             try:
-                context.append(0, kv, kv, with_own=with_own)
+                context.append(0, kv, kv, with_own, reach or FULL)  # a bounded reach's slab: a copy
                 refused = False
             except RuntimeError as e:
                 assert "would overwrite keys" in str(e), e
@@ -124,23 +141,25 @@ def _check_order(announced, run, lengths, with_own) -> int | None:
             return t
         replay.live.setdefault(m, set()).add(j)
         if writes:
-            replay.write(m, offsets[j], offsets[j] + lengths[j])
+            replay.write(m, first, stop)
     return None
 
 
 @pytest.mark.parametrize("name", list(SEQUENCE_SCHEDULES))
 def test_the_guard_refuses_exactly_the_writes_that_overwrite_keys_in_flight(name):
     """Every shape of the grid, every stage, the announced order (never refused) and perturbed ones;
-    slabs sized for the keys later units read or, under CP (``with_own``), the last unit's too."""
+    slabs sized for the keys later units read or, under CP (``with_own``), the last unit's too, and a
+    windowed layer's copied slabs (the rows later units read)."""
     rng = random.Random(0)
     refusals = 0
     for shape in (s for s in SHAPES if s[0] == name):
         k = shape[3]
         lengths = LENGTHS[:k]
-        for passes, with_own in itertools.product(_stage_orders(*shape), (False, True)):
-            assert _check_order(passes, passes, lengths, with_own) is None, shape
+        kinds = ((False, None), (True, None), (False, WINDOW))
+        for passes, (with_own, reach) in itertools.product(_stage_orders(*shape), kinds):
+            assert _check_order(passes, passes, lengths, with_own, reach) is None, shape
             for swaps in SWAPS:
-                refused = _check_order(passes, _perturbed(passes, swaps, rng), lengths, with_own)
+                refused = _check_order(passes, _perturbed(passes, swaps, rng), lengths, with_own, reach)
                 refusals += refused is not None
     # The perturbed orders do reach the guard, except TeraPipe's: all its slabs are whole at once, so
     # no arena is shared (test_kv_placement.test_terapipe_holds_whole_microbatches).

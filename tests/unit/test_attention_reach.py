@@ -19,6 +19,7 @@ import torch
 from bottom_right import BottomRightCpuKernel
 from torchtitan_seq.attention import SequenceAttention
 from torchtitan_seq.attention.kernels import select_kernel
+from torchtitan_seq.instrumentation.kv_memory import KVMemory
 from torchtitan_seq.runtime.documents import Documents
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
 from torchtitan_seq.runtime.kv_reach import ReachViews
@@ -81,7 +82,24 @@ def _errors(out, grads, ref, ref_grads) -> float:
     )
 
 
+def _copying(mode: str):
+    """Under mode "reach-copied", saved-tensor hooks that keep what they pack (as checkpointing's run a
+    layer): a bounded layer's slab then copies its reach into arenas, where under "reach" it views the units'
+    own K/V; the context's mode is "reach" either way."""
+    if mode == "reach-copied":
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    return contextlib.nullcontext()
+
+
+MODES = ("reach", "reach-copied", "full")
+
+
 def _run_units(kernel, lengths, reach, ids, q, k, v, sinks, weight, mode="reach"):
+    with _copying(mode):
+        return _run_units_as(kernel, lengths, reach, ids, q, k, v, sinks, weight, mode.split("-")[0])
+
+
+def _run_units_as(kernel, lengths, reach, ids, q, k, v, sinks, weight, mode):
     context = KVContext(lengths, mode=mode)
     context.documents = [Documents.from_ids(ids)] if ids is not None else None
     layer = SequenceAttention(0, reach)
@@ -118,8 +136,8 @@ REACHES = [(None, None), (1, None), (5, None), (9, None), (30, None), (None, 4),
 @pytest.mark.parametrize("window,chunk", REACHES, ids=[f"w{w}-c{c}" for w, c in REACHES])
 def test_units_with_a_reach_equal_dense_attention(aligned, window, chunk):
     """Every unit cut, causal and packed, with and without sinks, values as wide and narrower, the K/V
-    context holding only the reach and every earlier position."""
-    grid = itertools.product(CUTS, (False, True), (False, True), (D, 5), ("reach", "full"))
+    context holding only the reach (as views, and copied) and every earlier position."""
+    grid = itertools.product(CUTS, (False, True), (False, True), (D, 5), MODES)
     for lengths, packed, sinks, dv, mode in grid:
         error = _check(KERNELS[aligned](), lengths, window, chunk, packed, sinks, dv, mode)
         assert error < TOL, (lengths, packed, sinks, dv, mode, error)
@@ -200,13 +218,25 @@ def test_each_mechanism_broken_fails_by_a_wide_margin(monkeypatch, mutation, win
         calls._causal_calls.cache_clear()
 
 
-@pytest.mark.parametrize("mode", ["reach", "full"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("aligned", list(KERNELS))
 @pytest.mark.parametrize("window,chunk", [(5, None), (9, None), (None, 7), (6, 5)], ids=["w5", "w9", "c7", "w6-c5"])
 def test_microbatches_sharing_arenas_read_within_the_reach(aligned, window, chunk, mode):
     """Four microbatches in the order of Seq1F1B's first stage of 2, the KV context told it. Holding every
-    earlier position they share arenas, every other one's slab laid out last position first, which a
-    window's mask must read in position order; holding the reach, slabs of their own."""
+    earlier position, or a copy of the reach, they share arenas, every other one's slab laid out last
+    position first, which a window's mask must read in position order; holding the reach as views of the
+    units' K/V, no arena."""
+    with _copying(mode):
+        context = _sharing_arenas(aligned, window, chunk, mode.split("-")[0])
+    planned = context.arenas.plans
+    if mode == "reach":
+        assert not planned  # no arena placed
+    else:
+        (plan, _), *_ = planned.values()
+        assert sum(placed.descending for placed in plan.slabs.values()) > 0  # shared from both ends
+
+
+def _sharing_arenas(aligned, window, chunk, mode) -> KVContext:
     from dataclasses import replace
 
     from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
@@ -237,17 +267,13 @@ def test_microbatches_sharing_arenas_read_within_the_reach(aligned, window, chun
         ref_grads = torch.autograd.grad((ref * weight.double()).sum(), leaves)
         out = torch.cat([outs[m, j] for j in range(len(lengths))], 2)
         assert _errors(out, [t.grad for t in leaves], ref, ref_grads) < TOL, m
-    if mode == "full":
-        descending = sum(placed.descending for placed in context.arenas.plan.slabs.values())
-        assert descending > 0  # the order shares arenas from both ends
-    else:
-        assert context.arenas.plan is None  # no arena placed
+    return context
 
 
 @pytest.mark.parametrize("window,chunk", [(5, None), (None, 6), (None, None)], ids=["w5", "c6", "full"])
 def test_quick_units_with_a_reach_equal_dense_attention(window, chunk):
     """One cut of the grid above per mode and kernel, packed, with sinks and narrow values."""
-    for aligned, mode in itertools.product(KERNELS, ("reach", "full")):
+    for aligned, mode in itertools.product(KERNELS, MODES):
         error = _check(KERNELS[aligned](), [11, 7, 9, 5], window, chunk, True, True, 5, mode)
         assert error < TOL, (aligned, mode, error)
 
@@ -268,7 +294,7 @@ def _held_bytes(seq_len: int, reach: Reach, mode: str, hooked: bool = True, trai
             part = slice(j * length, (j + 1) * length)
             with context.running(Unit(0, j, j * length, length, 4)):
                 layer(q[:, :, part], k[:, :, part], v[:, :, part])
-    return context.held_bytes()
+    return KVMemory([context]).held()
 
 
 @pytest.mark.parametrize("window,chunk", [(5, None), (None, 6), (7, 20)])

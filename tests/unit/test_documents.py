@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from harness import EOS, init_test_weights, model_args, packed_tokens
+from torchtitan_seq.instrumentation.kv_memory import KVMemory
 from torchtitan_seq.runtime.documents import Documents, document_ids, document_mask
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
 
@@ -89,12 +90,12 @@ def test_a_unit_reads_only_its_continuing_documents_keys():
             layer(torch.randn(1, 1, 4, 2), kv.clone(), kv.clone())
         reads.append(kernel.prefix_keys)
         kernel.prefix_keys = []
-        held.append(context.held_bytes())
+        held.append(KVMemory([context]).held())
     assert reads == [[], [[0, 1, 2, 3]], [[6, 7]], [[6, 7, 8, 9, 10, 11]]]
     # K and V of the 12 keys later units read, x 2 dims, fp32, from the first unit on
     assert held == [2 * 12 * 2 * 4] * 4
     context.clear()
-    assert context.held_bytes() == 0
+    assert KVMemory([context]).held() == 0
 
 
 @pytest.mark.parametrize("bad", ["length", "batch"])

@@ -173,7 +173,7 @@ def test_a_windowed_layers_kv_does_not_grow_with_the_sequence():
     """gpt-oss's windowed layers (a window of 128) under Seq1F1B at k = 8, measured, each layer checkpointed
     (the slab a copy of the reach): under "reach" each rank's contexts hold the same bytes at 4096 tokens as
     at 2048 ((k - 1) x 127 positions a microbatch), under "full" twice as many."""
-    heads, width, k = 8, 64, 8  # gpt-oss-120B's K/V heads
+    heads, width, k = 2, 64, 8  # a quarter of gpt-oss-120B's K/V heads: the positions held do not depend on them
 
     def peaks(seq_len: int, mode: str) -> list[int]:
         lengths = [seq_len // k] * k
@@ -192,13 +192,14 @@ GPT_OSS = "gpt_oss:debugmodel"
 REACH_RATIO = 0.6  # at most this share of "full"'s peak K/V bytes under "reach" (gpt-oss's debug flavor)
 
 
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_gpt_oss_reach_holds_at_most_0_6_of_full_and_is_predicted(n):
     """gpt-oss's debug flavor (its even layers windowed) under Seq1F1B, k = 8, 2048 tokens: under "reach"
     each rank's contexts hold at most 0.6 of what they hold under "full" (the windowed layers' slabs are
     views of what their units' attention saves); checkpointed, where the slabs are copies of the reach,
-    (k - 1) x 127 positions a windowed layer and microbatch, the share is larger (printed). The memory
-    model's ``kv_held`` is the measured within 5% in each case."""
+    (k - 1) x 127 positions a windowed layer and microbatch, under 0.75: the copies of a microbatch in
+    backward and of the next in forward share arenas (unshared, two microbatches' give 0.86 to 0.90). The
+    memory model's ``kv_held`` is the measured within 5% in each case."""
     shape = JobShape.of_model(flavor_shape(GPT_OSS), 2048, 8, "compute", microbatches=n)
     ratios = {}
     for ac in ("none", "full"):
@@ -209,4 +210,4 @@ def test_gpt_oss_reach_holds_at_most_0_6_of_full_and_is_predicted(n):
         ratios[ac] = [r / f for r, f in zip(measured["reach"], measured["full"])]
     print(f"peak K/V bytes, reach / full: {ratios}")
     assert max(ratios["none"]) <= REACH_RATIO, ratios
-    assert max(ratios["full"]) < 1, ratios
+    assert max(ratios["full"]) < 0.75, ratios

@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from torchtitan_seq.instrumentation.kv_memory import KVMemory
 from torchtitan_seq.runtime.kv_context import KVContext, Unit
 from torchtitan_seq.runtime.kv_placement import plan_arenas, slab_extents
 from torchtitan_seq.schedules import SEQUENCE_SCHEDULES, ScheduleShape
@@ -126,7 +127,7 @@ def test_context_in_a_shared_arena_is_exact(packed, bottom_right):
                 (outs[m, j] * weights[m][:, :, part]).sum().backward()
     assert descending == {False, True}
     assert len(arenas) < n  # arenas shared
-    assert len(context) == 0 and context.held_bytes() == 0
+    assert len(context) == 0 and KVMemory([context]).held() == 0
     for m in range(n):
         q, k, v = (t.detach().requires_grad_() for t in qkv[m])
         mask = document_mask(ids[m]) if packed else None

@@ -93,7 +93,7 @@ def test_kv_arenas_within_one_percent(monkeypatch):
     assert worst() < 0.01
     plan_arenas = mm.plan_arenas
     with monkeypatch.context() as patch:
-        patch.setattr(mm.arenas, "plan_arenas", lambda passes, lengths, size: plan_arenas(passes, lengths, size, False))
+        patch.setattr(mm.arenas, "plan_arenas", lambda *args, **kwargs: plan_arenas(*args, **kwargs, alternate=False))
         mm.action_plan.cache_clear()
         assert worst() > 0.04
     mm.action_plan.cache_clear()
@@ -145,7 +145,7 @@ def test_wrong_models_miss(monkeypatch):
         patch.setattr(mm.stage_bytes, "saved_per_token", no_log_softmax)
         assert _worst("none") > TOLERANCE
 
-    def one_microbatch(plan, weights, lengths, n, with_own=False, offload=False):
+    def one_microbatch(plan, weights, lengths, n, with_own=False, offload=False, reach_extents=None):
         return [(max(sum(weights[s].saved) for s in plan.stages_of(rank)), 0.0, 0.0) for rank in sorted(plan.order)]
 
     with monkeypatch.context() as patch:

@@ -31,6 +31,10 @@ PROPERTIES: dict[str, tuple[Callable[..., None], list[tuple]]] = {
         test_attention_reach.test_views_of_a_unit_go_once_every_unit_that_reads_them_has_run_backward,
         [(5, None), (None, 10)],
     ),
+    "reach_arenas_unshared": (
+        test_kv_memory_model.test_predicted_kv_context_is_the_measured,
+        [("gpt_oss:debugmodel", "reach", "full")],
+    ),
     "reach_views_under_checkpointing": (
         test_kv_memory_model.test_predicted_kv_context_is_the_measured,
         [("gpt_oss:debugmodel", "reach", "full")],

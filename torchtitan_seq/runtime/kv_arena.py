@@ -10,59 +10,78 @@ placed in it and goes when no slab in it is in use. Untold, each microbatch's sl
 own; told no lengths, a slab of its own that grows. A write into positions another microbatch in the
 arena still reads is refused (:meth:`KVArenas.check_room`): the stage ran its units in an order other than
 the one it announced.
+
+The copied slabs of layers of bounded reach (:class:`~torchtitan_seq.runtime.kv_reach.ReachSlab`) lie in
+arenas of their own, one set per reach, planned alike from the rows each unit keeps in use
+(:attr:`~torchtitan_seq.runtime.kv_reach.ReachRows.extents`) and guarded by rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from torchtitan_seq.runtime.kv_placement import ArenaPlan, Pass, SlabPlacement, plan_arenas
+from torchtitan_seq.runtime.kv_placement import ArenaPlan, Pass, SlabPlacement, plan_arenas, slab_extents
+from torchtitan_seq.runtime.kv_reach import ReachRows
 from torchtitan_seq.runtime.kv_slab import DescendingRows, KVSlab, new_keys
 
 __all__ = ["KVArenas"]
 
 
+Kind = ReachRows | None
+"""What a slab holds: the rows of a bounded reach, or (None) every position later units read."""
+
+
 class KVArenas:
     """Where the slabs of a stage's microbatches lie, the arenas (per layer) they lie in, and which units
     of each microbatch are in flight. ``lengths``: the units' lengths [L_0, ..., L_{k-1}] of every
-    microbatch, which size the slabs (None: untold)."""
+    microbatch, which size the slabs (None: untold). Slabs of each :data:`Kind` have arenas of their own."""
 
     def __init__(self, lengths: list[int] | None = None) -> None:
         self.lengths = lengths
-        self.plan: ArenaPlan | None = None
-        """The placement of every microbatch, planned as the first slab after :meth:`expect` is placed."""
+        self.plans: dict[Kind, tuple[ArenaPlan, tuple[int, ...]]] = {}
+        """Per kind, the placement of every microbatch and the positions (rows) in use while each unit is the
+        last in flight: planned as the kind's first slab after :meth:`expect` is placed."""
         self._passes: list[Pass] | None = None
-        self._placed: dict[int, tuple[int, SlabPlacement]] = {}  # microbatch -> (arena capacity, placement)
-        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer id, arena) -> K, V
+        self._placed: dict[tuple[Kind, int], tuple[int, SlabPlacement]] = {}  # (kind, m) -> (capacity, placement)
+        self._buffers: dict[tuple[Kind, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (kind, layer, arena)
         self._live: dict[int, set[int]] = {}  # microbatch -> units run forward whose backward has not ended
         self._rows: dict[tuple[int, torch.device], DescendingRows] = {}  # kept across steps
+
+    @property
+    def plan(self) -> ArenaPlan | None:
+        """The placement of the full slabs (the kind that offload moves), planned with the first."""
+        planned = self.plans.get(None)
+        return None if planned is None else planned[0]
 
     def expect(self, passes: list[Pass]) -> None:
         """The order in which the stage runs its units' passes each step (see
         :data:`~torchtitan_seq.runtime.kv_placement.Pass`); the arenas are planned from it."""
         self._passes = list(passes)
-        self.plan = None
+        self.plans = {}
 
     def placement(self, microbatch: int) -> SlabPlacement | None:
-        """Where ``microbatch``'s slabs lie (an arena below 0: one of its own); None before its first is placed."""
-        placed = self._placed.get(microbatch)
+        """Where ``microbatch``'s full slabs lie (an arena below 0: one of its own); None before its first is placed."""
+        placed = self._placed.get((None, microbatch))
         return None if placed is None else placed[1]
 
-    def place(self, layer_id: int, m: int, k: torch.Tensor, v: torch.Tensor, with_own: bool) -> KVSlab:
+    def place(
+        self, layer_id: int, m: int, k: torch.Tensor, v: torch.Tensor, with_own: bool, kind: Kind = None
+    ) -> KVSlab:
         """Microbatch ``m``'s slab for ``layer_id``, for K and V shaped like ``k`` and ``v``, in the arena its
-        plan names (allocated by its first slab), or in one of its own: room for the keys later units read,
-        the last unit's too if ``with_own``."""
+        kind's plan names (allocated by its first slab), or in one of its own: room for the keys later units
+        read, the last unit's too if ``with_own``; for a bounded reach ``kind``, its rows."""
         if self.lengths is None:  # nothing to plan with: a slab of its own that grows
             return KVSlab(new_keys(k, 0), new_keys(v, 0))
-        size = sum(self.lengths[: None if with_own else -1])
-        if m not in self._placed:
-            if self.plan is None:
-                self.plan = plan_arenas(self._passes or [], self.lengths, size)
-            plan = self.plan
+        size = kind.size if kind is not None else sum(self.lengths[: None if with_own else -1])
+        if (kind, m) not in self._placed:
+            if kind not in self.plans:
+                extents = kind.extents if kind is not None else tuple(slab_extents(self.lengths, size))
+                self.plans[kind] = plan_arenas(self._passes or [], self.lengths, size, extents=extents), extents
+            plan = self.plans[kind][0]
             solo = (size, SlabPlacement(-1 - m, descending=False))
-            self._placed[m] = (plan.capacity, plan.slabs[m]) if m in plan.slabs else solo
-        capacity, placed = self._placed[m]
-        key = (layer_id, placed.arena)
+            self._placed[kind, m] = (plan.capacity, plan.slabs[m]) if m in plan.slabs else solo
+        capacity, placed = self._placed[kind, m]
+        key = (kind, layer_id, placed.arena)
         if key not in self._buffers:
             self._buffers[key] = (new_keys(k, capacity), new_keys(v, capacity))
         region = slice(capacity - size, capacity) if placed.descending else slice(0, size)
@@ -86,25 +105,28 @@ class KVArenas:
         self._live.get(m, set()).discard(index)
 
     def release(self, m: int) -> None:
-        """Microbatch ``m``'s slabs have gone: its place, and its arena when that holds no other slab in use."""
+        """Microbatch ``m``'s slabs have gone: its places, and each arena that holds no other slab in use."""
         self._live.pop(m, None)
-        placed = self._placed.pop(m, None)
-        if placed is not None and all(other.arena != placed[1].arena for _, other in self._placed.values()):
-            for key in [key for key in self._buffers if key[1] == placed[1].arena]:  # no slab in it is in use
-                del self._buffers[key]
+        for kind, _ in [key for key in self._placed if key[1] == m]:
+            arena = self._placed.pop((kind, m))[1].arena
+            if all(other.arena != arena for (k, _), (_, other) in self._placed.items() if k is kind):
+                for key in [key for key in self._buffers if key[0] is kind and key[2] == arena]:
+                    del self._buffers[key]
 
-    def check_room(self, m: int, index: int, offset: int, length: int, slab: KVSlab) -> None:
-        """Refuse a write of unit ``index`` of microbatch ``m`` (positions [offset, offset + length) of
-        ``slab``) into positions of the arena that another microbatch in it still uses, at its other end or
-        at the same one (the stage ran its units in an order other than the one it announced)."""
-        capacity, placed = self._placed.get(m, (0, None))
+    def check_room(self, m: int, index: int, offset: int, length: int, kind: Kind = None) -> None:
+        """Refuse a write of unit ``index`` of microbatch ``m`` (positions, or rows of a bounded reach ``kind``,
+        [offset, offset + length) of its slab) into those of the arena that another microbatch in it still
+        uses, at its other end or at the same one (the stage ran its units in an order other than the one it
+        announced)."""
+        capacity, placed = self._placed.get((kind, m), (0, None))
         if placed is None or placed.arena < 0:
             return
-        for other_m, (_, other) in self._placed.items():
-            if other_m == m or other.arena != placed.arena:
+        extents = self.plans[kind][1]
+        for (other_kind, other_m), (_, other) in self._placed.items():
+            if other_kind is not kind or other_m == m or other.arena != placed.arena:
                 continue
             live = self._live.get(other_m)
-            theirs = min(sum(self.lengths[: max(live) + 1]), slab.k.shape[2]) if live else 0
+            theirs = extents[max(live)] if live else 0
             # The same end lays positions on the same cells; the other end, position p on the cell of
             # capacity - 1 - p.
             same_end = other.descending == placed.descending
@@ -122,8 +144,8 @@ class KVArenas:
         self._buffers.clear()
 
     def buffers_of(self, arena: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Per layer, the K and V of ``arena`` allocated now: (layer id, K, V)."""
-        return [(layer, *pair) for (layer, a), pair in self._buffers.items() if a == arena]
+        """Per layer, the K and V of the full slabs' ``arena`` allocated now: (layer id, K, V)."""
+        return [(layer, *pair) for (kind, layer, a), pair in self._buffers.items() if kind is None and a == arena]
 
     def tensors(self) -> list[torch.Tensor]:
         """The K and V of every arena allocated now."""

@@ -175,8 +175,7 @@ class KVContext:
         """Where the microbatches' slabs lie, and the guard against overwriting keys in use."""
         self.latents = LatentSlabs(lengths)  # under mode "latent", the MLA layers' (:mod:`.kv_latent`)
         self.offload: KVOffload | None = None  # what takes the arenas to host memory and back, as passes start
-        self.trains = True
-        """Whether the units' backwards follow their forwards (False in ``eval``: autograd saves nothing)."""
+        self.trains = True  # whether the units' backwards follow their forwards (False in eval: nothing is saved)
         self.meter: KVMeter | None = None
         """Sampled as each unit starts and as a microbatch's last backward ends, while set (a metered step)."""
 
@@ -297,17 +296,17 @@ class KVContext:
         slab = layers.get(layer_id)
         if (slab.filled if slab is not None else 0) != unit.offset or (slab is None) != (unit.index == 0):
             raise RuntimeError(
-                f"layer {layer_id}: subsequence {unit.index} of microbatch {unit.microbatch} "
-                f"ran forward after {slab.filled if slab is not None else 0} positions; forwards must run in "
-                "subsequence order, each once"
+                f"layer {layer_id}: subsequence {unit.index} of microbatch {unit.microbatch} ran forward after "
+                f"{slab.filled if slab is not None else 0} positions; forwards must run in subsequence order, each once"
             )
         if slab is None:
             slab = layers[layer_id] = self._place(layer_id, unit.microbatch, k, v, with_own, reach, saves_given)
-        if isinstance(slab, ReachSlab):
+        if isinstance(slab, ReachSlab):  # guarded by rows (views lie in no arena: never refused)
+            self.arenas.check_room(unit.microbatch, unit.index, *slab.rows.of(unit.offset, unit.length), slab.rows)
             slab.write(unit.offset, k, v)
             return slab, None
         if not unit.is_last or with_own:
-            self.arenas.check_room(unit.microbatch, unit.index, unit.offset, unit.length, slab)
+            self.arenas.check_room(unit.microbatch, unit.index, unit.offset, unit.length)
             return slab, slab.stored(*slab.write(unit.offset, k, v))
         return slab, None
 
@@ -316,8 +315,10 @@ class KVContext:
     ) -> KVSlab | ReachSlab:
         """Microbatch ``m``'s slab for ``layer_id``: of its reach (see :meth:`append`), else in an arena."""
         if self.mode != "full" and reach.bounded and self.lengths is not None and not with_own:
-            kind = ReachViews if saves_given and self.trains and top_saved_tensors_hooks(False) is None else ReachSlab
-            return kind(reach_rows(tuple(self.lengths), reach), k, v)
+            rows = reach_rows(tuple(self.lengths), reach)
+            if saves_given and self.trains and top_saved_tensors_hooks(False) is None:
+                return ReachViews(rows, k, v)
+            return ReachSlab(rows, self.arenas.place(layer_id, m, k, v, False, rows))
         return self.arenas.place(layer_id, m, k, v, with_own)
 
     def clear(self) -> None:
@@ -334,10 +335,6 @@ class KVContext:
         slabs = [t for layers in self._slabs.values() for s in layers.values() for t in (s.k, s.v)]
         arenas = self.arenas.tensors() + self.latents.tensors()
         return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in slabs + arenas}
-
-    def held_bytes(self) -> int:
-        """Bytes of K/V the context keeps alive, each storage once."""
-        return sum(self.held_storages().values())
 
     def __len__(self) -> int:
         """Number of microbatches whose K/V (or latents) the context still holds."""

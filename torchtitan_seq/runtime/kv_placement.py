@@ -197,7 +197,13 @@ def _peak(busy: list[tuple[int, int]], capacity: int) -> int:
     return most * capacity
 
 
-def plan_arenas(passes: Sequence[Pass], lengths: Sequence[int], size: int, alternate: bool = True) -> ArenaPlan:
+def plan_arenas(
+    passes: Sequence[Pass],
+    lengths: Sequence[int],
+    size: int,
+    alternate: bool = True,
+    extents: Sequence[int] | None = None,
+) -> ArenaPlan:
     """Place the slabs (``size`` positions each; units of ``lengths``) of the microbatches a stage
     runs in the order of ``passes``, in arenas of one capacity, to hold the fewest positions at once.
 
@@ -214,17 +220,20 @@ def plan_arenas(passes: Sequence[Pass], lengths: Sequence[int], size: int, alter
         lengths: the subsequence lengths [L_0, ..., L_{k-1}].
         size: positions of one slab.
         alternate: let two slabs share an arena from its two ends; False: ascending slabs only.
+        extents: per unit j, the positions of a slab in use while j is the last unit in flight (None: the
+            keys' ends, :func:`slab_extents`; a slab of bounded reach's rows,
+            :attr:`~torchtitan_seq.runtime.kv_reach.ReachRows.extents`).
 
     Returns:
         The arenas' capacity, each microbatch's slab placement and when the arenas are in use.
     """
-    return _plan_arenas(tuple(passes), tuple(lengths), size, alternate)
+    return _plan_arenas(tuple(passes), tuple(extents or slab_extents(lengths, size)), size, alternate)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_arenas(passes: tuple[Pass, ...], lengths: tuple[int, ...], size: int, alternate: bool) -> ArenaPlan:
+def _plan_arenas(passes: tuple[Pass, ...], extents: tuple[int, ...], size: int, alternate: bool) -> ArenaPlan:
     """:func:`plan_arenas` on tuples, which its cache can key on."""
-    lines = _timelines(passes, slab_extents(lengths, size))
+    lines = _timelines(passes, list(extents))
     if not lines:
         return ArenaPlan(size, {}, ())
     order = sorted(lines, key=lambda m: lines[m].start)

@@ -12,9 +12,12 @@ activations. Two kinds keep them:
   Autograd keeps each unit's K/V until its backward, and every unit that reads them runs backward
   before it, so the views hold no byte the units' saved activations do not; a unit's views go with
   its backward.
-- :class:`ReachSlab`, where checkpointing (or a compiled graph) drops or re-makes what the attention
-  saved: a copy of those positions, laid out in position order with the gaps left out, kept until the
-  microbatch's last backward.
+- :class:`ReachSlab`, where checkpointing (or a compiled graph, or ``eval``) drops, re-makes or never keeps
+  what the attention saved: a copy of those positions, in position order with the gaps left out, as a
+  :class:`~torchtitan_seq.runtime.kv_slab.KVSlab` of rows. It lies in an arena of the stage's slabs of
+  that reach, planned as the full slabs' arenas are (:mod:`~torchtitan_seq.runtime.kv_arena`) from the rows
+  in use while each unit is the last in flight (:attr:`ReachRows.extents`): a microbatch in backward frees
+  rows from the end as the next one fills its own from the other, and the overwrite guard checks the rows.
 
 The gradients later units send the keys they read are added into a gradient slab of the same rows,
 and each unit's own backward adds what was sent its positions, as with a full slab; positions no unit
@@ -25,11 +28,12 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
 
-from torchtitan_seq.runtime.kv_slab import EVERY, new_keys
+from torchtitan_seq.runtime.kv_slab import EVERY, KVSlab
 from torchtitan_seq.runtime.reach import Reach
 
 __all__ = ["ReachRows", "ReachSlab", "ReachViews", "reach_rows"]
@@ -65,6 +69,17 @@ class ReachRows:
         """Each run's first row."""
         self.size = sum(stop - start for start, stop in self.runs)
         """Rows in all."""
+        self.extents = tuple(self.before(end) for end in itertools.accumulate(lengths))
+        """Per unit j, the rows in use while it is the last unit in flight: those of positions before its end."""
+
+    def before(self, position: int) -> int:
+        """Rows of the positions before ``position``."""
+        return sum(max(0, min(stop, position) - start) for start, stop in self.runs)
+
+    def of(self, offset: int, length: int) -> tuple[int, int]:
+        """(first row, rows) of the positions [offset, offset + length), which lie at consecutive rows."""
+        first = self.before(offset)
+        return first, self.before(offset + length) - first
 
     def row(self, start: int, stop: int) -> int:
         """The first row of positions [start, stop), which must lie in one run."""
@@ -86,25 +101,32 @@ def reach_rows(lengths: tuple[int, ...], reach: Reach) -> ReachRows:
 
 
 class ReachSlab:
-    """K/V of one microbatch in one layer of bounded reach: only the positions later units read
-    (:class:`ReachRows`), (B, Hkv, rows, D) laid out as a full slab lays its positions out; the same
-    interface as :class:`~torchtitan_seq.runtime.kv_slab.KVSlab` for what the attention reads and sends.
+    """K/V of one microbatch in one layer of bounded reach: only the positions later units read, at their
+    rows (:class:`ReachRows`) of ``slab``; the interface of :class:`~torchtitan_seq.runtime.kv_slab.KVSlab`
+    for what the attention reads and sends, in positions.
 
     Args:
         rows: where it lays out positions.
-        k: a unit's keys (B, Hkv, L, Dqk), whose batch, heads, width and dtype it takes.
-        v: a unit's values (B, Hkv, L, Dv), likewise.
+        slab: the rows' K/V (a range of an arena, ascending or descending) and their gradient.
     """
 
-    descending = False  # position order: a windowed call reads its keys as they lie
-
-    def __init__(self, rows: ReachRows, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.rows = rows
-        self.k, self.v = new_keys(k, rows.size), new_keys(v, rows.size)
+    def __init__(self, rows: ReachRows, slab: KVSlab) -> None:
+        self.rows, self.slab = rows, slab
         self.filled = 0
         """The end of the positions written so far (units 0..j in order)."""
-        self.grad_k: torch.Tensor | None = None
-        self.grad_v: torch.Tensor | None = None
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.slab.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.slab.v
+
+    @property
+    def descending(self) -> bool:
+        """Whether the rows run last first (a windowed call then reads a flipped copy of its keys)."""
+        return self.slab.descending
 
     def holds(self, stop: int) -> bool:
         """Whether the slab holds every key before ``stop``: never, but for an empty prefix (its units
@@ -112,63 +134,59 @@ class ReachSlab:
         return stop == 0
 
     def write(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write what later units read of K/V (B, Hkv, L, D) of positions [offset, offset + L); returns
-        None: the slab holds no unit's K/V whole, so the unit saves its own."""
+        """Write what later units read of K/V (B, Hkv, L, D) of positions [offset, offset + L); the slab
+        holds no unit's K/V whole, so the unit saves its own."""
         for a, b in self.rows.within(offset, offset + k.shape[2]):
-            row = self.rows.row(a, b)
-            self.k.narrow(2, row, b - a).copy_(k.detach().narrow(2, a - offset, b - a))
-            self.v.narrow(2, row, b - a).copy_(v.detach().narrow(2, a - offset, b - a))
+            self.slab.write(self.rows.row(a, b), k.narrow(2, a - offset, b - a), v.narrow(2, a - offset, b - a))
         self.filled = offset + k.shape[2]
 
     def keys(self, start: int, stop: int, rows: slice = EVERY) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [start, stop) of batch rows ``rows``, views in position order."""
+        """K and V of positions [start, stop) of batch rows ``rows``, views as the slab lays them out."""
         row = self.rows.row(start, stop)
-        k, v = self.k.narrow(2, row, stop - start), self.v.narrow(2, row, stop - start)
-        return (k, v) if rows == EVERY else (k[rows], v[rows])
+        return self.slab.keys(row, row + stop - start, rows)
 
     def accumulate(self, grad_k: torch.Tensor, grad_v: torch.Tensor, rows: slice, start: int) -> None:
         """Add the gradient a later unit's attention sends the keys [start, start + n) of batch rows
-        ``rows`` (grad_k, grad_v: (rows, Hkv, n, D)), in place."""
-        if self.grad_k is None:  # once per microbatch and layer
-            self.grad_k, self.grad_v = (new_keys(t, self.rows.size, zeros=True) for t in (self.k, self.v))
-        row, n = self.rows.row(start, start + grad_k.shape[2]), grad_k.shape[2]
-        self.grad_k[rows].narrow(2, row, n).add_(grad_k)
-        self.grad_v[rows].narrow(2, row, n).add_(grad_v)
+        ``rows`` (grad_k, grad_v: (rows, Hkv, n, D), laid out as :meth:`keys` gave them), in place."""
+        self.slab.accumulate(grad_k, grad_v, rows, self.rows.row(start, start + grad_k.shape[2]))
 
     def add_sent(self, dk: torch.Tensor, dv: torch.Tensor, offset: int) -> None:
         """Add what later units sent positions [offset, offset + L) to ``dk``, ``dv`` (B, Hkv, L, D, in
         position order: the unit's own gradients), in place."""
-        if self.grad_k is None:
-            return
         for a, b in self.rows.within(offset, offset + dk.shape[2]):
-            row = self.rows.row(a, b)
-            dk.narrow(2, a - offset, b - a).add_(self.grad_k.narrow(2, row, b - a))
-            dv.narrow(2, a - offset, b - a).add_(self.grad_v.narrow(2, row, b - a))
+            part = (t.narrow(2, a - offset, b - a) for t in (dk, dv))
+            self.slab.add_sent(*part, self.rows.row(a, b))
 
 
 class ReachViews(ReachSlab):
     """K/V of one microbatch in one layer of bounded reach as views of its units' own K/V (the tensors their
-    attention saves for backward), at the positions later units read: no K/V of its own (its ``k`` and ``v``
-    are empty, the gradient slab's pattern); the interface of :class:`ReachSlab`, whose gradient slab it shares.
+    attention saves for backward), at the positions later units read: no K/V of its own. Its gradient slab is
+    a :class:`~torchtitan_seq.runtime.kv_slab.KVSlab` of the rows over a one-value pattern of K/V's shapes,
+    allocated as later units send gradients, as a copy's is.
 
     Args:
         rows: the positions later units read.
-        k: a unit's keys (B, Hkv, L, Dqk), whose batch, heads, width and dtype its gradient slab takes.
+        k: a unit's keys (B, Hkv, L, Dqk), whose batch, heads, width and dtype the gradient takes.
         v: a unit's values (B, Hkv, L, Dv), likewise.
     """
 
     def __init__(self, rows: ReachRows, k: torch.Tensor, v: torch.Tensor) -> None:
-        # empty, not a view of the unit's: a view, even of no position, would keep its storage alive
-        self.rows, self.k, self.v = (
-            rows,
-            k.new_empty(*k.shape[:2], 0, k.shape[3]),
-            v.new_empty(*v.shape[:2], 0, v.shape[3]),
-        )
-        self.filled = 0
-        self.grad_k: torch.Tensor | None = None
-        self.grad_v: torch.Tensor | None = None
+        # one value each, expanded: not a view of the unit's, which would keep its storage alive
+        b, h, _, d = k.shape
+        pattern = [t.new_empty(1).expand(b, rows.size, h, t.shape[3]).transpose(1, 2) for t in (k, v)]
+        super().__init__(rows, KVSlab(*pattern))
+        self.slab.filled = rows.size  # every row a later unit reads may be sent a gradient
+        self.empty = tuple(t.new_empty(b, h, 0, t.shape[3]) for t in (k, v))  # what it holds: nothing
         self.pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         """(start, stop, K, V) of the positions [start, stop) of each unit that later units read, in order."""
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.empty[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.empty[1]
 
     def write(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep views of K/V (B, Hkv, L, D) of positions [offset, offset + L) where later units read them."""

@@ -36,11 +36,9 @@ class ActionPlan:
     """:func:`pass_events` per (rank, k), filled as :meth:`events_of` is asked for them."""
     merged: dict[int, tuple[Events, np.ndarray]] = field(default_factory=dict, compare=False, repr=False)
     """Per k, every rank's events end to end, and where each rank's begin (see :meth:`merged_events`)."""
-    arenas: dict[tuple[tuple[int, ...], bool, bool], np.ndarray] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-    """Per subsequence lengths, ``with_own`` and ``offload``, :func:`slab_arena_events` of every rank end to end
-    (see :meth:`merged_arenas`)."""
+    arenas: dict[tuple, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    """Per subsequence lengths, ``with_own``, ``offload`` and extents, :func:`slab_arena_events` of every rank end
+    to end (see :meth:`merged_arenas`)."""
     passes: dict[tuple[int, int], list[tuple[list[int], tuple[Pass, ...]]]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -125,10 +123,13 @@ class ActionPlan:
         found = (stage_passes(self.order[rank], stage, k, (F, I, B, W)) for stage in self.stages_of(rank))
         return [(where, tuple(passes)) for where, passes in found]
 
-    def merged_arenas(self, lengths: tuple[int, ...], with_own: bool, offload: bool = False) -> np.ndarray:
+    def merged_arenas(
+        self, lengths: tuple[int, ...], with_own: bool, offload: bool = False, extents: tuple[int, ...] | None = None
+    ) -> np.ndarray:
         """Every rank's :func:`slab_arena_events` end to end, ranks ascending, as :meth:`merged_events`;
-        ``offload``: with the arenas' spans off the device."""
-        if (lengths, with_own, offload) not in self.arenas:
+        ``offload``: with the arenas' spans off the device; ``extents``: a bounded reach's copied slabs'."""
+        key = (lengths, with_own, offload, extents)
+        if key not in self.arenas:
             k = len(lengths)
             parts = [
                 slab_arena_events(
@@ -137,11 +138,12 @@ class ActionPlan:
                     lengths,
                     with_own,
                     self.touches_of(r, k) if offload else None,
+                    extents,
                 )
                 for r in sorted(self.order)
             ]
-            self.arenas[lengths, with_own, offload] = np.concatenate(parts)
-        return self.arenas[lengths, with_own, offload]
+            self.arenas[key] = np.concatenate(parts)
+        return self.arenas[key]
 
 
 @functools.lru_cache(maxsize=256)

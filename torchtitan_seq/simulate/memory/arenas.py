@@ -16,6 +16,7 @@ def slab_arena_events(
     lengths: tuple[int, ...],
     with_own: bool = False,
     offload: list[tuple[list[int], tuple[Pass, ...]]] | None = None,
+    extents: tuple[int, ...] | None = None,
 ) -> np.ndarray:
     """Per action of a rank (``count`` of them), the K/V arenas that the KV context allocates (+) or
     lets go (-) there, in slabs (a slab: the keys later units read; ``with_own``, under CP, the last
@@ -23,11 +24,13 @@ def slab_arena_events(
     from its passes (``stages``: where the rank runs each, and the passes), from a write into an empty
     one to the end of the last backward of a slab in it; with ``offload`` (per stage, as ``stages``, every pass
     it announces and where the rank runs it), each arena off the device from the pass whose start frees it
-    to the pass whose start brings it back (:func:`~torchtitan_seq.runtime.kv_offload.offload_spans`)."""
-    size = sum(lengths[: None if with_own else -1])
+    to the pass whose start brings it back (:func:`~torchtitan_seq.runtime.kv_offload.offload_spans`); with
+    ``extents``, the copied slabs of a bounded reach, in slabs of its rows
+    (:attr:`~torchtitan_seq.runtime.kv_reach.ReachRows.extents`)."""
+    size = extents[-1] if extents else sum(lengths[: None if with_own else -1])
     deltas = np.zeros(count)
     for i, (where, passes) in enumerate(stages if size else ()):
-        arenas = plan_arenas(passes, lengths, size)
+        arenas = plan_arenas(passes, lengths, size, extents=extents)
         for start, end in arenas.busy:
             deltas[where[start]] += arenas.capacity / size
             deltas[where[end]] -= arenas.capacity / size

@@ -10,6 +10,7 @@ from torchtitan_seq.simulate.memory.actions import action_plan
 from torchtitan_seq.simulate.memory.buffers import buffer_bytes
 from torchtitan_seq.simulate.memory.chunks import memory_chunk_split
 from torchtitan_seq.simulate.memory.config import MemoryConfig, dtype_bytes
+from torchtitan_seq.simulate.memory.reach import reach_extents
 from torchtitan_seq.simulate.memory.stage_bytes import chain_bytes
 from torchtitan_seq.simulate.memory.states import state_bytes
 from torchtitan_seq.simulate.memory.walk import memory_walks
@@ -77,7 +78,10 @@ def predict_memory(config: MemoryConfig) -> MemoryEstimate:
     per_chunk = chain_bytes(args, c, a, chunks, tokens, is_sequence)
     weights = {s: per_chunk[s % plan.chain_length] for s in plan.stages}
     ranks = []
-    for r, (act, combined, held) in enumerate(memory_walks(plan, weights, tuple(lengths), n, c.cp > 1, c.kv_offload)):
+    reach = getattr(args, "reach", None)  # the copied slabs' arenas, planned from their rows in use
+    extents = reach_extents(tuple(lengths), reach) if reach is not None else None
+    walks = memory_walks(plan, weights, tuple(lengths), n, c.cp > 1, c.kv_offload, extents)
+    for r, (act, combined, held) in enumerate(walks):
         ranks.append(
             RankMemory(
                 **state_bytes(args, c, plan, chunks, r),

@@ -52,7 +52,9 @@ def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
     buffers = np.array([buffer_bytes_per_token(args, c, a, chunk) for chunk in layout.chunks]) * received
     # Under kv_offload a microbatch's slab may be on the host while its units are held on other stages.
     slab = 0.0 if c.kv_offload else 1.0
-    microbatch = np.array([sum(w.saved) + slab * (w.held + w.slab) + w.constant + w.reach for w in weights])
+    microbatch = np.array(
+        [sum(w.saved) + slab * (w.held + w.slab) + w.constant + w.reach + w.reach_held for w in weights]
+    )
 
     base = (
         layout.count @ params * (rates.parameters + rates.gradients)

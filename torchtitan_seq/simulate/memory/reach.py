@@ -53,4 +53,12 @@ def reach_positions(lengths: tuple[int, ...], reach: AttentionReach) -> int:
     Returns:
         The positions held, at most (k - 1) x (window - 1) for a window, whatever the sequence's length.
     """
-    return ReachRows(lengths, Reach(window=reach.window, chunk=reach.chunk)).size
+    return reach_extents(lengths, reach)[-1]
+
+
+@functools.lru_cache(maxsize=1024)
+def reach_extents(lengths: tuple[int, ...], reach: AttentionReach) -> tuple[int, ...]:
+    """Per unit j, the positions of a bounded layer's slab in use while j is the last unit in flight (the
+    runtime's :attr:`~torchtitan_seq.runtime.kv_reach.ReachRows.extents`, from which its copies' arenas are
+    planned); the last is :func:`reach_positions`."""
+    return ReachRows(lengths, Reach(window=reach.window, chunk=reach.chunk)).extents

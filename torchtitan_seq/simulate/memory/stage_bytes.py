@@ -24,9 +24,10 @@ slab in it:
 (:func:`~.reach.reach_positions`: fewer than k x window). Its units' attention saves their own K/V
 (2 Hkv hd a / t a token and layer of units 0..k-2 back in their per-unit bytes, where the layer is not
 recomputed). Where the layer is not recomputed the slab is views of those saved K/V and adds nothing;
-where it is, a copy of R tokens outside the arenas, from the microbatch's first forward to its last
-backward, that the context alone keeps (:mod:`torchtitan_seq.runtime.kv_reach`; under torch.compile the
-copy is made in every mode, which this model does not see). Its gradient holds R tokens. Under ``"full"``
+where it is, a copy of R tokens that the context alone keeps, in arenas of their own planned as the
+runtime plans them (from the rows each unit keeps in use, :attr:`~torchtitan_seq.runtime.kv_reach.ReachRows.extents`;
+under torch.compile the copy is made in every mode, which this model does not see). Its gradient holds R
+tokens. Under ``"full"``
 such a layer keeps the whole slab as a layer of full attention does.
 
 **MLA's latent** (``kv_context = "latent"``, :mod:`torchtitan_seq.runtime.kv_latent`): an MLA model's layers
@@ -73,8 +74,11 @@ class StageBytes(NamedTuple):
     constant: float = 0.0
     """Saved once while any unit of the stage is (the RoPE table)."""
     reach: float = 0.0
-    """A microbatch's slabs of the layers that keep only their reach (the context alone keeps them), from
+    """A microbatch's latents (MLA layers under ``kv_context = "latent"``; the context alone keeps them), from
     its first forward to its last backward."""
+    reach_held: float = 0.0
+    """A microbatch's copied slabs of the layers that keep only their reach (where recomputed), in arenas of
+    their own."""
 
 
 def slab_tokens(tokens: list[int], cp: int) -> int:
@@ -112,7 +116,6 @@ def bytes_of_stage(
     held = reach_positions(tuple(c.shape.lengths), args.reach) * c.microbatch_size if reaching else 0
     rows = held * per_layer * reaching  # the bounded layers' slab rows: their gradient's
     kept = slab_tokens(tokens, c.cp) * (mla.kv_lora_rank + mla.qk_rope_head_dim) * a * latent if latent else 0.0
-    reach = rows * recomputed + kept  # copied where the layer is recomputed, else views of saved K/V
     saved_kv = kv * (1 - recomputed)  # in the per-token bytes: where the slab holds them, its views
     own = [n / c.cp * (per_token - saved_kv) for n in tokens]  # K/V in the slab: units 0..k-2, all under CP
     return StageBytes(
@@ -121,7 +124,8 @@ def bytes_of_stage(
         slab * recomputed,
         slab + rows + kept,
         table,
-        reach,
+        kept,
+        rows * recomputed,  # copied where the layer is recomputed, else views of saved K/V
     )
 
 

@@ -17,11 +17,13 @@ def memory_walks(
     n: int,
     with_own: bool = False,
     offload: bool = False,
+    reach_extents: tuple[int, ...] | None = None,
 ) -> list[tuple[float, float, float]]:
     """Per rank, (peak of saved activations, peak of activations + KV context, peak of the K/V its KV
     contexts hold) over its actions (bookkeeping in :func:`pass_events` and :func:`slab_arena_events`, built
     once per plan and lengths; all ranks in one pass); ``with_own``: slabs hold the last unit's K/V too (CP);
-    ``offload``: arenas leave the device while no pass reads them (``kv_offload``).
+    ``offload``: arenas leave the device while no pass reads them (``kv_offload``); ``reach_extents``: the rows in
+    use of the copied slabs of the model's bounded reach (their arenas' plan).
     The K/V held are the arenas and the slabs of bounded reach, not their gradients, as
     :class:`~torchtitan_seq.instrumentation.kv_memory.KVMemory` measures them between a rank's actions."""
     k = len(lengths)
@@ -29,12 +31,15 @@ def memory_walks(
     arenas = plan.merged_arenas(lengths, with_own, offload)
     stages = np.array(list(weights))
     saved = np.zeros((stages.max() + 1, k))
-    slab, held, grad, constant, reach = (np.zeros(stages.max() + 1) for _ in range(5))
+    names = ("slab", "held", "grad", "constant", "reach", "reach_held")
+    slab, held, grad, constant, reach, reach_held = (np.zeros(stages.max() + 1) for _ in names)
     saved[stages] = [w.saved for w in weights.values()]
-    for table, name in ((slab, "slab"), (held, "held"), (grad, "grad"), (constant, "constant"), (reach, "reach")):
+    for table, name in zip((slab, held, grad, constant, reach, reach_held), names):
         table[stages] = [getattr(w, name) for w in weights.values()]
     act = e.saved * saved[e.stage, e.unit] + arenas * slab[e.stage] + e.constant * constant[e.stage]
     context = e.microbatch * reach[e.stage]
+    if reach_extents and reach_held.any():
+        context = context + plan.merged_arenas(lengths, False, False, reach_extents) * reach_held[e.stage]
     kv = arenas * held[e.stage] + e.grad * grad[e.stage] + context
     context = context + arenas * (slab[e.stage] + held[e.stage])
     peaks = []
