@@ -53,7 +53,7 @@ def memory_floor(config: MemoryConfig, walked: bool = False) -> float:
     # Under kv_offload a microbatch's slab may be on the host while its units are held on other stages.
     slab = 0.0 if c.kv_offload else 1.0
     microbatch = np.array(
-        [sum(w.saved) + slab * (w.held + w.slab) + w.constant + w.reach + w.reach_held for w in weights]
+        [sum(w.saved) + slab * (w.held + w.slab) + w.constant + w.latents + w.reach_held for w in weights]
     )
 
     base = (

@@ -73,7 +73,7 @@ class StageBytes(NamedTuple):
     """A microbatch's slab gradient."""
     constant: float = 0.0
     """Saved once while any unit of the stage is (the RoPE table)."""
-    reach: float = 0.0
+    latents: float = 0.0
     """A microbatch's latents (MLA layers under ``kv_context = "latent"``; the context alone keeps them), from
     its first forward to its last backward."""
     reach_held: float = 0.0

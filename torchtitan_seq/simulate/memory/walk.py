@@ -31,13 +31,13 @@ def memory_walks(
     arenas = plan.merged_arenas(lengths, with_own, offload)
     stages = np.array(list(weights))
     saved = np.zeros((stages.max() + 1, k))
-    names = ("slab", "held", "grad", "constant", "reach", "reach_held")
-    slab, held, grad, constant, reach, reach_held = (np.zeros(stages.max() + 1) for _ in names)
+    names = ("slab", "held", "grad", "constant", "latents", "reach_held")
+    slab, held, grad, constant, latents, reach_held = (np.zeros(stages.max() + 1) for _ in names)
     saved[stages] = [w.saved for w in weights.values()]
-    for table, name in zip((slab, held, grad, constant, reach, reach_held), names):
+    for table, name in zip((slab, held, grad, constant, latents, reach_held), names):
         table[stages] = [getattr(w, name) for w in weights.values()]
     act = e.saved * saved[e.stage, e.unit] + arenas * slab[e.stage] + e.constant * constant[e.stage]
-    context = e.microbatch * reach[e.stage]
+    context = e.microbatch * latents[e.stage]
     if reach_extents and reach_held.any():
         context = context + plan.merged_arenas(lengths, False, False, reach_extents) * reach_held[e.stage]
     kv = arenas * held[e.stage] + e.grad * grad[e.stage] + context
