@@ -76,10 +76,11 @@ def results(tmp_path_factory):
 
 # Mutations of what only an MoE model has, exercised on Qwen3 MoE in test_families.py.
 MOE_ONLY = {"inference_counts_kept"}
-# Mutations of what only another family has (sliding windows, sinks, MLA's decoupled RoPE and latent, attention
-# chunks), exercised on it in test_families.py.
+# Mutations of what only another family has (sliding windows and their copied slabs, sinks, MLA's decoupled RoPE
+# and latent, attention chunks), exercised on it in test_families.py.
 FAMILY_ONLY = {
     "window_off_by_one",
+    "reach_copy_last_key_zeroed",
     "sink_per_call",
     "mla_rope_at_sequence_positions",
     "chunk_boundary_at_unit_start",
